@@ -1,0 +1,213 @@
+"""The ``kvbaton`` command: run the services, and look at / act on what they hold.
+
+    kvbaton serve [registrar|rendezvous|lease ...] [--listen H:P] [--store URL]
+    kvbaton leases list|get|revoke|watch ...      kvbaton engines list
+    kvbaton transfers list                         (human tables, or --json)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from collections.abc import Sequence
+
+import grpc
+from google.protobuf import json_format
+
+DEFAULT_ADDR = "127.0.0.1:50051"
+
+
+def _dump(msg) -> dict:
+    return json_format.MessageToDict(msg, preserving_proto_field_name=True)
+
+
+def _table(rows: list[list[str]], headers: list[str]) -> str:
+    widths = [max(len(str(x)) for x in col) for col in zip(headers, *rows)] if rows else [len(h) for h in headers]
+    line = lambda r: "  ".join(str(v).ljust(w) for v, w in zip(r, widths)).rstrip()  # noqa: E731
+    return "\n".join([line(headers), *(line(r) for r in rows)])
+
+
+def _ms(ms: int) -> str:
+    return f"{ms / 1000:.1f}s" if ms < 600_000 else f"{ms / 60_000:.0f}m"
+
+
+def _enum(name: str, prefix: str) -> str:
+    return name.removeprefix(prefix).lower()
+
+
+def _lease_rows(leases) -> list[list[str]]:
+    from kvbaton.v1 import lease_pb2
+
+    return [[l.conversation_id, l.lease_id, l.engine_id, _enum(lease_pb2.LeaseState.Name(l.state), "LEASE_STATE_"),
+             _ms(l.remaining_ms), str(len(l.pins)), str(l.num_blocks), str(l.renewals), l.reason] for l in leases]
+
+
+LEASE_HEADERS = ["CONVERSATION", "LEASE", "ENGINE", "STATE", "REMAINING", "PINS", "BLOCKS", "RENEWALS", "REASON"]
+
+
+async def _leases(args) -> int:
+    from kvbaton.client import KvbatonClient
+    from kvbaton.v1 import lease_pb2
+
+    async with KvbatonClient(args.addr, timeout_s=args.timeout) as kv:
+        if args.action == "list":
+            states = [lease_pb2.LeaseState.Value("LEASE_STATE_" + s.upper()) for s in args.state]
+            resp = await kv.call(kv.lease.List, lease_pb2.ListLeasesRequest(
+                engine_id=args.engine or "", states=states, expiring_within_ms=int(args.expiring_within * 1000),
+                limit=args.limit))
+            if args.json:
+                print(json.dumps([_dump(l) for l in resp.leases], indent=2))
+            else:
+                print(_table(_lease_rows(resp.leases), LEASE_HEADERS))
+        elif args.action == "get":
+            info = await kv.call(kv.lease.Get, lease_pb2.GetLeaseRequest(conversation_id=args.conversation))
+            print(json.dumps(_dump(info), indent=2) if args.json else _table(_lease_rows([info]), LEASE_HEADERS))
+        elif args.action == "revoke":
+            info = await kv.call(kv.lease.Revoke, lease_pb2.RevokeRequest(
+                conversation_id=args.conversation, reason=args.reason))
+            print(json.dumps(_dump(info), indent=2) if args.json else _table(_lease_rows([info]), LEASE_HEADERS))
+        elif args.action == "watch":
+            deadline = time.monotonic() + args.for_s if args.for_s else None
+            async def consume() -> None:
+                async for ev in kv.watch_leases(args.engine or "", snapshot=True):
+                    kind = _enum(lease_pb2.LeaseEvent.Type.Name(ev.type), "TYPE_")
+                    if args.json:
+                        print(json.dumps({"type": kind, **_dump(ev.lease)}), flush=True)
+                    else:
+                        l = ev.lease
+                        print(f"{kind:9} {l.conversation_id} lease={l.lease_id} engine={l.engine_id} "
+                              f"remaining={_ms(l.remaining_ms)} {l.reason}".rstrip(), flush=True)
+            try:
+                await asyncio.wait_for(consume(), None if deadline is None else max(deadline - time.monotonic(), 0.01))
+            except TimeoutError:
+                pass
+    return 0
+
+
+async def _engines(args) -> int:
+    from kvbaton.client import KvbatonClient
+    from kvbaton.v1 import common_pb2, registrar_pb2
+
+    async with KvbatonClient(args.addr, timeout_s=args.timeout) as kv:
+        resp = await kv.call(kv.registrar.ListEngines, registrar_pb2.ListEnginesRequest())
+        if args.json:
+            out = []
+            for r in resp.ranks:
+                d = _dump(r)
+                d.pop("agent_metadata", None)
+                d["agent_metadata_bytes"] = len(r.agent_metadata)
+                out.append(d)
+            print(json.dumps(out, indent=2))
+        else:
+            rows = [[r.engine_id, _enum(common_pb2.EngineRole.Name(r.role), "ENGINE_ROLE_"), f"{r.tp_rank}/{r.tp_size}",
+                     r.agent_name, str(r.geometry.num_blocks), str(r.geometry.tokens_per_block),
+                     f"{r.geometry.bytes_per_block * len(r.geometry.region_base_addrs) * r.geometry.num_blocks / 2**20:.1f}",
+                     r.geometry.device or "?", r.geometry.fingerprint[:16]] for r in resp.ranks]
+            print(_table(rows, ["ENGINE", "ROLE", "RANK", "AGENT", "BLOCKS", "TOK/BLK", "KV_MIB", "DEVICE", "FINGERPRINT"]))
+    return 0
+
+
+async def _transfers(args) -> int:
+    from kvbaton.client import KvbatonClient
+    from kvbaton.v1 import rendezvous_pb2
+
+    async with KvbatonClient(args.addr, timeout_s=args.timeout) as kv:
+        phases = [rendezvous_pb2.TransferPhase.Value("TRANSFER_PHASE_" + p.upper()) for p in args.phase]
+        resp = await kv.call(kv.rendezvous.ListTransfers, rendezvous_pb2.ListTransfersRequest(
+            phases=phases, engine_id=args.engine or "", limit=args.limit))
+        if args.json:
+            print(json.dumps([_dump(t) for t in resp.transfers], indent=2))
+        else:
+            now = int(time.time() * 1000)
+            rows = [[t.transfer_id, str(t.attempt), _enum(rendezvous_pb2.TransferPhase.Name(t.phase), "TRANSFER_PHASE_"),
+                     t.offer.engine_id or "-", str(len(t.offer.block_ids)), t.completion.engine_id or "-",
+                     str(len(t.completion.block_ids)), _ms(max(now - t.updated_at_ms, 0)), t.reason]
+                    for t in resp.transfers]
+            print(_table(rows, ["TRANSFER", "ATT", "PHASE", "DECODE", "D_BLK", "PREFILL", "P_BLK", "AGE", "REASON"]))
+    return 0
+
+
+def _serve(args) -> int:
+    from kvbaton import logs
+    from kvbaton.services.server import ALL_SERVICES, ServerConfig, serve
+
+    logs.configure(args.log_level)
+    services = args.services or list(ALL_SERVICES)
+    config = ServerConfig(address=args.listen, store_url=args.store, services=services)
+    config.lease.default_ttl_ms = args.default_lease_ttl_ms
+    try:
+        asyncio.run(serve(config))
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvbaton", description="KV-cache hand-off control plane for disaggregated vLLM")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    s = sub.add_parser("serve", help="run the services (all in one process by default)")
+    s.add_argument("services", nargs="*", default=[],
+                   help="which services (default: all three)")
+    s.add_argument("--listen", default=DEFAULT_ADDR, help="host:port to listen on (default %(default)s)")
+    s.add_argument("--store", default="memory://", help="memory:// (default) or etcd://host:port[,host:port...]")
+    s.add_argument("--default-lease-ttl-ms", type=int, default=30_000)
+    s.add_argument("--log-level", default=None)
+    s.set_defaults(func=_serve)
+
+    def client_args(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("--addr", default=DEFAULT_ADDR, help="control plane address(es), comma separated")
+        sp.add_argument("--json", action="store_true", help="JSON instead of a table")
+        sp.add_argument("--timeout", type=float, default=5.0, help="seconds per call")
+
+    l = sub.add_parser("leases", help="decode-side leases")
+    lsub = l.add_subparsers(dest="action", required=True)
+    ll = lsub.add_parser("list")
+    client_args(ll)
+    ll.add_argument("--engine")
+    ll.add_argument("--state", action="append", default=[], choices=["active", "draining", "expired", "revoked"])
+    ll.add_argument("--expiring-within", type=float, default=0, help="seconds")
+    ll.add_argument("--limit", type=int, default=0)
+    for name in ("get", "revoke"):
+        lp = lsub.add_parser(name)
+        client_args(lp)
+        lp.add_argument("conversation")
+        if name == "revoke":
+            lp.add_argument("--reason", default="revoked by operator")
+    lw = lsub.add_parser("watch")
+    client_args(lw)
+    lw.add_argument("--engine")
+    lw.add_argument("--for", dest="for_s", type=float, default=0, help="stop after this many seconds")
+    l.set_defaults(func=lambda a: asyncio.run(_leases(a)))
+
+    e = sub.add_parser("engines", help="registered engines")
+    esub = e.add_subparsers(dest="action", required=True)
+    client_args(esub.add_parser("list"))
+    e.set_defaults(func=lambda a: asyncio.run(_engines(a)))
+
+    t = sub.add_parser("transfers", help="pending and recent transfers")
+    tsub = t.add_subparsers(dest="action", required=True)
+    tl = tsub.add_parser("list")
+    client_args(tl)
+    tl.add_argument("--engine")
+    tl.add_argument("--phase", action="append", default=[],
+                    choices=["offered", "completed", "matched", "succeeded", "failed", "expired", "cancelled"])
+    tl.add_argument("--limit", type=int, default=0)
+    t.set_defaults(func=lambda a: asyncio.run(_transfers(a)))
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args) or 0
+    except grpc.aio.AioRpcError as exc:
+        print(f"kvbaton: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""Maps domain errors to gRPC statuses: one place, so every RPC answers the same way."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import grpc
+import structlog
+
+from ..domain.errors import Code, DomainError
+from ..store import StoreError
+
+log = structlog.get_logger(__name__)
+
+_CODES = {
+    Code.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
+    Code.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
+    Code.ALREADY_EXISTS: grpc.StatusCode.ALREADY_EXISTS,
+    Code.FAILED_PRECONDITION: grpc.StatusCode.FAILED_PRECONDITION,
+    Code.RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Code.ABORTED: grpc.StatusCode.ABORTED,
+    Code.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+}
+
+
+def grpc_code(code: Code) -> grpc.StatusCode:
+    return _CODES[code]
+
+
+def unary(fn: Callable) -> Callable:
+    """Turns DomainError/StoreError raised by a unary handler into a status with a reason."""
+
+    @functools.wraps(fn)
+    async def wrapper(self, request, context: grpc.aio.ServicerContext):
+        try:
+            return await fn(self, request, context)
+        except DomainError as exc:
+            await context.abort(_CODES[exc.code], exc.message)
+        except StoreError as exc:
+            log.warning("store.unavailable", rpc=fn.__name__, error=str(exc))
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"store unavailable: {exc}")
+
+    return wrapper
+
+
+def streaming(fn: Callable) -> Callable:
+    """The same for server-streaming handlers (async generators)."""
+
+    @functools.wraps(fn)
+    async def wrapper(self, request, context: grpc.aio.ServicerContext):
+        try:
+            async for item in fn(self, request, context):
+                yield item
+        except DomainError as exc:
+            await context.abort(_CODES[exc.code], exc.message)
+        except StoreError as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"store unavailable: {exc}")
+
+    return wrapper
+
+
+async def with_heartbeats(events, heartbeat: Callable[[], object], every_s: float):
+    """Yields from ``events``, and ``heartbeat()`` whenever it stays silent for ``every_s``,
+    so that clients (and proxies) can tell a quiet stream from a dead one. Ends quietly
+    when the source ends or falls behind (the client resumes with its last revision)."""
+    import asyncio
+
+    from ..domain.hub import SubscriberOverflow
+
+    it = events.__aiter__()
+    pending = asyncio.ensure_future(it.__anext__())
+    try:
+        while True:
+            done, _ = await asyncio.wait({pending}, timeout=every_s)
+            if not done:
+                yield heartbeat()
+                continue
+            try:
+                event = pending.result()
+            except (StopAsyncIteration, SubscriberOverflow):
+                return
+            yield event
+            pending = asyncio.ensure_future(it.__anext__())
+    finally:
+        pending.cancel()
+        await it.aclose()

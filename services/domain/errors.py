@@ -1,0 +1,45 @@
+"""Domain errors: what went wrong, in terms any transport can map (gRPC, HTTP)."""
+
+from __future__ import annotations
+
+import enum
+
+
+class Code(enum.Enum):
+    """A subset of the canonical status codes (the names match gRPC's)."""
+
+    INVALID_ARGUMENT = "INVALID_ARGUMENT"
+    NOT_FOUND = "NOT_FOUND"
+    ALREADY_EXISTS = "ALREADY_EXISTS"
+    FAILED_PRECONDITION = "FAILED_PRECONDITION"
+    RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
+    ABORTED = "ABORTED"
+    UNAVAILABLE = "UNAVAILABLE"
+
+
+class DomainError(Exception):
+    """A refused request: the state is unchanged and the message says why."""
+
+    def __init__(self, code: Code, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+    def __repr__(self) -> str:
+        return f"DomainError({self.code.value}, {self.message!r})"
+
+
+def invalid(message: str) -> DomainError:
+    return DomainError(Code.INVALID_ARGUMENT, message)
+
+
+def not_found(message: str) -> DomainError:
+    return DomainError(Code.NOT_FOUND, message)
+
+
+def precondition(message: str) -> DomainError:
+    return DomainError(Code.FAILED_PRECONDITION, message)
+
+
+def exhausted(message: str) -> DomainError:
+    return DomainError(Code.RESOURCE_EXHAUSTED, message)

@@ -1,0 +1,565 @@
+"""Decode-side leases on retained KV blocks: grant, renew, pin, revoke, expire.
+
+Rules (the invariants of ``shared/design.md``):
+
+- Expiry is decided by this service's clock. A lease ends when ``now >= expires_at``
+  and no pin is live; a pin is never granted on an ended lease or one past its deadline.
+- Revoking (or replacing, by a new grant for the same conversation) a pinned lease makes
+  it DRAINING: no new pins, blocks kept; it becomes REVOKED when the last pin goes.
+- A renewal is acknowledged only once the store holds a deadline at least as late as the
+  one promised, so a replica failover can never expire a lease early. To keep renewals
+  cheap, a written deadline carries ``slack`` beyond the TTL: renewals that arrive while
+  the stored deadline still covers ``now + ttl`` are answered without a write, so a lease
+  is written at most once per ``slack`` (1 s by default) however often it is renewed.
+  Writes that are due are group-committed by one flusher.
+- Only the elected expiry leader ends leases; every transition is a compare-and-swap on
+  the lease's record, so a stale cache can never end a lease that was just renewed.
+
+Records: ``<prefix>l/<lease_id>`` holds ``LeaseInfo``; ``<prefix>c/<conversation_id>``
+holds the current lease id. Ended records stay (for ``get``/operators) under a shared
+tombstone store lease for ``tombstone_s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import secrets
+from collections.abc import AsyncIterator, Iterable, Sequence
+
+import structlog
+
+from kvbaton.v1 import lease_pb2 as pb
+
+from ..store import Compare, CompareOp, CompareTarget, EventType, KeyValue, Put, Store, WatchEvent
+from . import limits
+from .clock import Clock, WallClock
+from .errors import Code, DomainError, exhausted, invalid, not_found, precondition
+from .hub import PrefixHub
+
+log = structlog.get_logger(__name__)
+
+ACTIVE = pb.LEASE_STATE_ACTIVE
+DRAINING = pb.LEASE_STATE_DRAINING
+EXPIRED = pb.LEASE_STATE_EXPIRED
+REVOKED = pb.LEASE_STATE_REVOKED
+LIVE_STATES = (ACTIVE, DRAINING)
+TERMINAL_STATES = (EXPIRED, REVOKED)
+MAX_PINS = 64
+_CAS_RETRIES = 32
+
+
+@dataclasses.dataclass
+class LeaseConfig:
+    default_ttl_ms: int = 30_000
+    # Extra deadline written with a renewal; at most one write per lease per slack.
+    max_slack_ms: int = 1_000
+    expiry_tick_s: float = 0.05
+    tombstone_s: float = 600.0
+    flush_batch: int = 64
+
+
+def _key(prefix: bytes, kind: str, ident: str) -> bytes:
+    return prefix + kind.encode() + b"/" + ident.encode()
+
+
+def _parse(value: bytes) -> pb.LeaseInfo:
+    return pb.LeaseInfo.FromString(value)
+
+
+def _live_pins(info: pb.LeaseInfo, now: int) -> list[pb.PinInfo]:
+    return [p for p in info.pins if p.expires_at_ms > now]
+
+
+def derive_events(ev: WatchEvent) -> Iterable[tuple[str, pb.LeaseEvent]]:
+    """GRANTED on creation, DRAINING/EXPIRED/REVOKED on those transitions; routed to
+    the lease's engine and to "*" (every engine)."""
+    if ev.type is not EventType.PUT or b"/l/" not in ev.kv.key:
+        return ()
+    new = _parse(ev.kv.value)
+    old_state = _parse(ev.prev_kv.value).state if ev.prev_kv is not None and ev.prev_kv.value else None
+    if old_state == new.state:
+        return ()
+    if new.state == ACTIVE and old_state is None:
+        kind = pb.LeaseEvent.TYPE_GRANTED
+    elif new.state == DRAINING:
+        kind = pb.LeaseEvent.TYPE_DRAINING
+    elif new.state == EXPIRED:
+        kind = pb.LeaseEvent.TYPE_EXPIRED
+    elif new.state == REVOKED:
+        kind = pb.LeaseEvent.TYPE_REVOKED
+    else:
+        return ()
+    event = pb.LeaseEvent(type=kind, lease=new, revision=ev.revision)
+    return ((new.engine_id, event), ("*", event))
+
+
+class LeaseService:
+    """The lease domain, over any ``Store``. Start it with ``start()``."""
+
+    def __init__(
+        self,
+        store: Store,
+        *,
+        clock: Clock | None = None,
+        config: LeaseConfig | None = None,
+        prefix: bytes = b"kvb/lease/",
+    ) -> None:
+        self.store = store
+        self.clock = clock or WallClock()
+        self.config = config or LeaseConfig()
+        self.prefix = prefix
+        self.hub: PrefixHub[pb.LeaseInfo, pb.LeaseEvent] = PrefixHub(
+            store, prefix + b"l/", parse=_parse, derive=derive_events, name="leases",
+            keep=lambda info: info.state in LIVE_STATES,
+        )
+        self._pending: dict[str, tuple[int, list[asyncio.Future]]] = {}  # lease_id -> (deadline, waiters)
+        self._flush_wakeup = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+        self._tomb_lease: tuple[int, float] | None = None  # (store lease, granted at monotonic)
+        self._active_by_conv: dict[str, str] = {}
+        self.hub.listeners.append(self._index)
+        self.is_leader = lambda: True
+        self.stats = {"renewals": 0, "renewal_writes": 0, "expired": 0, "revoked": 0, "pins": 0}
+
+    # -- lifecycle ---------------------------------------------------------
+    async def start(self, *, run_expiry: bool = True) -> None:
+        await self.hub.start()
+        for info, _ in self.hub.records.values():
+            if info.state == ACTIVE:
+                self._active_by_conv[info.conversation_id] = info.lease_id
+        loop = asyncio.get_running_loop()
+        self._tasks.append(loop.create_task(self._flusher(), name="lease-flusher"))
+        if run_expiry:
+            self._tasks.append(loop.create_task(self._expiry_loop(), name="lease-expiry"))
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        await self.hub.stop()
+
+    # -- helpers -----------------------------------------------------------
+    def _lkey(self, lease_id: str) -> bytes:
+        return _key(self.prefix, "l", lease_id)
+
+    def _ckey(self, conversation_id: str) -> bytes:
+        return _key(self.prefix, "c", conversation_id)
+
+    def _view(self, info: pb.LeaseInfo, now: int | None = None) -> pb.LeaseInfo:
+        now = self.clock.now_ms() if now is None else now
+        out = pb.LeaseInfo()
+        out.CopyFrom(info)
+        out.remaining_ms = max(0, info.expires_at_ms - now) if info.state in LIVE_STATES else 0
+        return out
+
+    async def _tombstone_lease(self) -> int:
+        """One store lease shared by the ended records of a minute, so ending a lease costs
+        no extra store round trip."""
+        loop = asyncio.get_running_loop()
+        if self._tomb_lease is None or loop.time() - self._tomb_lease[1] > 60:
+            self._tomb_lease = (await self.store.grant_lease(self.config.tombstone_s), loop.time())
+        return self._tomb_lease[0]
+
+    async def _read(self, conversation_id: str) -> tuple[KeyValue | None, KeyValue | None, pb.LeaseInfo | None]:
+        ckv = await self.store.get(self._ckey(conversation_id))
+        if ckv is None:
+            return None, None, None
+        lkv = await self.store.get(self._lkey(ckv.value.decode()))
+        return ckv, lkv, (_parse(lkv.value) if lkv else None)
+
+    def _ttl(self, ttl_ms: int) -> int:
+        return limits.check_range("ttl_ms", ttl_ms, limits.MIN_LEASE_TTL_MS, limits.MAX_LEASE_TTL_MS,
+                                  default=self.config.default_ttl_ms)
+
+    def _slack(self, ttl_ms: int) -> int:
+        return min(self.config.max_slack_ms, ttl_ms // 4)
+
+    async def _end_ops(self, info: pb.LeaseInfo, state: int, reason: str, now: int) -> list[Put]:
+        """The writes that end ``info`` (terminal record and index, under the tombstone)."""
+        tomb = await self._tombstone_lease()
+        ended = pb.LeaseInfo()
+        ended.CopyFrom(info)
+        ended.state = state
+        ended.reason = reason
+        ended.ended_at_ms = now
+        del ended.pins[:]
+        return [Put(self._lkey(info.lease_id), ended.SerializeToString(), lease=tomb)]
+
+    # -- grant -------------------------------------------------------------
+    async def grant(
+        self,
+        conversation_id: str,
+        engine_id: str,
+        *,
+        ttl_ms: int = 0,
+        num_blocks: int = 0,
+        retention_id: str = "",
+        labels: dict[str, str] | None = None,
+    ) -> tuple[pb.LeaseInfo, pb.LeaseInfo | None]:
+        limits.check_id("conversation_id", conversation_id)
+        limits.check_id("engine_id", engine_id)
+        limits.check_id("retention_id", retention_id, required=False)
+        if num_blocks > limits.MAX_BLOCK_IDS:
+            raise invalid(f"num_blocks is {num_blocks}; the limit is {limits.MAX_BLOCK_IDS}")
+        ttl = self._ttl(ttl_ms)
+        labels = limits.check_labels("labels", labels or {})
+        for _ in range(_CAS_RETRIES):
+            now = self.clock.now_ms()
+            ckv, lkv, old = await self._read(conversation_id)
+            info = pb.LeaseInfo(
+                lease_id=secrets.token_hex(8), conversation_id=conversation_id, engine_id=engine_id,
+                state=ACTIVE, ttl_ms=ttl, granted_at_ms=now, expires_at_ms=now + ttl,
+                num_blocks=num_blocks, retention_id=retention_id, labels=labels,
+            )
+            ops: list[Put] = [
+                Put(self._lkey(info.lease_id), info.SerializeToString()),
+                Put(self._ckey(conversation_id), info.lease_id.encode()),
+            ]
+            compares = [Compare.unchanged(ckv, self._ckey(conversation_id))]
+            replaced: pb.LeaseInfo | None = None
+            if old is not None and lkv is not None and old.state in LIVE_STATES:
+                compares.append(Compare.unchanged(lkv, self._lkey(old.lease_id)))
+                reason = f"replaced by lease {info.lease_id}"
+                if _live_pins(old, now):
+                    replaced = pb.LeaseInfo()
+                    replaced.CopyFrom(old)
+                    replaced.state = DRAINING
+                    replaced.reason = reason
+                    ops.append(Put(self._lkey(old.lease_id), replaced.SerializeToString()))
+                else:
+                    end = await self._end_ops(old, REVOKED, reason, now)
+                    replaced = _parse(end[0].value)
+                    ops.extend(end)
+            elif old is not None:
+                replaced = None  # ended already: nothing to free
+            result = await self.store.txn(compares, ops)
+            if result.succeeded:
+                await self.hub.wait_for(result.revision)
+                log.info("lease.granted", conversation_id=conversation_id, lease_id=info.lease_id,
+                         engine_id=engine_id, ttl_ms=ttl, replaced=replaced.lease_id if replaced else None)
+                return self._view(info, now), (self._view(replaced, now) if replaced else None)
+        raise DomainError(Code.ABORTED, f"grant for {conversation_id} kept conflicting; retry")
+
+    # -- renew -------------------------------------------------------------
+    async def renew(self, conversation_id: str, lease_id: str = "", ttl_ms: int = 0) -> pb.RenewResult:
+        """Never raises for a lease-level problem: the status says it (KeepAlive batches)."""
+        res = pb.RenewResult(conversation_id=conversation_id)
+        try:
+            limits.check_id("conversation_id", conversation_id)
+            limits.check_id("lease_id", lease_id, required=False)
+            if ttl_ms:
+                self._ttl(ttl_ms)
+        except DomainError as exc:
+            res.status, res.error = pb.RENEW_STATUS_INVALID, exc.message
+            return res
+        self.stats["renewals"] += 1
+        for attempt in range(3):
+            info = self._cached(conversation_id, lease_id) if attempt == 0 else await self._authoritative(conversation_id, lease_id)
+            if info is None:
+                if attempt == 0:
+                    continue  # the cache may lag a grant made on another replica
+                res.status, res.error = pb.RENEW_STATUS_NOT_FOUND, f"no lease for conversation {conversation_id}"
+                return res
+            if lease_id and info.lease_id != lease_id:
+                if attempt == 0:
+                    continue
+                res.status = pb.RENEW_STATUS_SUPERSEDED
+                res.error = f"lease {lease_id} was replaced by {info.lease_id}"
+                res.lease.CopyFrom(self._view(info))
+                return res
+            now = self.clock.now_ms()
+            if info.state != ACTIVE:
+                if attempt == 0:
+                    continue
+                res.status = pb.RENEW_STATUS_ENDED
+                res.error = f"lease {info.lease_id} is {pb.LeaseState.Name(info.state)}: {info.reason}"
+                res.lease.CopyFrom(self._view(info, now))
+                return res
+            ttl = ttl_ms or info.ttl_ms
+            promised = now + ttl
+            if info.expires_at_ms < promised:
+                try:
+                    await self._schedule_write(info.lease_id, promised + self._slack(ttl), ttl)
+                except _Stale:
+                    continue
+                info = self._cached(conversation_id, info.lease_id) or info
+            res.status = pb.RENEW_STATUS_OK
+            res.lease.CopyFrom(self._view(info, now))
+            return res
+        res.status, res.error = pb.RENEW_STATUS_NOT_FOUND, f"lease for {conversation_id} changed while renewing; retry"
+        return res
+
+    def _cached(self, conversation_id: str, lease_id: str) -> pb.LeaseInfo | None:
+        if lease_id:
+            entry = self.hub.records.get(self._lkey(lease_id))
+            return entry[0] if entry else None
+        # Current lease of a conversation: the live one in the cache, if any.
+        for info, _ in self._by_conversation(conversation_id):
+            return info
+        return None
+
+    def _by_conversation(self, conversation_id: str) -> list[tuple[pb.LeaseInfo, int]]:
+        lid = self._active_by_conv.get(conversation_id)
+        entry = self.hub.records.get(self._lkey(lid)) if lid else None
+        return [entry] if entry and entry[0].state == ACTIVE else []
+
+    def _index(self, ev: WatchEvent) -> None:
+        """Keeps conversation -> ACTIVE lease id in step with the cache (hub listener)."""
+        if ev.type is not EventType.PUT:
+            return
+        info = _parse(ev.kv.value)
+        if info.state == ACTIVE:
+            self._active_by_conv[info.conversation_id] = info.lease_id
+        elif self._active_by_conv.get(info.conversation_id) == info.lease_id:
+            del self._active_by_conv[info.conversation_id]
+
+    async def _authoritative(self, conversation_id: str, lease_id: str) -> pb.LeaseInfo | None:
+        if lease_id:
+            kv = await self.store.get(self._lkey(lease_id))
+            info = _parse(kv.value) if kv else None
+            if info is not None and info.conversation_id != conversation_id:
+                return None
+            return info
+        _, _, info = await self._read(conversation_id)
+        return info
+
+    async def _schedule_write(self, lease_id: str, deadline: int, ttl: int) -> None:
+        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+        entry = self._pending.get(lease_id)
+        if entry is None:
+            self._pending[lease_id] = (deadline, [fut])
+        else:
+            entry[1].append(fut)
+            self._pending[lease_id] = (max(entry[0], deadline), entry[1])
+        self._flush_wakeup.set()
+        await fut
+
+    async def _flusher(self) -> None:
+        """Group commit: every renewal that needs a write waits here, then all that are
+        due are written together (one CAS per lease, in concurrent batches)."""
+        while True:
+            await self._flush_wakeup.wait()
+            self._flush_wakeup.clear()
+            pending, self._pending = self._pending, {}
+            items = list(pending.items())
+            for i in range(0, len(items), self.config.flush_batch):
+                chunk = items[i : i + self.config.flush_batch]
+                results = await asyncio.gather(*(self._write_deadline(lid, dl) for lid, (dl, _) in chunk),
+                                               return_exceptions=True)
+                for (lid, (_, futs)), outcome in zip(chunk, results):
+                    for f in futs:
+                        if f.done():
+                            continue
+                        if isinstance(outcome, BaseException):
+                            f.set_exception(outcome)
+                        elif outcome:
+                            f.set_result(None)
+                        else:
+                            f.set_exception(_Stale())
+
+    async def _write_deadline(self, lease_id: str, deadline: int) -> bool:
+        key = self._lkey(lease_id)
+        for _ in range(4):
+            kv = await self.store.get(key)
+            if kv is None:
+                return False
+            info = _parse(kv.value)
+            if info.state != ACTIVE:
+                return False
+            if info.expires_at_ms >= deadline:
+                return True
+            info.expires_at_ms = deadline
+            info.renewals += 1
+            result = await self.store.txn([Compare.unchanged(kv, key)], [Put(key, info.SerializeToString())])
+            if result.succeeded:
+                self.stats["renewal_writes"] += 1
+                await self.hub.wait_for(result.revision)
+                return True
+        return False
+
+    async def keepalive(self, batch: Sequence[pb.RenewRequest]) -> list[pb.RenewResult]:
+        if len(batch) > limits.MAX_KEEPALIVE_BATCH:
+            raise invalid(f"{len(batch)} renewals in one message; the limit is {limits.MAX_KEEPALIVE_BATCH}")
+        return list(await asyncio.gather(*(self.renew(r.conversation_id, r.lease_id, r.ttl_ms) for r in batch)))
+
+    # -- pins --------------------------------------------------------------
+    async def pin(self, conversation_id: str, lease_id: str, reader: str, ttl_ms: int = 0) -> tuple[pb.PinInfo, pb.LeaseInfo]:
+        limits.check_id("conversation_id", conversation_id)
+        limits.check_id("lease_id", lease_id)
+        limits.check_id("reader", reader)
+        ttl = limits.check_range("ttl_ms", ttl_ms, 1, limits.MAX_PIN_TTL_MS, default=limits.DEFAULT_PIN_TTL_MS)
+        key = self._lkey(lease_id)
+        for _ in range(_CAS_RETRIES):
+            kv = await self.store.get(key)
+            if kv is None:
+                raise not_found(f"lease {lease_id} not found")
+            info = _parse(kv.value)
+            if info.conversation_id != conversation_id:
+                raise invalid(f"lease {lease_id} belongs to another conversation")
+            now = self.clock.now_ms()
+            if info.state != ACTIVE:
+                raise precondition(f"lease {lease_id} is {pb.LeaseState.Name(info.state)} ({info.reason}): not pinned")
+            if now >= info.expires_at_ms:
+                raise precondition(f"lease {lease_id} is past its deadline by {now - info.expires_at_ms} ms: not pinned")
+            live = _live_pins(info, now)
+            if len(live) >= MAX_PINS:
+                raise exhausted(f"lease {lease_id} already has {len(live)} pins; the limit is {MAX_PINS}")
+            pin = pb.PinInfo(pin_id=secrets.token_hex(6), reader=reader, expires_at_ms=now + ttl)
+            del info.pins[:]
+            info.pins.extend(live)
+            info.pins.append(pin)
+            result = await self.store.txn([Compare.unchanged(kv, key)], [Put(key, info.SerializeToString())])
+            if result.succeeded:
+                self.stats["pins"] += 1
+                await self.hub.wait_for(result.revision)
+                log.info("lease.pinned", conversation_id=conversation_id, lease_id=lease_id, reader=reader, pin_id=pin.pin_id)
+                return pin, self._view(info, now)
+        raise DomainError(Code.ABORTED, f"pin on {lease_id} kept conflicting; retry")
+
+    async def unpin(self, conversation_id: str, lease_id: str, pin_id: str) -> pb.LeaseInfo:
+        limits.check_id("conversation_id", conversation_id)
+        limits.check_id("lease_id", lease_id)
+        limits.check_id("pin_id", pin_id)
+        key = self._lkey(lease_id)
+        for _ in range(_CAS_RETRIES):
+            kv = await self.store.get(key)
+            if kv is None:
+                raise not_found(f"lease {lease_id} not found")
+            info = _parse(kv.value)
+            if info.conversation_id != conversation_id:
+                raise invalid(f"lease {lease_id} belongs to another conversation")
+            if info.state in TERMINAL_STATES or not any(p.pin_id == pin_id for p in info.pins):
+                return self._view(info)  # idempotent: already gone
+            now = self.clock.now_ms()
+            remaining = [p for p in _live_pins(info, now) if p.pin_id != pin_id]
+            del info.pins[:]
+            info.pins.extend(remaining)
+            if not remaining and info.state == DRAINING:
+                ops = await self._end_ops(info, REVOKED, info.reason, now)
+            elif not remaining and now >= info.expires_at_ms:
+                ops = await self._end_ops(info, EXPIRED, "ttl elapsed (ended at unpin)", now)
+            else:
+                ops = [Put(key, info.SerializeToString())]
+            result = await self.store.txn([Compare.unchanged(kv, key)], ops)
+            if result.succeeded:
+                await self.hub.wait_for(result.revision)
+                return self._view(_parse(ops[0].value), now)
+        raise DomainError(Code.ABORTED, f"unpin on {lease_id} kept conflicting; retry")
+
+    # -- revoke ------------------------------------------------------------
+    async def revoke(self, conversation_id: str, lease_id: str = "", reason: str = "") -> pb.LeaseInfo:
+        limits.check_id("conversation_id", conversation_id)
+        limits.check_id("lease_id", lease_id, required=False)
+        reason = limits.check_text("reason", reason) or "revoked"
+        for _ in range(_CAS_RETRIES):
+            if lease_id:
+                kv = await self.store.get(self._lkey(lease_id))
+                info = _parse(kv.value) if kv else None
+                if info is not None and info.conversation_id != conversation_id:
+                    raise invalid(f"lease {lease_id} belongs to another conversation")
+            else:
+                _, kv, info = await self._read(conversation_id)
+            if info is None or kv is None:
+                raise not_found(f"no lease {lease_id or ''} for conversation {conversation_id}".replace("  ", " "))
+            if info.state in TERMINAL_STATES:
+                return self._view(info)
+            now = self.clock.now_ms()
+            key = self._lkey(info.lease_id)
+            if _live_pins(info, now):
+                info.state = DRAINING
+                info.reason = reason
+                ops = [Put(key, info.SerializeToString())]
+            else:
+                ops = await self._end_ops(info, REVOKED, reason, now)
+            result = await self.store.txn([Compare.unchanged(kv, key)], ops)
+            if result.succeeded:
+                self.stats["revoked"] += 1
+                await self.hub.wait_for(result.revision)
+                log.info("lease.revoked", conversation_id=conversation_id, lease_id=info.lease_id, reason=reason)
+                return self._view(_parse(ops[0].value), now)
+        raise DomainError(Code.ABORTED, f"revoke of {conversation_id} kept conflicting; retry")
+
+    # -- reads -------------------------------------------------------------
+    async def get(self, conversation_id: str) -> pb.LeaseInfo:
+        limits.check_id("conversation_id", conversation_id)
+        _, _, info = await self._read(conversation_id)
+        if info is None:
+            raise not_found(f"no lease for conversation {conversation_id}")
+        return self._view(info)
+
+    async def list(
+        self, *, engine_id: str = "", states: Sequence[int] = (), expiring_within_ms: int = 0, limit: int = 0
+    ) -> list[pb.LeaseInfo]:
+        limits.check_id("engine_id", engine_id, required=False)
+        wanted = set(states) or set(LIVE_STATES)
+        now = self.clock.now_ms()
+        if wanted - set(LIVE_STATES):
+            kvs, _ = await self.store.range(self.prefix + b"l/")
+            infos = [_parse(kv.value) for kv in kvs]
+        else:
+            infos = [info for info, _ in self.hub.records.values()]
+        out = [
+            i for i in infos
+            if i.state in wanted
+            and (not engine_id or i.engine_id == engine_id)
+            and (not expiring_within_ms or i.expires_at_ms - now <= expiring_within_ms)
+        ]
+        out.sort(key=lambda i: (i.expires_at_ms, i.lease_id))
+        if limit:
+            out = out[:limit]
+        return [self._view(i, now) for i in out]
+
+    async def watch(self, engine_id: str = "", *, snapshot: bool = False, after_revision: int = 0) -> AsyncIterator[pb.LeaseEvent]:
+        limits.check_id("engine_id", engine_id, required=False)
+        route = engine_id or "*"
+        if snapshot:
+            for info, rev in list(self.hub.records.values()):
+                if engine_id and info.engine_id != engine_id:
+                    continue
+                kind = pb.LeaseEvent.TYPE_GRANTED if info.state == ACTIVE else pb.LeaseEvent.TYPE_DRAINING
+                yield pb.LeaseEvent(type=kind, lease=self._view(info), revision=rev)
+            after_revision = after_revision or self.hub.revision
+        async for _, event in self.hub.subscribe(route, after_revision):
+            yield event
+
+    # -- expiry ------------------------------------------------------------
+    async def _expiry_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.expiry_tick_s)
+            if not self.is_leader():
+                continue
+            try:
+                await self.expire_due()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # keep the loop alive; the store may be failing over
+                log.warning("lease.expiry_failed", error=str(exc))
+
+    async def expire_due(self) -> int:
+        """Ends every lease that is due by this clock; returns how many it ended."""
+        now = self.clock.now_ms()
+        due = [
+            (key, info, rev) for key, (info, rev) in list(self.hub.records.items())
+            if not _live_pins(info, now) and (info.state == DRAINING or now >= info.expires_at_ms)
+        ]
+        ended = 0
+        for key, info, rev in due:
+            state = REVOKED if info.state == DRAINING else EXPIRED
+            reason = info.reason if info.state == DRAINING else f"ttl {info.ttl_ms} ms elapsed without renewal"
+            ops = await self._end_ops(info, state, reason, now)
+            cmp = Compare(key, CompareTarget.MOD_REVISION, CompareOp.EQUAL, rev)
+            result = await self.store.txn([cmp], ops)
+            if result.succeeded:
+                ended += 1
+                self.stats["expired" if state == EXPIRED else "revoked"] += 1
+                log.info("lease.ended", conversation_id=info.conversation_id, lease_id=info.lease_id,
+                         state=pb.LeaseState.Name(state), reason=reason)
+        return ended
+
+
+class _Stale(Exception):
+    """The lease changed before the renewal could be written; re-read and retry."""

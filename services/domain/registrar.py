@@ -1,0 +1,221 @@
+"""Registrar: engines (one record per worker rank, under a liveness lease) and the
+blocks decode engines retain per conversation.
+
+An engine rank lives at ``<prefix>e/<engine_id>/<rank>`` under a store TTL lease; if it
+stops refreshing, the store deletes the record and watchers see it go. A refresh for an
+incarnation the store no longer has answers NOT_FOUND, which tells the engine to
+register again rather than stay invisible.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import AsyncIterator
+
+import structlog
+
+from kvbaton.v1 import common_pb2 as cpb
+from kvbaton.v1 import registrar_pb2 as pb
+
+from ..store import Compare, Delete, EventType, LeaseNotFoundError, Put, Store
+from . import limits
+from .clock import Clock, WallClock
+from .errors import Code, DomainError, invalid, not_found, precondition
+
+log = structlog.get_logger(__name__)
+
+_DTYPES = {"float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "int8", "uint8", "fp8", "auto"}
+
+
+def validate_geometry(g: cpb.KvGeometry) -> None:
+    if not g.region_base_addrs:
+        raise invalid("geometry.region_base_addrs is empty")
+    if len(g.region_base_addrs) > limits.MAX_REGIONS:
+        raise invalid(f"geometry has {len(g.region_base_addrs)} regions; the limit is {limits.MAX_REGIONS}")
+    if g.bytes_per_block == 0:
+        raise invalid("geometry.bytes_per_block must be > 0")
+    if g.block_stride_bytes and g.block_stride_bytes < g.bytes_per_block:
+        raise invalid("geometry.block_stride_bytes is smaller than bytes_per_block")
+    if g.num_blocks == 0:
+        raise invalid("geometry.num_blocks must be > 0")
+    if g.tokens_per_block == 0:
+        raise invalid("geometry.tokens_per_block must be > 0")
+    if g.dtype not in _DTYPES:
+        raise invalid(f"geometry.dtype {g.dtype!r} is not one of {sorted(_DTYPES)}")
+    if not g.fingerprint:
+        raise invalid("geometry.fingerprint is required (peers with different fingerprints cannot exchange KV)")
+    limits.check_id("geometry.fingerprint", g.fingerprint)
+
+
+class RegistrarService:
+    def __init__(self, store: Store, *, clock: Clock | None = None, prefix: bytes = b"kvb/reg/") -> None:
+        self.store = store
+        self.clock = clock or WallClock()
+        self.prefix = prefix
+
+    def _ekey(self, engine_id: str, rank: int | None = None) -> bytes:
+        base = self.prefix + b"e/" + engine_id.encode() + b"/"
+        return base if rank is None else base + b"%05d" % rank
+
+    def _rkey(self, conversation_id: str) -> bytes:
+        return self.prefix + b"r/" + conversation_id.encode()
+
+    # -- engines -----------------------------------------------------------
+    async def register_engine(self, rank: pb.EngineRank, ttl_ms: int) -> tuple[pb.EngineRank, int]:
+        limits.check_id("engine_id", rank.engine_id)
+        if rank.role == cpb.ENGINE_ROLE_UNSPECIFIED:
+            raise invalid("role is required (PREFILL, DECODE or BOTH)")
+        if not 1 <= rank.tp_size <= limits.MAX_TP_SIZE:
+            raise invalid(f"tp_size is {rank.tp_size}; it must lie in [1, {limits.MAX_TP_SIZE}]")
+        if rank.tp_rank >= rank.tp_size:
+            raise invalid(f"tp_rank {rank.tp_rank} is not below tp_size {rank.tp_size}")
+        limits.check_id("agent_name", rank.agent_name)
+        if not rank.agent_metadata:
+            raise invalid("agent_metadata is empty")
+        if len(rank.agent_metadata) > limits.MAX_AGENT_METADATA_BYTES:
+            raise invalid(f"agent_metadata is {len(rank.agent_metadata)} bytes; the limit is {limits.MAX_AGENT_METADATA_BYTES}")
+        validate_geometry(rank.geometry)
+        limits.check_labels("labels", dict(rank.labels))
+        ttl = limits.check_range("ttl_ms", ttl_ms, limits.MIN_ENGINE_TTL_MS, limits.MAX_ENGINE_TTL_MS,
+                                 default=limits.DEFAULT_ENGINE_TTL_MS)
+        peers, _ = await self.store.range(self._ekey(rank.engine_id))
+        for kv in peers:
+            other = pb.EngineRank.FromString(kv.value)
+            if other.tp_rank == rank.tp_rank:
+                continue
+            if (other.role, other.tp_size, other.geometry.fingerprint) != (rank.role, rank.tp_size, rank.geometry.fingerprint):
+                raise precondition(
+                    f"engine {rank.engine_id} rank {other.tp_rank} is registered with a different role, tp_size "
+                    "or fingerprint; deregister it first")
+        rec = pb.EngineRank()
+        rec.CopyFrom(rank)
+        rec.registered_at_ms = self.clock.now_ms()
+        rec.incarnation = secrets.token_hex(8)
+        key = self._ekey(rank.engine_id, rank.tp_rank)
+        old = await self.store.get(key)
+        store_lease = await self.store.grant_lease(ttl / 1000)
+        await self.store.put(key, rec.SerializeToString(), lease=store_lease)
+        if old is not None and old.lease and old.lease != store_lease:
+            await self.store.revoke_lease(old.lease)  # the previous incarnation's liveness
+        log.info("engine.registered", engine_id=rank.engine_id, tp_rank=rank.tp_rank,
+                 role=cpb.EngineRole.Name(rank.role), incarnation=rec.incarnation)
+        return rec, ttl
+
+    async def refresh_engine(self, engine_id: str, tp_rank: int, incarnation: str) -> int:
+        limits.check_id("engine_id", engine_id)
+        kv = await self.store.get(self._ekey(engine_id, tp_rank))
+        if kv is None:
+            raise not_found(f"engine {engine_id} rank {tp_rank} is not registered (liveness lapsed?): register again")
+        rec = pb.EngineRank.FromString(kv.value)
+        if incarnation and rec.incarnation != incarnation:
+            raise not_found(f"engine {engine_id} rank {tp_rank} was re-registered (incarnation {rec.incarnation})")
+        try:
+            ttl_s = await self.store.keepalive(kv.lease)
+        except LeaseNotFoundError:
+            raise not_found(f"engine {engine_id} rank {tp_rank}'s liveness lapsed: register again") from None
+        return int(ttl_s * 1000)
+
+    async def deregister_engine(self, engine_id: str, tp_rank: int | None = None) -> int:
+        limits.check_id("engine_id", engine_id)
+        if tp_rank is None:
+            kvs, _ = await self.store.range(self._ekey(engine_id))
+        else:
+            kv = await self.store.get(self._ekey(engine_id, tp_rank))
+            kvs = [kv] if kv else []
+        for kv in kvs:
+            await self.store.delete(kv.key)
+            if kv.lease:
+                await self.store.revoke_lease(kv.lease)
+        if kvs:
+            log.info("engine.deregistered", engine_id=engine_id, ranks=len(kvs))
+        return len(kvs)
+
+    async def get_engine(self, engine_id: str) -> list[pb.EngineRank]:
+        limits.check_id("engine_id", engine_id)
+        kvs, _ = await self.store.range(self._ekey(engine_id))
+        if not kvs:
+            raise not_found(f"engine {engine_id} is not registered")
+        return [pb.EngineRank.FromString(kv.value) for kv in kvs]
+
+    async def engine_exists(self, engine_id: str) -> bool:
+        kvs, _ = await self.store.range(self._ekey(engine_id), limit=1)
+        return bool(kvs)
+
+    async def list_engines(self, role: int = 0) -> list[pb.EngineRank]:
+        kvs, _ = await self.store.range(self.prefix + b"e/")
+        ranks = [pb.EngineRank.FromString(kv.value) for kv in kvs]
+        return [r for r in ranks if not role or r.role == role]
+
+    async def watch_engines(self, role: int = 0) -> AsyncIterator[pb.EngineEvent]:
+        prefix = self.prefix + b"e/"
+        kvs, rev = await self.store.range(prefix)
+        for kv in kvs:
+            r = pb.EngineRank.FromString(kv.value)
+            if not role or r.role == role:
+                yield pb.EngineEvent(type=pb.EngineEvent.TYPE_PUT, rank=r, revision=kv.mod_revision)
+        watch = await self.store.watch(prefix, start_revision=rev + 1, prev_kv=True)
+        try:
+            async for batch in watch:
+                for ev in batch:
+                    if ev.type is EventType.PUT:
+                        r = pb.EngineRank.FromString(ev.kv.value)
+                        kind = pb.EngineEvent.TYPE_PUT
+                    else:
+                        if ev.prev_kv is None or not ev.prev_kv.value:
+                            continue
+                        r = pb.EngineRank.FromString(ev.prev_kv.value)
+                        kind = pb.EngineEvent.TYPE_DELETE
+                    if not role or r.role == role:
+                        yield pb.EngineEvent(type=kind, rank=r, revision=ev.revision)
+        finally:
+            await watch.close()
+
+    # -- retained blocks ---------------------------------------------------
+    async def register_retained(self, retained: pb.RetainedBlocks) -> tuple[pb.RetainedBlocks, pb.RetainedBlocks | None]:
+        limits.check_id("conversation_id", retained.conversation_id)
+        limits.check_id("engine_id", retained.engine_id)
+        ids = limits.check_block_ids("block_ids", retained.block_ids)
+        if retained.tokens_per_block == 0:
+            raise invalid("tokens_per_block must be > 0")
+        if retained.num_tokens == 0 or retained.num_tokens > len(ids) * retained.tokens_per_block:
+            raise invalid(f"num_tokens {retained.num_tokens} does not fit {len(ids)} blocks of {retained.tokens_per_block}")
+        if retained.block_hashes and len(retained.block_hashes) != retained.num_tokens // retained.tokens_per_block:
+            raise invalid(f"{len(retained.block_hashes)} block hashes for {retained.num_tokens // retained.tokens_per_block} full blocks")
+        if any(len(h) > limits.MAX_HASH_BYTES or not h for h in retained.block_hashes):
+            raise invalid(f"block hashes must be 1..{limits.MAX_HASH_BYTES} bytes")
+        ranks = await self.store.range(self._ekey(retained.engine_id), limit=1)
+        if not ranks[0]:
+            raise not_found(f"engine {retained.engine_id} is not registered")
+        role = pb.EngineRank.FromString(ranks[0][0].value).role
+        if role not in (cpb.ENGINE_ROLE_DECODE, cpb.ENGINE_ROLE_BOTH):
+            raise precondition(f"engine {retained.engine_id} is not a decode engine")
+        key = self._rkey(retained.conversation_id)
+        for _ in range(16):
+            old = await self.store.get(key)
+            rec = pb.RetainedBlocks()
+            rec.CopyFrom(retained)
+            rec.retention_id = secrets.token_hex(8)
+            rec.registered_at_ms = self.clock.now_ms()
+            result = await self.store.txn([Compare.unchanged(old, key)], [Put(key, rec.SerializeToString())])
+            if result.succeeded:
+                return rec, (pb.RetainedBlocks.FromString(old.value) if old else None)
+        raise DomainError(Code.ABORTED, f"retained blocks of {retained.conversation_id} kept conflicting; retry")
+
+    async def lookup_retained(self, conversation_id: str) -> pb.RetainedBlocks:
+        limits.check_id("conversation_id", conversation_id)
+        kv = await self.store.get(self._rkey(conversation_id))
+        if kv is None:
+            raise not_found(f"no retained blocks for conversation {conversation_id}")
+        return pb.RetainedBlocks.FromString(kv.value)
+
+    async def release_retained(self, conversation_id: str, retention_id: str = "") -> bool:
+        limits.check_id("conversation_id", conversation_id)
+        limits.check_id("retention_id", retention_id, required=False)
+        key = self._rkey(conversation_id)
+        kv = await self.store.get(key)
+        if kv is None:
+            return False
+        if retention_id and pb.RetainedBlocks.FromString(kv.value).retention_id != retention_id:
+            return False
+        result = await self.store.txn([Compare.unchanged(kv, key)], [Delete(key)])
+        return result.succeeded

@@ -1,0 +1,395 @@
+"""Rendezvous: decode offers × prefill completions, matched in either order.
+
+One record per transfer (``<prefix>t/<transfer_id>`` holding ``TransferState``) and every
+change is a compare-and-swap on it, so with any number of replicas exactly one message
+makes the match. Events are derived from record transitions (with the previous value)
+and routed by engine: the prefill engine's ranks get MATCH; the owners of a side get
+EXPIRED, CANCELLED and DONE.
+
+Attempts: every message carries ``attempt``. A message for an older attempt than the
+record's is refused (FAILED_PRECONDITION); a newer attempt supersedes the record (the
+old sides' owners are told CANCELLED so they free their blocks). The same message twice
+is a duplicate and answered with the current state; a different message for a side that
+is already there is a conflict (FAILED_PRECONDITION).
+
+A matched transfer ends when every writer reported (SUCCEEDED/FAILED) or when its match
+deadline passes without that (FAILED), so decode never waits forever. A decode engine
+may not cancel a matched transfer: the writer may be writing into its blocks; the
+writer may (it then promises not to write).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+from collections.abc import AsyncIterator, Iterable, Sequence
+
+import structlog
+
+from kvbaton.v1 import rendezvous_pb2 as pb
+
+from ..store import Compare, EventType, KeyValue, Put, Store, WatchEvent
+from . import limits
+from .clock import Clock, WallClock
+from .errors import Code, DomainError, invalid, not_found, precondition
+from .hub import PrefixHub
+
+log = structlog.get_logger(__name__)
+
+P = pb.TransferPhase
+OFFERED, COMPLETED, MATCHED = P.Value("TRANSFER_PHASE_OFFERED"), P.Value("TRANSFER_PHASE_COMPLETED"), P.Value("TRANSFER_PHASE_MATCHED")
+SUCCEEDED, FAILED = P.Value("TRANSFER_PHASE_SUCCEEDED"), P.Value("TRANSFER_PHASE_FAILED")
+EXPIRED, CANCELLED = P.Value("TRANSFER_PHASE_EXPIRED"), P.Value("TRANSFER_PHASE_CANCELLED")
+PENDING = (OFFERED, COMPLETED)
+TERMINAL = (SUCCEEDED, FAILED, EXPIRED, CANCELLED)
+Ev = pb.RendezvousEvent
+_CAS_RETRIES = 32
+
+
+@dataclasses.dataclass
+class RendezvousConfig:
+    default_timeout_ms: int = limits.DEFAULT_RENDEZVOUS_TIMEOUT_MS
+    # How long writers have, after the match, to report before decode is told FAILED.
+    match_timeout_ms: int = 60_000
+    sweep_tick_s: float = 0.05
+    # Ended transfers are kept this long so late duplicates are answered, not re-opened.
+    tombstone_s: float = 120.0
+
+
+def _parse(value: bytes) -> pb.TransferState:
+    return pb.TransferState.FromString(value)
+
+
+def derive_events(ev: WatchEvent) -> Iterable[tuple[str, pb.RendezvousEvent]]:
+    """Routes a record change to the engines it concerns."""
+    if ev.type is not EventType.PUT:
+        return ()
+    new = _parse(ev.kv.value)
+    old = _parse(ev.prev_kv.value) if ev.prev_kv is not None and ev.prev_kv.value else None
+    out: list[tuple[str, pb.RendezvousEvent]] = []
+    if old is not None and old.attempt < new.attempt and old.phase not in TERMINAL:
+        # Superseded: the old attempt's owners free their blocks.
+        gone = pb.TransferState()
+        gone.CopyFrom(old)
+        gone.phase = CANCELLED
+        gone.reason = f"superseded by attempt {new.attempt}"
+        event = Ev(type=Ev.TYPE_CANCELLED, transfer=gone, revision=ev.revision)
+        out.extend((engine, event) for engine in _owners(old))
+        old = None
+    if old is not None and old.phase == new.phase:
+        return out
+    kind = {
+        MATCHED: Ev.TYPE_MATCH, EXPIRED: Ev.TYPE_EXPIRED, CANCELLED: Ev.TYPE_CANCELLED,
+        SUCCEEDED: Ev.TYPE_DONE, FAILED: Ev.TYPE_DONE,
+    }.get(new.phase)
+    if kind is None:
+        return out
+    event = Ev(type=kind, transfer=new, revision=ev.revision)
+    if kind == Ev.TYPE_MATCH:
+        out.append((new.completion.engine_id, event))
+    else:
+        out.extend((engine, event) for engine in _owners(new))
+    out.append(("*", event))
+    return out
+
+
+def _owners(t: pb.TransferState) -> list[str]:
+    return list(dict.fromkeys(e for e in (t.offer.engine_id, t.completion.engine_id) if e))
+
+
+@dataclasses.dataclass(frozen=True)
+class SideMessage:
+    """An offer (decode) or a completion (prefill), validated."""
+
+    is_offer: bool
+    transfer_id: str
+    attempt: int
+    engine_id: str
+    block_ids: list[int]
+    num_tokens: int
+    timeout_ms: int
+    request_id: str
+    writers: int = 1
+
+    @property
+    def side_name(self) -> str:
+        return "offer" if self.is_offer else "completion"
+
+
+class RendezvousService:
+    def __init__(
+        self,
+        store: Store,
+        *,
+        clock: Clock | None = None,
+        config: RendezvousConfig | None = None,
+        prefix: bytes = b"kvb/rdv/",
+        engine_exists=None,
+    ) -> None:
+        self.store = store
+        self.clock = clock or WallClock()
+        self.config = config or RendezvousConfig()
+        self.prefix = prefix
+        # Optional async predicate: is this engine registered? (unknown engines are refused)
+        self.engine_exists = engine_exists
+        self.hub: PrefixHub[pb.TransferState, pb.RendezvousEvent] = PrefixHub(
+            store, prefix + b"t/", parse=_parse, derive=derive_events, name="transfers",
+            keep=lambda t: t.phase not in TERMINAL,
+        )
+        self._tasks: list[asyncio.Task] = []
+        self._tomb: tuple[int, float] | None = None
+        self.is_leader = lambda: True
+        self.stats = {"matches": 0, "expired_offers": 0, "expired_completions": 0, "failed": 0, "succeeded": 0}
+
+    async def start(self, *, run_sweeper: bool = True) -> None:
+        await self.hub.start()
+        if run_sweeper:
+            self._tasks.append(asyncio.get_running_loop().create_task(self._sweeper(), name="rdv-sweeper"))
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        await self.hub.stop()
+
+    def _key(self, transfer_id: str) -> bytes:
+        return self.prefix + b"t/" + transfer_id.encode()
+
+    async def _tombstone(self) -> int:
+        loop = asyncio.get_running_loop()
+        if self._tomb is None or loop.time() - self._tomb[1] > 30:
+            self._tomb = (await self.store.grant_lease(self.config.tombstone_s), loop.time())
+        return self._tomb[0]
+
+    async def _put_ops(self, t: pb.TransferState) -> list[Put]:
+        lease = await self._tombstone() if t.phase in TERMINAL else 0
+        return [Put(self._key(t.transfer_id), t.SerializeToString(), lease=lease)]
+
+    # -- validation --------------------------------------------------------
+    def validate(self, *, is_offer: bool, transfer_id: str, attempt: int, engine_id: str, block_ids: Sequence[int],
+                 num_tokens: int, timeout_ms: int, request_id: str, writers: int = 1) -> SideMessage:
+        limits.check_id("transfer_id", transfer_id)
+        limits.check_id("decode_engine_id" if is_offer else "prefill_engine_id", engine_id)
+        limits.check_id("request_id", request_id, required=False)
+        ids = limits.check_block_ids("block_ids", block_ids)
+        timeout = limits.check_range("timeout_ms", timeout_ms, limits.MIN_RENDEZVOUS_TIMEOUT_MS,
+                                     limits.MAX_RENDEZVOUS_TIMEOUT_MS, default=self.config.default_timeout_ms)
+        writers = limits.check_range("writers", writers, 1, limits.MAX_TP_SIZE, default=1)
+        return SideMessage(is_offer, transfer_id, attempt, engine_id, ids, num_tokens, timeout, request_id, writers)
+
+    # -- offer / complete --------------------------------------------------
+    async def submit(self, msg: SideMessage) -> tuple[pb.TransferState, bool, bool]:
+        """Records one side; returns (state, matched_now, duplicate)."""
+        if self.engine_exists is not None and not await self.engine_exists(msg.engine_id):
+            raise not_found(f"engine {msg.engine_id} is not registered")
+        key = self._key(msg.transfer_id)
+        for _ in range(_CAS_RETRIES):
+            now = self.clock.now_ms()
+            kv = await self.store.get(key)
+            cur = _parse(kv.value) if kv else None
+            side = pb.TransferSide(
+                engine_id=msg.engine_id, block_ids=msg.block_ids, num_tokens=msg.num_tokens,
+                deadline_ms=now + msg.timeout_ms, received_at_ms=now, request_id=msg.request_id,
+            )
+            if cur is not None and cur.attempt > msg.attempt:
+                raise precondition(
+                    f"transfer {msg.transfer_id}: attempt {msg.attempt} is superseded by attempt {cur.attempt}")
+            if cur is None or cur.attempt < msg.attempt:
+                new = pb.TransferState(transfer_id=msg.transfer_id, attempt=msg.attempt, updated_at_ms=now)
+            else:
+                mine = cur.offer if msg.is_offer else cur.completion
+                if mine.engine_id:
+                    if mine.engine_id == msg.engine_id and list(mine.block_ids) == msg.block_ids:
+                        return cur, False, True
+                    raise precondition(
+                        f"transfer {msg.transfer_id} attempt {msg.attempt} already has a different {msg.side_name} "
+                        f"(engine {mine.engine_id}, {len(mine.block_ids)} blocks)")
+                if cur.phase in TERMINAL:
+                    raise precondition(
+                        f"transfer {msg.transfer_id} attempt {msg.attempt} is already "
+                        f"{P.Name(cur.phase).removeprefix('TRANSFER_PHASE_').lower()}: {cur.reason}")
+                new = pb.TransferState()
+                new.CopyFrom(cur)
+            (new.offer if msg.is_offer else new.completion).CopyFrom(side)
+            if not msg.is_offer:
+                new.expected_outcomes = msg.writers
+            matched = bool(new.offer.engine_id and new.completion.engine_id)
+            if matched:
+                if len(new.offer.block_ids) != len(new.completion.block_ids):
+                    new.phase = FAILED
+                    new.reason = (f"block count mismatch: decode offered {len(new.offer.block_ids)}, "
+                                  f"prefill completed {len(new.completion.block_ids)}")
+                else:
+                    new.phase = MATCHED
+                    new.matched_at_ms = now
+            else:
+                new.phase = OFFERED if msg.is_offer else COMPLETED
+            new.updated_at_ms = now
+            result = await self.store.txn([Compare.unchanged(kv, key)], await self._put_ops(new))
+            if result.succeeded:
+                new.revision = result.revision
+                if matched:
+                    self.stats["matches"] += 1
+                    log.debug("rendezvous.matched", transfer_id=msg.transfer_id, attempt=msg.attempt)
+                return new, matched and new.phase == MATCHED, False
+        raise DomainError(Code.ABORTED, f"transfer {msg.transfer_id} kept conflicting; retry")
+
+    async def _update(self, transfer_id: str, attempt: int, change) -> pb.TransferState:
+        """Read-modify-CAS on a transfer; ``change(state, now)`` mutates it or returns False."""
+        limits.check_id("transfer_id", transfer_id)
+        key = self._key(transfer_id)
+        for _ in range(_CAS_RETRIES):
+            kv = await self.store.get(key)
+            if kv is None:
+                raise not_found(f"transfer {transfer_id} not found (never seen, or ended long ago)")
+            cur = _parse(kv.value)
+            if cur.attempt > attempt:
+                raise precondition(f"transfer {transfer_id}: attempt {attempt} is superseded by attempt {cur.attempt}")
+            if cur.attempt < attempt:
+                raise precondition(f"transfer {transfer_id}: attempt {attempt} is unknown (current {cur.attempt})")
+            now = self.clock.now_ms()
+            if change(cur, now) is False:
+                cur.revision = kv.mod_revision
+                return cur
+            cur.updated_at_ms = now
+            result = await self.store.txn([Compare.unchanged(kv, key)], await self._put_ops(cur))
+            if result.succeeded:
+                cur.revision = result.revision
+                return cur
+        raise DomainError(Code.ABORTED, f"transfer {transfer_id} kept conflicting; retry")
+
+    async def report_outcome(self, transfer_id: str, attempt: int, outcome: pb.Outcome) -> pb.TransferState:
+        limits.check_id("engine_id", outcome.engine_id)
+        limits.check_text("error", outcome.error)
+
+        def change(t: pb.TransferState, now: int):
+            if t.phase in TERMINAL and t.phase != FAILED:
+                return False  # late report after the end: nothing to change
+            if t.phase in PENDING:
+                raise precondition(f"transfer {transfer_id} is not matched yet")
+            if outcome.engine_id != t.completion.engine_id:
+                raise invalid(f"engine {outcome.engine_id} is not the writer of transfer {transfer_id}")
+            if outcome.tp_rank >= max(t.expected_outcomes, 1):
+                raise invalid(f"tp_rank {outcome.tp_rank} >= writers {t.expected_outcomes}")
+            if any(o.tp_rank == outcome.tp_rank for o in t.outcomes):
+                return False  # duplicate
+            o = pb.Outcome()
+            o.CopyFrom(outcome)
+            o.reported_at_ms = now
+            t.outcomes.append(o)
+            if t.phase == FAILED:
+                return None
+            if not outcome.success:
+                t.phase = FAILED
+                t.reason = f"rank {outcome.tp_rank} of {outcome.engine_id} failed: {outcome.error}"
+                self.stats["failed"] += 1
+            elif len(t.outcomes) >= max(t.expected_outcomes, 1):
+                t.phase = SUCCEEDED
+                self.stats["succeeded"] += 1
+            return None
+
+        return await self._update(transfer_id, attempt, change)
+
+    async def cancel(self, transfer_id: str, attempt: int, engine_id: str, reason: str) -> pb.TransferState:
+        limits.check_id("engine_id", engine_id)
+        reason = limits.check_text("reason", reason) or "cancelled"
+
+        def change(t: pb.TransferState, now: int):
+            if t.phase in TERMINAL:
+                return False
+            if engine_id not in (t.offer.engine_id, t.completion.engine_id):
+                raise precondition(f"engine {engine_id} is not a party of transfer {transfer_id}")
+            if t.phase == MATCHED and engine_id != t.completion.engine_id:
+                raise precondition(
+                    f"transfer {transfer_id} is matched: the writer may be writing into your blocks; "
+                    "wait for its DONE event (it comes within the match timeout)")
+            t.phase = CANCELLED
+            t.reason = f"cancelled by {engine_id}: {reason}"
+            return None
+
+        return await self._update(transfer_id, attempt, change)
+
+    async def get(self, transfer_id: str) -> pb.TransferState:
+        limits.check_id("transfer_id", transfer_id)
+        kv = await self.store.get(self._key(transfer_id))
+        if kv is None:
+            raise not_found(f"transfer {transfer_id} not found")
+        t = _parse(kv.value)
+        t.revision = kv.mod_revision
+        return t
+
+    async def list(self, *, phases: Sequence[int] = (), engine_id: str = "", limit: int = 0) -> list[pb.TransferState]:
+        limits.check_id("engine_id", engine_id, required=False)
+        wanted = set(phases) or set(PENDING) | {MATCHED}
+        if wanted - set(PENDING) - {MATCHED}:
+            kvs, _ = await self.store.range(self.prefix + b"t/")
+            records = [(_parse(kv.value), kv.mod_revision) for kv in kvs]
+        else:
+            records = list(self.hub.records.values())
+        out = []
+        for t, rev in records:
+            if t.phase in wanted and (not engine_id or engine_id in (t.offer.engine_id, t.completion.engine_id)):
+                t.revision = rev
+                out.append(t)
+        out.sort(key=lambda t: (t.updated_at_ms, t.transfer_id))
+        return out[:limit] if limit else out
+
+    async def subscribe(self, engine_id: str, tp_rank: int, after_revision: int = 0) -> AsyncIterator[pb.RendezvousEvent]:
+        """Pending matches of this engine (when starting fresh), then live events."""
+        limits.check_id("engine_id", engine_id)
+        if not after_revision:
+            after_revision = self.hub.revision
+            for t, rev in list(self.hub.records.values()):
+                if t.phase == MATCHED and t.completion.engine_id == engine_id and not any(
+                    o.tp_rank == tp_rank for o in t.outcomes
+                ):
+                    t.revision = rev
+                    yield Ev(type=Ev.TYPE_MATCH, transfer=t, revision=rev)
+        async for _, event in self.hub.subscribe(engine_id, after_revision):
+            yield event
+
+    # -- deadlines ---------------------------------------------------------
+    async def _sweeper(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.sweep_tick_s)
+            if not self.is_leader():
+                continue
+            try:
+                await self.sweep()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("rendezvous.sweep_failed", error=str(exc))
+
+    async def sweep(self) -> int:
+        """Expires unmatched sides and fails matches nobody reported on; returns how many."""
+        now = self.clock.now_ms()
+        ended = 0
+        for key, (t, rev) in list(self.hub.records.items()):
+            if t.phase in PENDING:
+                side = t.offer if t.phase == OFFERED else t.completion
+                if now < side.deadline_ms:
+                    continue
+                new_phase, reason = EXPIRED, (
+                    f"{'offer' if t.phase == OFFERED else 'completion'} from {side.engine_id} unmatched "
+                    f"for {now - side.received_at_ms} ms")
+            elif t.phase == MATCHED and now >= t.matched_at_ms + self.config.match_timeout_ms:
+                new_phase, reason = FAILED, f"no outcome from the writers within {self.config.match_timeout_ms} ms of the match"
+            else:
+                continue
+            new = pb.TransferState()
+            new.CopyFrom(t)
+            new.phase, new.reason, new.updated_at_ms = new_phase, reason, now
+            kv = KeyValue(key, b"", 0, rev, 0)
+            result = await self.store.txn([Compare.unchanged(kv, key)], await self._put_ops(new))
+            if result.succeeded:
+                ended += 1
+                if new_phase == EXPIRED:
+                    self.stats["expired_offers" if t.phase == OFFERED else "expired_completions"] += 1
+                else:
+                    self.stats["failed"] += 1
+                log.info("rendezvous.ended", transfer_id=t.transfer_id, attempt=t.attempt, phase=P.Name(new_phase), reason=reason)
+        return ended

@@ -1,0 +1,272 @@
+"""The in-memory store: the embedded default (one process, no setup).
+
+It keeps etcd's semantics (revisions, compare-and-swap transactions, TTL leases,
+resumable prefix watches) so that the domain modules run unchanged on either
+backend. Everything happens on the event loop, so every operation is atomic by
+construction. A bounded history of recent events lets a watch resume from a past
+revision, as an etcd watch does, until that revision falls out of the window.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import collections
+import itertools
+import time
+from collections.abc import AsyncIterator, Sequence
+
+from .base import (
+    CompactedError,
+    Compare,
+    CompareOp,
+    CompareTarget,
+    Delete,
+    EventType,
+    KeyValue,
+    LeaseNotFoundError,
+    Op,
+    Put,
+    Store,
+    TxnResult,
+    Watch,
+    WatchEvent,
+)
+
+_HISTORY = 100_000
+_WATCH_QUEUE = 1_000_000
+
+
+class _MemoryWatch(Watch):
+    def __init__(self, store: "MemoryStore", prefix: bytes, start_revision: int = 0) -> None:
+        self._store = store
+        self._prefix = prefix
+        # A watch from a future revision must not see the revisions before it (etcd).
+        self._min_rev = start_revision
+        self._queue: asyncio.Queue[list[WatchEvent] | None] = asyncio.Queue(_WATCH_QUEUE)
+        self._closed = False
+
+    def matches(self, key: bytes) -> bool:
+        return key.startswith(self._prefix)
+
+    def push(self, events: list[WatchEvent]) -> None:
+        mine = [e for e in events if e.kv.key.startswith(self._prefix) and e.revision >= self._min_rev]
+        if mine and not self._closed:
+            self._queue.put_nowait(mine)
+
+    async def _iter(self) -> AsyncIterator[list[WatchEvent]]:
+        while True:
+            batch = await self._queue.get()
+            if batch is None:
+                return
+            yield batch
+
+    def __aiter__(self) -> AsyncIterator[list[WatchEvent]]:
+        return self._iter()
+
+    async def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._store._watches.discard(self)
+            self._queue.put_nowait(None)
+
+
+class MemoryStore(Store):
+    """A single-process store with etcd's semantics."""
+
+    def __init__(self, *, clock=time.monotonic) -> None:
+        self._clock = clock
+        self._data: dict[bytes, KeyValue] = {}
+        self._keys: list[bytes] = []  # sorted, for prefix ranges
+        self._revision = 1
+        self._leases: dict[int, tuple[float, float]] = {}  # id -> (ttl_s, deadline)
+        self._lease_keys: dict[int, set[bytes]] = collections.defaultdict(set)
+        self._lease_ids = itertools.count(0x1000)
+        self._history: collections.deque[WatchEvent] = collections.deque(maxlen=_HISTORY)
+        self._watches: set[_MemoryWatch] = set()
+        self._reaper: asyncio.Task | None = None
+        self._closed = False
+
+    # -- reads -------------------------------------------------------------
+    async def get(self, key: bytes) -> KeyValue | None:
+        self._expire_leases()
+        return self._data.get(key)
+
+    async def range(self, prefix: bytes, *, limit: int = 0) -> tuple[list[KeyValue], int]:
+        self._expire_leases()
+        lo = bisect.bisect_left(self._keys, prefix)
+        out: list[KeyValue] = []
+        for key in itertools.islice(self._keys, lo, None):
+            if not key.startswith(prefix):
+                break
+            out.append(self._data[key])
+            if limit and len(out) >= limit:
+                break
+        return out, self._revision
+
+    async def current_revision(self) -> int:
+        return self._revision
+
+    # -- writes ------------------------------------------------------------
+    async def put(self, key: bytes, value: bytes, *, lease: int = 0) -> int:
+        result = await self.txn((), (Put(key, value, lease),))
+        return result.revision
+
+    async def delete(self, key: bytes, *, prefix: bool = False) -> int:
+        self._expire_leases()
+        victims = self._prefixed(key) if prefix else ([key] if key in self._data else [])
+        if victims:
+            self._apply([Delete(k) for k in victims])
+        return len(victims)
+
+    async def txn(
+        self, compares: Sequence[Compare], success: Sequence[Op], failure: Sequence[Op] = ()
+    ) -> TxnResult:
+        self._expire_leases()
+        ok = all(self._holds(c) for c in compares)
+        ops = success if ok else failure
+        for op in ops:
+            if isinstance(op, Put) and op.lease and op.lease not in self._leases:
+                raise LeaseNotFoundError(f"lease {op.lease:#x} not found")
+        expanded: list[Op] = []
+        for op in ops:
+            if isinstance(op, Delete) and op.prefix:
+                expanded.extend(Delete(k) for k in self._prefixed(op.key))
+            else:
+                expanded.append(op)
+        if expanded:
+            self._apply(expanded)
+        return TxnResult(ok, self._revision)
+
+    def _prefixed(self, prefix: bytes) -> list[bytes]:
+        lo = bisect.bisect_left(self._keys, prefix)
+        return list(itertools.takewhile(lambda k: k.startswith(prefix), itertools.islice(self._keys, lo, None)))
+
+    def _holds(self, c: Compare) -> bool:
+        kv = self._data.get(c.key)
+        if c.target is CompareTarget.VALUE:
+            if kv is None:
+                # etcd: a value compare on a missing key always fails, whatever the op
+                # (there is no way to tell a missing value from an empty one).
+                return False
+            actual: int | bytes = kv.value
+        elif c.target is CompareTarget.MOD_REVISION:
+            actual = kv.mod_revision if kv else 0
+        elif c.target is CompareTarget.CREATE_REVISION:
+            actual = kv.create_revision if kv else 0
+        else:
+            actual = kv.version if kv else 0
+        if c.op is CompareOp.EQUAL:
+            return actual == c.operand
+        if c.op is CompareOp.NOT_EQUAL:
+            return actual != c.operand
+        if c.op is CompareOp.GREATER:
+            return actual > c.operand  # type: ignore[operator]
+        return actual < c.operand  # type: ignore[operator]
+
+    def _apply(self, ops: Sequence[Op]) -> None:
+        """Applies ops at one new revision and notifies watchers.
+
+        As in etcd, the revision only moves if something changed: deleting missing keys
+        writes nothing.
+        """
+        rev = self._revision + 1
+        events: list[WatchEvent] = []
+        for op in ops:
+            prev = self._data.get(op.key)
+            if isinstance(op, Put):
+                kv = KeyValue(
+                    key=op.key,
+                    value=op.value,
+                    create_revision=prev.create_revision if prev else rev,
+                    mod_revision=rev,
+                    version=(prev.version + 1) if prev else 1,
+                    lease=op.lease,
+                )
+                if prev is None:
+                    bisect.insort(self._keys, op.key)
+                elif prev.lease and prev.lease != op.lease:
+                    self._lease_keys[prev.lease].discard(op.key)
+                if op.lease:
+                    self._lease_keys[op.lease].add(op.key)
+                self._data[op.key] = kv
+                events.append(WatchEvent(EventType.PUT, kv, prev))
+            else:
+                if prev is None:
+                    continue
+                del self._data[op.key]
+                self._keys.pop(bisect.bisect_left(self._keys, op.key))
+                if prev.lease:
+                    self._lease_keys[prev.lease].discard(op.key)
+                tomb = KeyValue(op.key, b"", 0, rev, 0, 0)
+                events.append(WatchEvent(EventType.DELETE, tomb, prev))
+        if events:
+            self._revision = rev
+            self._history.extend(events)
+            for w in list(self._watches):
+                w.push(events)
+
+    # -- leases ------------------------------------------------------------
+    async def grant_lease(self, ttl_s: float) -> int:
+        lease_id = next(self._lease_ids)
+        self._leases[lease_id] = (ttl_s, self._clock() + ttl_s)
+        self._ensure_reaper()
+        return lease_id
+
+    async def keepalive(self, lease_id: int) -> float:
+        self._expire_leases()
+        entry = self._leases.get(lease_id)
+        if entry is None:
+            raise LeaseNotFoundError(f"lease {lease_id:#x} not found")
+        ttl = entry[0]
+        self._leases[lease_id] = (ttl, self._clock() + ttl)
+        return ttl
+
+    async def revoke_lease(self, lease_id: int) -> None:
+        if self._leases.pop(lease_id, None) is not None:
+            self._drop_lease_keys(lease_id)
+
+    def _drop_lease_keys(self, lease_id: int) -> None:
+        keys = sorted(self._lease_keys.pop(lease_id, ()))
+        if keys:
+            self._apply([Delete(k) for k in keys])
+
+    def _expire_leases(self) -> None:
+        if not self._leases:
+            return
+        now = self._clock()
+        dead = [lid for lid, (_, deadline) in self._leases.items() if deadline <= now]
+        for lid in dead:
+            del self._leases[lid]
+            self._drop_lease_keys(lid)
+
+    def _ensure_reaper(self) -> None:
+        if self._reaper is None or self._reaper.done():
+            self._reaper = asyncio.get_running_loop().create_task(self._reap(), name="memory-store-reaper")
+
+    async def _reap(self) -> None:
+        # Leases must end (and their keys' DELETE events fire) even if nobody reads.
+        while not self._closed and self._leases:
+            await asyncio.sleep(0.05)
+            self._expire_leases()
+
+    # -- watches -----------------------------------------------------------
+    async def watch(self, prefix: bytes, *, start_revision: int = 0, prev_kv: bool = False) -> Watch:
+        self._expire_leases()
+        w = _MemoryWatch(self, prefix, start_revision)
+        if start_revision:
+            oldest = self._history[0].revision if self._history else self._revision + 1
+            if start_revision < oldest and start_revision <= self._revision and len(self._history) == self._history.maxlen:
+                raise CompactedError(oldest)
+            past = [e for e in self._history if e.revision >= start_revision]
+            if past:
+                w.push(past)
+        self._watches.add(w)
+        return w
+
+    async def close(self) -> None:
+        self._closed = True
+        for w in list(self._watches):
+            await w.close()
+        if self._reaper is not None:
+            self._reaper.cancel()
