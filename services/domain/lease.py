@@ -275,6 +275,13 @@ class LeaseService:
             if info.state != ACTIVE:
                 if attempt == 0:
                     continue
+                if lease_id:
+                    _, _, current = await self._read(conversation_id)
+                    if current is not None and current.lease_id != lease_id:
+                        res.status = pb.RENEW_STATUS_SUPERSEDED
+                        res.error = f"lease {lease_id} was replaced by {current.lease_id}"
+                        res.lease.CopyFrom(self._view(current))
+                        return res
                 res.status = pb.RENEW_STATUS_ENDED
                 res.error = f"lease {info.lease_id} is {pb.LeaseState.Name(info.state)}: {info.reason}"
                 res.lease.CopyFrom(self._view(info, now))

@@ -1,0 +1,23 @@
+"""Builders for valid messages, so each test changes only what it is about."""
+
+from __future__ import annotations
+
+from kvbaton.v1 import common_pb2, registrar_pb2
+
+
+def engine_rank(engine_id: str, role=common_pb2.ENGINE_ROLE_DECODE, *, tp_size: int = 1, tp_rank: int = 0,
+                num_blocks: int = 1000) -> registrar_pb2.EngineRank:
+    return registrar_pb2.EngineRank(
+        engine_id=engine_id, role=role, tp_size=tp_size, tp_rank=tp_rank,
+        agent_name=f"{engine_id}-r{tp_rank}", agent_metadata=b"nixl-metadata-" + engine_id.encode(),
+        geometry=common_pb2.KvGeometry(
+            region_base_addrs=[0x10000, 0x20000], bytes_per_block=4096, num_blocks=num_blocks,
+            tokens_per_block=16, dtype="float32", layout="test", fingerprint="tiny-llama-f32", device="cpu"),
+        labels={"http": "127.0.0.1:8000"},
+    )
+
+
+async def register(kv, engine_id: str, role=common_pb2.ENGINE_ROLE_DECODE, **kw) -> registrar_pb2.EngineRank:
+    resp = await kv.call(kv.registrar.RegisterEngine, registrar_pb2.RegisterEngineRequest(
+        rank=engine_rank(engine_id, role, **kw)))
+    return resp.rank
