@@ -1,0 +1,185 @@
+"""Pack path: gather/scatter kernels, strategy policy, and staged transfers over NIXL."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from kvbaton.connector.descriptors import coalesce_runs  # noqa: E402
+from kvbaton.connector.geometry import KvLayout  # noqa: E402
+from kvbaton.connector.staging import (choose_strategy, pack_blocks,  # noqa: E402
+                                       plan_tiles, region_byte_views, unpack_blocks)
+
+LAYERS, NUM_BLOCKS, TPB = 3, 80, 16
+_names = itertools.count()
+
+
+def kv(shape_first: str, fill: bool, dtype: torch.dtype = torch.bfloat16) -> list[torch.Tensor]:
+    shape = (2, NUM_BLOCKS, TPB, 2, 8) if shape_first == "kv" else (NUM_BLOCKS, 2, TPB, 2, 8)
+    ts = [torch.zeros(shape, dtype=dtype) for _ in range(LAYERS)]
+    if fill:
+        for t in ts:
+            t.view(torch.uint8).copy_(torch.randint(0, 256, t.view(torch.uint8).shape,
+                                                    dtype=torch.uint8))
+    return ts
+
+
+def checksum(tensors: list[torch.Tensor], ids: np.ndarray, block_dim: int) -> list[int]:
+    """Per-tensor sum of the raw bytes of the given blocks, in id order (order-sensitive)."""
+    idx = torch.from_numpy(np.asarray(ids, dtype=np.int64))
+    out = []
+    for t in tensors:
+        b = t.index_select(block_dim, idx).contiguous().view(torch.uint8).to(torch.int64).flatten()
+        out.append(int((b * torch.arange(1, b.numel() + 1)).sum()))
+    return out
+
+
+@pytest.mark.parametrize("shape_first", ["kv", "block"])
+@pytest.mark.parametrize("seed", range(4))
+def test_pack_unpack_roundtrip(shape_first: str, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    src, dst = kv(shape_first, True), kv(shape_first, False)
+    ls, ld = KvLayout.from_tensors(src, TPB), KvLayout.from_tensors(dst, TPB)
+    vs, vd = region_byte_views(src, ls), region_byte_views(dst, ld)
+    n = int(rng.integers(1, NUM_BLOCKS))
+    sids, dids = rng.permutation(NUM_BLOCKS)[:n], rng.permutation(NUM_BLOCKS)[:n]
+    buf = torch.empty(n * ls.bytes_per_block * ls.num_regions + 100, dtype=torch.uint8)
+    nbytes = pack_blocks(vs, torch.from_numpy(sids), buf)
+    assert nbytes == n * ls.bytes_per_block * ls.num_regions
+    unpack_blocks(vd, torch.from_numpy(dids), buf)
+    bd = 1 if shape_first == "kv" else 0
+    assert checksum(dst, dids, bd) == checksum(src, sids, bd)
+    rest = np.setdiff1d(np.arange(NUM_BLOCKS), dids)
+    assert all(int(t.index_select(bd, torch.from_numpy(rest)).view(torch.uint8).sum()) == 0
+               for t in dst)
+
+
+def test_region_views_follow_layout() -> None:
+    src = kv("kv", True, torch.float32)
+    lay = KvLayout.from_tensors(src, TPB)
+    views = region_byte_views(src, lay)
+    assert len(views) == 2 * LAYERS
+    assert views[3].data_ptr() == lay.region_base_addrs[3]
+    assert views[3].element_size() == 16  # widest copy word tiling a 1 KiB block
+    assert torch.equal(views[3][7].view(torch.uint8), src[1][1, 7].contiguous().view(torch.uint8).flatten())
+    odd = [torch.zeros(NUM_BLOCKS, 3, dtype=torch.uint8)]  # 3-byte blocks → byte copies
+    assert region_byte_views(odd, KvLayout.from_tensors(odd, 1))[0].element_size() == 1
+
+
+@pytest.mark.parametrize("n,regions,slot_blocks", [(1024, 128, 8192), (1024, 128, 1024),
+                                                   (1000, 7, 300), (5, 3, 100), (1, 1, 1)])
+def test_plan_tiles_cover_everything_once(n: int, regions: int, slot_blocks: int) -> None:
+    tiles = plan_tiles(n, regions, 32768, slot_blocks * 32768 + 5)
+    seen = np.zeros((regions, n), dtype=np.int64)
+    for r0, r1, b0, b1 in tiles:
+        assert (r1 - r0) * (b1 - b0) <= slot_blocks  # fits a slot
+        seen[r0:r1, b0:b1] += 1
+    assert (seen == 1).all()
+    if slot_blocks >= n:  # whole regions per tile: one gather kernel per region in total
+        assert sum(r1 - r0 for r0, r1, _, _ in tiles) == regions
+    with pytest.raises(ValueError, match="smaller than one block"):
+        plan_tiles(n, regions, 32768, 1000)
+
+
+def test_choose_strategy() -> None:
+    mib = 1 << 20
+    # 128 big runs (contiguous 4 GiB): descriptors are cheap, pack only adds copies
+    assert choose_strategy(128, 4096 * mib, device="cuda") == "runs"
+    assert choose_strategy(128, 4096 * mib, device="cpu") == "runs"
+    # 131k scattered 32 KiB blocks on GPUs: descriptors dominate → pack
+    assert choose_strategy(131072, 4096 * mib, device="cuda") == "pack"
+    # on host memory a 32 KiB block is big enough to stay per-run
+    assert choose_strategy(131072, 4096 * mib, device="cpu") == "runs"
+    # tiny blocks on the host → pack
+    assert choose_strategy(100_000, 100_000 * 2048, device="cpu") == "pack"
+    # a tiny transfer never pays the staging round trips
+    assert choose_strategy(8, 8 * 2048, device="cpu") == "runs"
+    assert choose_strategy(0, 0) == "runs"
+    runs = len(coalesce_runs(np.arange(100), np.arange(100))[0])
+    assert choose_strategy(runs * 64, 100 * 64 * 32768, device="cuda") == "runs"
+
+
+# ---------------------------------------------------------------------- over NIXL
+class StagedPair:
+    def __init__(self, shape_first: str, slot_bytes: int, num_slots: int) -> None:
+        pytest.importorskip("nixl")
+        from kvbaton.connector.nixl_agent import NixlEndpoint
+        from kvbaton.connector.staging import StagedPeer
+
+        self.bd = 1 if shape_first == "kv" else 0
+        self.a = NixlEndpoint(f"SA{next(_names)}", net_devices="lo", ucx_tls="tcp,self,sm")
+        self.b = NixlEndpoint(f"SB{next(_names)}", net_devices="lo", ucx_tls="tcp,self,sm")
+        self.ta, self.tb = kv(shape_first, True), kv(shape_first, False)
+        self.la = KvLayout.from_tensors(self.ta, TPB)
+        self.lb = KvLayout.from_tensors(self.tb, TPB)
+        self.sa = StagedPeer(self.a, self.ta, self.la, slot_bytes=slot_bytes, num_slots=num_slots)
+        self.sb = StagedPeer(self.b, self.tb, self.lb, slot_bytes=slot_bytes, num_slots=num_slots)
+        self.a.add_peer(self.b.name, self.b.metadata())
+        self.b.add_peer(self.a.name, self.a.metadata())
+
+    def close(self) -> None:
+        for s in (self.sa, self.sb):
+            s.close()
+        self.a.close()
+        self.b.close()
+
+
+@pytest.mark.nixl
+@pytest.mark.parametrize("shape_first", ["kv", "block"])
+@pytest.mark.parametrize("kind", ["contiguous", "fragmented"])
+def test_staged_write_and_read(shape_first: str, kind: str) -> None:
+    # 5 blocks per slot, 3 slots: 50 blocks → 10 chunks, every slot reused ≥ 3 times
+    block_bytes = LAYERS * 2 * TPB * 2 * 8 * 2
+    p = StagedPair(shape_first, slot_bytes=5 * block_bytes + 17, num_slots=3)
+    try:
+        pool = p.sa.send_pool  # bounded: 3 slots, rounded up to 256 B alignment only
+        assert pool.buffer.numel() == 3 * pool.slot_bytes and pool.slot_bytes < 6 * block_bytes
+        rng = np.random.default_rng(11)
+        if kind == "contiguous":
+            src, dst = np.arange(5, 55), np.arange(20, 70)
+        else:
+            src, dst = rng.permutation(NUM_BLOCKS)[:50], rng.permutation(NUM_BLOCKS)[:50]
+        # staged WRITE A → B
+        moved = p.sa.send(p.b.name, p.sb.info(), src, dst, "x1", timeout_s=20,
+                          idle=p.b.poll_notifs)
+        assert moved == 50 * block_bytes
+        assert p.sb.completed.pop("x1") == p.a.name
+        assert checksum(p.tb, dst, p.bd) == checksum(p.ta, src, p.bd)
+        # staged READ: B pulls other blocks of A into other blocks of its own
+        for t in p.tb:
+            t.zero_()
+        src2, dst2 = rng.permutation(NUM_BLOCKS)[:33], rng.permutation(NUM_BLOCKS)[:33]
+        p.sb.request_pull(p.a.name, src2, dst2, "x2")
+        p.a.poll_notifs()  # A receives the request …
+        for _ in range(200):
+            if p.sa.serve_pulls(timeout_s=20, idle=p.b.poll_notifs):
+                break
+            p.b.poll_notifs()
+            p.a.poll_notifs()
+        else:
+            pytest.fail("pull request never arrived")
+        assert p.sb.wait_complete("x2", timeout_s=10) == p.a.name
+        assert checksum(p.tb, dst2, p.bd) == checksum(p.ta, src2, p.bd)
+    finally:
+        p.close()
+
+
+@pytest.mark.nixl
+def test_staged_rejects_bad_ids() -> None:
+    p = StagedPair("kv", slot_bytes=1 << 16, num_slots=2)
+    try:
+        with pytest.raises(ValueError, match="unique"):
+            p.sa.send(p.b.name, p.sb.info(), [1, 2], [3, 3], "bad", timeout_s=1)
+        with pytest.raises(ValueError, match="out of range"):
+            p.sa.send(p.b.name, p.sb.info(), [1, NUM_BLOCKS], [3, 4], "bad", timeout_s=1)
+        with pytest.raises(ValueError, match="whitespace"):
+            p.sa.send(p.b.name, p.sb.info(), [1], [3], "a b", timeout_s=1)
+        with pytest.raises(TimeoutError):
+            # B is never progressed, so no ack can come back
+            p.sa.send(p.b.name, p.sb.info(), np.arange(20), np.arange(20), "stuck", timeout_s=0.3)
+    finally:
+        p.close()

@@ -1,0 +1,1 @@
+"""Test harnesses that start real processes (etcd) for the integration suites."""
