@@ -127,21 +127,26 @@ class ControlPlane:
                 _campaign_forever(election), name=f"campaign-{name}")))
 
     async def stop(self) -> None:
+        """Graceful: in-flight RPCs get ``grace_s``; every later step is bounded too."""
+        async def bounded(aw, what: str) -> None:
+            try:
+                await asyncio.wait_for(aw, 5.0)
+            except Exception as exc:  # shutting down: log and go on
+                log.warning("kvbaton.stop_step_failed", step=what, error=repr(exc))
+
         if self.server is not None:
             if hasattr(self, "health"):
-                await _set(self.health, "", health_pb2.HealthCheckResponse.NOT_SERVING)
-            await self.server.stop(self.config.grace_s)
+                await bounded(_set(self.health, "", health_pb2.HealthCheckResponse.NOT_SERVING), "health")
+            await bounded(self.server.stop(self.config.grace_s), "grpc")
         for election, task in self._leadership:
             task.cancel()
-            with contextlib.suppress(BaseException):
-                await task
-            with contextlib.suppress(Exception):
-                await election.resign()
+            await bounded(asyncio.gather(task, return_exceptions=True), "campaign")
+            await bounded(election.resign(), "resign")
         for domain in (self.lease, self.rendezvous):
             if domain is not None:
-                await domain.stop()
+                await bounded(domain.stop(), type(domain).__name__)
         if self._owns_store and self.store is not None:
-            await self.store.close()
+            await bounded(self.store.close(), "store")
 
 
 async def _campaign_forever(election) -> None:

@@ -2,14 +2,9 @@
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))  # tests/harness helpers
-
-from kvbaton import logs  # noqa: E402
+from kvbaton import logs
 
 logs.configure("WARNING")
 

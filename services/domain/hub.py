@@ -183,12 +183,17 @@ class PrefixHub(Generic[T, E]):
                 for item in replayed:
                     yield item
             while True:
-                item = await sub.queue.get()
-                if item is None or sub.overflowed:
-                    raise SubscriberOverflow(f"{self.name}: subscriber for {route!r} fell behind; resubscribe")
-                if item[0] <= joined_at and after_revision:
-                    continue  # already replayed
-                yield item
+                # Drain whatever is queued in one go: under load a stream then pays one
+                # wake-up per batch rather than per event.
+                items = [await sub.queue.get()]
+                while not sub.queue.empty() and len(items) < 256:
+                    items.append(sub.queue.get_nowait())
+                for item in items:
+                    if item is None or sub.overflowed:
+                        raise SubscriberOverflow(f"{self.name}: subscriber for {route!r} fell behind; resubscribe")
+                    if item[0] <= joined_at and after_revision:
+                        continue  # already replayed
+                    yield item
         finally:
             subs = self._subs.get(route)
             if subs is not None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import heapq
 from collections.abc import AsyncIterator, Iterable, Sequence
 
 import structlog
@@ -139,11 +140,17 @@ class RendezvousService:
         )
         self._tasks: list[asyncio.Task] = []
         self._tomb: tuple[int, float] | None = None
+        # (deadline_ms, key, mod_revision) of every live record: the sweeper pops what is due
+        # instead of scanning every pending transfer on each tick.
+        self._deadlines: list[tuple[int, bytes, int]] = []
+        self.hub.listeners.append(self._track_deadline)
         self.is_leader = lambda: True
         self.stats = {"matches": 0, "expired_offers": 0, "expired_completions": 0, "failed": 0, "succeeded": 0}
 
     async def start(self, *, run_sweeper: bool = True) -> None:
         await self.hub.start()
+        for key, (t, rev) in self.hub.records.items():
+            self._push_deadline(key, t, rev)
         if run_sweeper:
             self._tasks.append(asyncio.get_running_loop().create_task(self._sweeper(), name="rdv-sweeper"))
 
@@ -364,22 +371,43 @@ class RendezvousService:
             except Exception as exc:
                 log.warning("rendezvous.sweep_failed", error=str(exc))
 
+    def _deadline_of(self, t: pb.TransferState) -> int | None:
+        if t.phase == OFFERED:
+            return t.offer.deadline_ms
+        if t.phase == COMPLETED:
+            return t.completion.deadline_ms
+        if t.phase == MATCHED:
+            return t.matched_at_ms + self.config.match_timeout_ms
+        return None
+
+    def _push_deadline(self, key: bytes, t: pb.TransferState, rev: int) -> None:
+        deadline = self._deadline_of(t)
+        if deadline is not None:
+            heapq.heappush(self._deadlines, (deadline, key, rev))
+
+    def _track_deadline(self, ev: WatchEvent) -> None:
+        if ev.type is EventType.PUT:
+            entry = self.hub.records.get(ev.kv.key)
+            if entry is not None:
+                self._push_deadline(ev.kv.key, entry[0], entry[1])
+
     async def sweep(self) -> int:
         """Expires unmatched sides and fails matches nobody reported on; returns how many."""
         now = self.clock.now_ms()
         ended = 0
-        for key, (t, rev) in list(self.hub.records.items()):
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, key, rev = heapq.heappop(self._deadlines)
+            entry = self.hub.records.get(key)
+            if entry is None or entry[1] != rev:
+                continue  # ended or changed since: a newer entry (if any) is in the heap
+            t = entry[0]
             if t.phase in PENDING:
                 side = t.offer if t.phase == OFFERED else t.completion
-                if now < side.deadline_ms:
-                    continue
                 new_phase, reason = EXPIRED, (
                     f"{'offer' if t.phase == OFFERED else 'completion'} from {side.engine_id} unmatched "
                     f"for {now - side.received_at_ms} ms")
-            elif t.phase == MATCHED and now >= t.matched_at_ms + self.config.match_timeout_ms:
-                new_phase, reason = FAILED, f"no outcome from the writers within {self.config.match_timeout_ms} ms of the match"
             else:
-                continue
+                new_phase, reason = FAILED, f"no outcome from the writers within {self.config.match_timeout_ms} ms of the match"
             new = pb.TransferState()
             new.CopyFrom(t)
             new.phase, new.reason, new.updated_at_ms = new_phase, reason, now

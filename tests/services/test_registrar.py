@@ -9,7 +9,7 @@ import pytest
 
 from kvbaton.v1 import common_pb2, registrar_pb2 as pb
 
-from helpers import engine_rank, register
+from tests.services.helpers import engine_rank, register
 
 
 async def test_register_get_list_deregister(kv):

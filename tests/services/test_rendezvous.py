@@ -11,7 +11,7 @@ import pytest
 
 from kvbaton.v1 import common_pb2, rendezvous_pb2 as pb
 
-from helpers import register
+from tests.services.helpers import register
 
 Ev = pb.RendezvousEvent
 
