@@ -81,9 +81,11 @@ class KvbatonClient:
 
         Safe because every kvbaton mutation is idempotent for the same message."""
         delay = 0.05
+        service, name = self._route(method)
         for attempt in range(retries + 1):
             try:
-                return await method(request, timeout=self.timeout_s)
+                # Resolved on every attempt: a reconnect replaces the stubs.
+                return await getattr(getattr(self, service), name)(request, timeout=self.timeout_s)
             except grpc.aio.AioRpcError as exc:
                 if exc.code() not in _RETRYABLE or attempt == retries:
                     raise
@@ -94,8 +96,13 @@ class KvbatonClient:
                 delay = min(delay * 2, 1.0)
         raise AssertionError("unreachable")
 
-    def _method(self, service: str, name: str):
-        return getattr(getattr(self, service), name)
+    _STUBS = {"Registrar": "registrar", "Rendezvous": "rendezvous", "Lease": "lease"}
+
+    def _route(self, method) -> tuple[str, str]:
+        """(stub attribute, method name) of a bound stub method, e.g. ("lease", "Renew")."""
+        path = method._method.decode() if isinstance(method._method, bytes) else method._method
+        service, name = path.rsplit("/", 1)
+        return self._STUBS[service.rsplit(".", 1)[-1].lstrip("/")], name
 
     async def subscribe(self, engine_id: str, tp_rank: int = 0, *, after_revision: int = 0,
                         heartbeats: bool = False) -> AsyncIterator[rendezvous_pb2.RendezvousEvent]:
