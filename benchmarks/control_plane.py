@@ -156,6 +156,19 @@ async def bench_renewals(kv: KvbatonClient, *, leases: int, batch: int, seconds:
             "seconds": elapsed}
 
 
+async def store_revision(url: str) -> int | None:
+    """The etcd revision (one per write transaction), to count the writes renewals cost."""
+    if not url.startswith("etcd://"):
+        return None
+    from kvbaton.services.store.etcd import EtcdStore
+
+    s = await EtcdStore.connect(url[len("etcd://"):].split(","))
+    try:
+        return await s.current_revision()
+    finally:
+        await s.close()
+
+
 async def run(args) -> dict:
     port = free_port()
     env = dict(os.environ, KVBATON_LOG_LEVEL="WARNING")
@@ -176,10 +189,16 @@ async def run(args) -> dict:
                       f"{r['matches_per_s']:7.0f} matches/s  p50 {r['p50_ms']:.2f} ms  p90 {r['p90_ms']:.2f} ms  "
                       f"p99 {r['p99_ms']:.2f} ms  errors {r['errors']}  cpu/match server {r['server_cpu_us_per_match']:.0f} us "
                       f"client {r['client_cpu_us_per_match']:.0f} us", flush=True)
+            rev0 = await store_revision(args.store)
             ren = await bench_renewals(kv, leases=args.leases, batch=args.batch, seconds=args.seconds)
+            rev1 = await store_revision(args.store)
+            if rev0 is not None and rev1 is not None:
+                ren["store_writes_per_lease_per_s"] = (rev1 - rev0) / ren["leases"] / ren["seconds"]
             results["renewals"] = ren
             print(f"[{args.store}] lease renewals over one KeepAlive stream: {ren['renewals_per_s']:,.0f}/s "
-                  f"({ren['leases']} leases, batches of {ren['batch']}, failed {ren['failed']})", flush=True)
+                  f"({ren['leases']} leases, batches of {ren['batch']}, failed {ren['failed']}"
+                  + (f", {ren['store_writes_per_lease_per_s']:.2f} etcd writes/lease/s" if "store_writes_per_lease_per_s" in ren else "")
+                  + ")", flush=True)
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         try:
@@ -190,9 +209,23 @@ async def run(args) -> dict:
     return results
 
 
+def side_by_side(runs: list[dict]) -> str:
+    rows = [["figure", *[r["store"] for r in runs]]]
+    for i, rr in enumerate(runs[0]["rendezvous"]):
+        rate = f"{rr['target_rate']:.0f}/s" if rr["target_rate"] else "unpaced"
+        rows.append([f"rendezvous {rate}: matches/s", *[f"{r['rendezvous'][i]['matches_per_s']:.0f}" for r in runs]])
+        for q in ("p50", "p99"):
+            rows.append([f"rendezvous {rate}: {q} ms", *[f"{r['rendezvous'][i][q + '_ms']:.2f}" for r in runs]])
+    rows.append(["renewals/s (one stream)", *[f"{r['renewals']['renewals_per_s']:,.0f}" for r in runs]])
+    rows.append(["store writes/lease/s", *[f"{r['renewals'].get('store_writes_per_lease_per_s', float('nan')):.2f}" for r in runs]])
+    widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
+    return "\n".join("  ".join(v.ljust(w) for v, w in zip(row, widths)) for row in rows)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--store", default="memory://")
+    p.add_argument("--store", action="append",
+                   help="memory://, etcd://h:p[,h:p], or etcd3 (a 3-member etcd on loopback started here); repeatable")
     p.add_argument("--rate", type=float, action="append", help="target matches/s (repeatable; 0 = unpaced)")
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--seconds", type=float, default=5.0)
@@ -201,10 +234,27 @@ def main() -> int:
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "control_plane.json"))
     args = p.parse_args()
     args.rate = args.rate or [500.0, 1000.0, 0.0]
-    results = asyncio.run(run(args))
+    runs = []
+    for store in args.store or ["memory://"]:
+        cluster = None
+        if store == "etcd3":
+            from tests.harness.etcd_cluster import EtcdCluster
+
+            cluster = EtcdCluster(3).start()
+            store = cluster.url
+        try:
+            args.store = store
+            result = asyncio.run(run(args))
+            result["store"] = "etcd (3 members, loopback)" if cluster else store
+            runs.append(result)
+        finally:
+            if cluster is not None:
+                cluster.stop()
+    print()
+    print(side_by_side(runs))
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
+    out.write_text(json.dumps(runs, indent=2))
     print(f"wrote {out}")
     return 0
 

@@ -193,10 +193,23 @@ class RendezvousService:
         if self.engine_exists is not None and not await self.engine_exists(msg.engine_id):
             raise not_found(f"engine {msg.engine_id} is not registered")
         key = self._key(msg.transfer_id)
-        for _ in range(_CAS_RETRIES):
+        for attempt_no in range(_CAS_RETRIES):
             now = self.clock.now_ms()
-            kv = await self.store.get(key)
-            cur = _parse(kv.value) if kv else None
+            # First try from the replica's cache, saving a store read: the CAS below is
+            # what decides, so a stale cache only costs a retry. Answers that write
+            # nothing (duplicate, conflict) are only given from an authoritative read.
+            cached = attempt_no == 0
+            if cached:
+                entry = self.hub.records.get(key)
+                cur = entry[0] if entry else None
+                kv = KeyValue(key, b"", 0, entry[1], 0) if entry else None
+            else:
+                kv = await self.store.get(key)
+                cur = _parse(kv.value) if kv else None
+            if cached and cur is not None and (cur.attempt > msg.attempt or (
+                    cur.attempt == msg.attempt and ((cur.offer if msg.is_offer else cur.completion).engine_id
+                                                    or cur.phase in TERMINAL))):
+                continue
             side = pb.TransferSide(
                 engine_id=msg.engine_id, block_ids=msg.block_ids, num_tokens=msg.num_tokens,
                 deadline_ms=now + msg.timeout_ms, received_at_ms=now, request_id=msg.request_id,
