@@ -233,3 +233,65 @@ class LeaseKeeper:
 
     async def __aexit__(self, *exc) -> None:
         await self.stop()
+
+
+class EngineKeeper:
+    """Keeps one engine rank registered: registers, refreshes its liveness every TTL/3,
+    and registers again (new incarnation) when the control plane says the liveness lapsed
+    — after a store failover or a long pause — so the engine never stays invisible.
+    Transport failures back off with jitter and never end the loop.
+
+        keeper = EngineKeeper(client, rank, ttl_ms=10_000)
+        await keeper.start()            # returns after the first registration
+        ...
+        await keeper.stop(deregister=True)
+    """
+
+    def __init__(self, client: KvbatonClient, rank, *, ttl_ms: int = 10_000) -> None:
+        self.client = client
+        self.rank = rank
+        self.ttl_ms = ttl_ms
+        self.registered = None  # the EngineRank as the registrar holds it
+        self.registrations = 0
+        self._task: asyncio.Task | None = None
+
+    async def _register(self) -> None:
+        resp = await self.client.call(self.client.registrar.RegisterEngine, registrar_pb2.RegisterEngineRequest(
+            rank=self.rank, ttl_ms=self.ttl_ms))
+        self.registered = resp.rank
+        self.ttl_ms = resp.ttl_ms
+        self.registrations += 1
+        log.info("engine_keeper.registered", engine_id=self.rank.engine_id, tp_rank=self.rank.tp_rank,
+                 incarnation=resp.rank.incarnation)
+
+    async def start(self) -> None:
+        await self._register()
+        self._task = asyncio.get_running_loop().create_task(self._run(), name=f"engine-keeper-{self.rank.engine_id}")
+
+    async def _run(self) -> None:
+        backoff = 0.1
+        while True:
+            await asyncio.sleep(self.ttl_ms / 3000)
+            try:
+                await self.client.call(self.client.registrar.RefreshEngine, registrar_pb2.RefreshEngineRequest(
+                    engine_id=self.rank.engine_id, tp_rank=self.rank.tp_rank, incarnation=self.registered.incarnation))
+                backoff = 0.1
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.NOT_FOUND:
+                    log.warning("engine_keeper.lapsed", engine_id=self.rank.engine_id, detail=exc.details())
+                    with contextlib.suppress(grpc.aio.AioRpcError):
+                        await self._register()
+                    continue
+                log.warning("engine_keeper.refresh_failed", engine_id=self.rank.engine_id, code=exc.code().name)
+                await asyncio.sleep(backoff * (1 + random.random()))
+                backoff = min(backoff * 2, 5.0)
+
+    async def stop(self, *, deregister: bool = False) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if deregister:
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                await self.client.call(self.client.registrar.DeregisterEngine, registrar_pb2.DeregisterEngineRequest(
+                    engine_id=self.rank.engine_id, tp_rank=self.rank.tp_rank))

@@ -125,3 +125,23 @@ async def test_retained_bad_input(kv):
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await kv.call(kv.registrar.RegisterRetained, pb.RegisterRetainedRequest(retained=ret))
         assert err.value.code() == code and words in err.value.details(), (ret, err.value.details())
+
+
+async def test_engine_keeper_reregisters_after_liveness_is_lost(kv, plane):
+    from kvbaton.client import EngineKeeper
+
+    keeper = EngineKeeper(kv, engine_rank("kept-1"), ttl_ms=1000)
+    await keeper.start()
+    first = keeper.registered.incarnation
+    # The liveness lease vanishes behind the engine's back (a store failover, an operator).
+    ranks, _ = await plane.store.range(b"kvb/reg/e/kept-1/")
+    await plane.store.revoke_lease(ranks[0].lease)
+    for _ in range(50):
+        await asyncio.sleep(0.1)
+        if keeper.registrations >= 2:
+            break
+    got = await kv.call(kv.registrar.GetEngine, pb.GetEngineRequest(engine_id="kept-1"))
+    assert keeper.registrations >= 2 and got.ranks[0].incarnation != first
+    await keeper.stop(deregister=True)
+    listed = await kv.call(kv.registrar.ListEngines, pb.ListEnginesRequest())
+    assert "kept-1" not in {r.engine_id for r in listed.ranks}
