@@ -26,3 +26,34 @@ def etcd_cluster():
         yield cluster
     finally:
         cluster.stop()
+
+
+@pytest.fixture(autouse=True)
+def _dump_tasks_if_stuck():
+    """If a test hangs, print every asyncio task's stack before pytest-timeout fires:
+    the thread dump alone only shows the idle event loop."""
+    import asyncio
+    import sys
+    import threading
+
+    loop_holder: list = []
+    try:
+        loop_holder.append(asyncio.get_event_loop_policy().get_event_loop())
+    except Exception:
+        pass
+    done = threading.Event()
+
+    def watchdog() -> None:
+        if done.wait(90):
+            return
+        for loop in loop_holder:
+            def dump() -> None:
+                for task in asyncio.all_tasks(loop):
+                    print(f"--- stuck task {task.get_name()}", file=sys.stderr)
+                    task.print_stack(file=sys.stderr)
+            loop.call_soon_threadsafe(dump)
+
+    t = threading.Thread(target=watchdog, daemon=True, name="stuck-test-watchdog")
+    t.start()
+    yield
+    done.set()

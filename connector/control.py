@@ -1,0 +1,148 @@
+"""The worker's control-plane thread: one asyncio loop + :class:`KvbatonClient`.
+
+Why a thread of its own: gRPC calls must never run on vLLM's model-runner thread (an
+unreachable control plane would stall the engine) nor on the NIXL transfer thread (which
+must keep polling UCX). Other threads submit coroutines with :meth:`ControlThread.submit`
+and get a ``concurrent.futures.Future`` they can poll without blocking.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+
+from kvbaton.client import KvbatonClient
+from kvbaton.v1 import common_pb2, registrar_pb2
+
+log = logging.getLogger("kvbaton.connector.control")
+T = TypeVar("T")
+
+
+class ControlThread:
+    """Owns an event loop on a named daemon thread; registers and refreshes the engine rank."""
+
+    def __init__(self, address: str, *, timeout_s: float = 5.0, name: str = "kvbaton-control") -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._client: KvbatonClient | None = None
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+        if not self._ready.wait(10.0):
+            raise RuntimeError("kvbaton control thread did not start")
+        self._refresh_task: concurrent.futures.Future[None] | None = None
+        self._tasks: list[concurrent.futures.Future[None]] = []
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._client = KvbatonClient(self.address, timeout_s=self.timeout_s)
+        self._ready.set()
+        self._loop.run_forever()
+
+    @property
+    def client(self) -> KvbatonClient:
+        assert self._client is not None
+        return self._client
+
+    def submit(self, fn: Callable[[KvbatonClient], Awaitable[T]]) -> concurrent.futures.Future[T]:
+        """Run ``fn(client)`` on the loop; returns at once."""
+        async def _call() -> T:
+            return await fn(self.client)
+        return asyncio.run_coroutine_threadsafe(_call(), self._loop)
+
+    # ------------------------------------------------------------------ registration
+    def register_rank(self, rank: registrar_pb2.EngineRank, ttl_ms: int) -> concurrent.futures.Future[None]:
+        """Register ``rank`` and keep it alive (re-registering after NOT_FOUND) until close."""
+        async def _keep() -> None:
+            client = self.client
+            incarnation = ""
+            delay = 0.2
+            while True:
+                try:
+                    if not incarnation:
+                        resp = await client.call(client.registrar.RegisterEngine,
+                                                 registrar_pb2.RegisterEngineRequest(rank=rank, ttl_ms=ttl_ms))
+                        incarnation = resp.rank.incarnation
+                        log.info("kvbaton: registered engine %s rank %d (incarnation %s)",
+                                 rank.engine_id, rank.tp_rank, incarnation)
+                    else:
+                        await client.call(client.registrar.RefreshEngine, registrar_pb2.RefreshEngineRequest(
+                            engine_id=rank.engine_id, tp_rank=rank.tp_rank, incarnation=incarnation))
+                    delay = 0.2
+                    await asyncio.sleep(max(ttl_ms / 3000, 0.2))
+                except grpc.aio.AioRpcError as exc:
+                    if exc.code() == grpc.StatusCode.NOT_FOUND:
+                        incarnation = ""  # lease lapsed: register again
+                    log.warning("kvbaton: registrar call failed (%s); retrying in %.1fs",
+                                exc.code().name, delay)
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, 5.0)
+        fut = asyncio.run_coroutine_threadsafe(_keep(), self._loop)
+        self._refresh_task = fut
+        return fut
+
+    def subscribe(self, engine_id: str, tp_rank: int,
+                  on_event: Callable[[Any], None]) -> concurrent.futures.Future[None]:
+        """Forward this rank's rendezvous events (not heartbeats) to ``on_event`` until close.
+
+        ``KvbatonClient.subscribe`` resumes across disconnects; anything else it raises is
+        logged and the subscription restarted after a pause, so events are never silently
+        lost for the life of the engine.
+        """
+        async def _loop() -> None:
+            while True:
+                try:
+                    async for ev in self.client.subscribe(engine_id, tp_rank):
+                        on_event(ev)
+                except asyncio.CancelledError:
+                    raise
+                except Exception:  # noqa: BLE001
+                    log.warning("kvbaton: rendezvous subscription failed; restarting", exc_info=True)
+                    await asyncio.sleep(1.0)
+        fut = asyncio.run_coroutine_threadsafe(_loop(), self._loop)
+        self._tasks.append(fut)
+        return fut
+
+    def get_engine(self, engine_id: str) -> concurrent.futures.Future[registrar_pb2.GetEngineResponse]:
+        return self.submit(lambda c: c.call(c.registrar.GetEngine, registrar_pb2.GetEngineRequest(engine_id=engine_id),
+                                            retries=1))
+
+    def close(self) -> None:
+        """Deregister (best effort, bounded) and stop the loop."""
+        if self._refresh_task is not None:
+            self._refresh_task.cancel()
+        for t in self._tasks:
+            t.cancel()
+        if self._loop.is_closed():
+            return
+        async def _shutdown() -> None:
+            if self._client is not None:
+                await self._client.close()
+        try:
+            asyncio.run_coroutine_threadsafe(_shutdown(), self._loop).result(timeout=2.0)
+        except Exception:  # noqa: BLE001 - shutdown is best effort
+            log.debug("kvbaton: control client close failed", exc_info=True)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=2.0)
+
+
+def role_of(kv_role: str) -> int:
+    """vLLM kv_role → registrar EngineRole."""
+    return {"kv_producer": common_pb2.ENGINE_ROLE_PREFILL, "kv_consumer": common_pb2.ENGINE_ROLE_DECODE,
+            "kv_both": common_pb2.ENGINE_ROLE_BOTH}.get(kv_role, common_pb2.ENGINE_ROLE_UNSPECIFIED)
+
+
+def geometry_fields(rank: registrar_pb2.EngineRank) -> dict[str, Any]:
+    """KvGeometry proto → kwargs for ``KvLayout.from_proto_fields``."""
+    g = rank.geometry
+    return {"region_base_addrs": list(g.region_base_addrs), "bytes_per_block": g.bytes_per_block,
+            "num_blocks": g.num_blocks, "tokens_per_block": g.tokens_per_block, "dtype": g.dtype,
+            "layout": g.layout, "fingerprint": g.fingerprint, "device": g.device,
+            "device_id": g.device_id, "block_stride_bytes": g.block_stride_bytes}

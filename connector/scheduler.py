@@ -1,0 +1,195 @@
+"""Scheduler half of the kvbaton connector (runs in ``VLLM::EngineCore``, engine-loop thread).
+
+Pure bookkeeping: it never blocks, does no I/O, and hands all work to the worker through
+the per-step :class:`~kvbaton.connector.metadata.KvbatonMeta`.
+
+Push mode: decode offers its destination blocks (``Rendezvous.Offer``) and prefill
+announces its held blocks (``Rendezvous.Complete``); both calls go out on a background
+:class:`~kvbaton.connector.control.ControlThread` (fire-and-forget, errors logged — a lost
+call ends in the worker's timeout and a local recompute, never a hang). Offers list
+*all* the request's prompt blocks so the counts match prefill's; ``num_tokens`` is what
+decode needs, so prefill skips the leading locally-cached blocks (never writes them).
+
+Pull mode, as seen from here:
+
+* **Prefill** (request carries ``do_remote_decode``): ``request_finished`` keeps the blocks
+  (delay-free) and returns ``kv_transfer_params`` naming this engine, the block ids and
+  the ``transfer_id``; the worker is told to hold them until decode's notification.
+* **Decode** (request carries ``do_remote_prefill``): ``get_num_new_matched_tokens``
+  claims the non-locally-cached prompt tokens as an async load, once per request (the
+  flag is cleared so a failed load, which re-enters admission, recomputes instead of
+  looping — API notes §0.5).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import uuid
+from typing import TYPE_CHECKING, Any
+
+from vllm.v1.request import RequestStatus
+
+from .metadata import MODE_PULL, MODE_PUSH, KvbatonMeta, KvbatonSettings, LoadSpec, SendSpec
+
+if TYPE_CHECKING:  # pragma: no cover
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger("kvbaton.connector.scheduler")
+
+
+class KvbatonScheduler:
+    """Scheduler-side state: which requests to load (decode) and which to hold (prefill)."""
+
+    def __init__(self, settings: KvbatonSettings, block_size: int) -> None:
+        self.settings = settings
+        self.block_size = block_size
+        # Local prefix-hit tokens seen at admission, needed in update_state_after_alloc
+        # (where `blocks` includes the locally cached blocks, API notes §0.6).
+        self._local_hit: dict[str, int] = {}
+        self._loads: dict[str, LoadSpec] = {}
+        self._sends: dict[str, SendSpec] = {}
+        self._control: Any = None  # ControlThread, started on first push use
+
+    def _mode(self, params: dict[str, Any]) -> str:
+        return str(params.get("transfer_mode") or self.settings.mode)
+
+    def _rpc(self, what: str, fn: Any) -> None:
+        """Fire-and-forget a control-plane call from the engine loop (never blocks it)."""
+        if self._control is None:
+            from .control import ControlThread
+
+            self._control = ControlThread(self.settings.control_plane, name="kvbaton-sched-control")
+        fut = self._control.submit(fn)
+
+        def _done(f: concurrent.futures.Future[Any]) -> None:
+            if f.cancelled() or f.exception() is not None:
+                log.warning("kvbaton: %s failed: %r", what, None if f.cancelled() else f.exception())
+        fut.add_done_callback(_done)
+
+    def shutdown(self) -> None:
+        if self._control is not None:
+            self._control.close()
+
+    # ------------------------------------------------------------------ decode side
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill"):
+            return 0, False
+        if self._mode(params) == MODE_PULL and not params.get("remote_engine_id"):
+            return 0, False
+        remote_tokens = int(params.get("remote_num_tokens") or len(request.prompt_token_ids or ()))
+        count = min(remote_tokens, request.num_prompt_tokens) - num_computed_tokens
+        if count <= 0:
+            return 0, False
+        self._local_hit[request.request_id] = num_computed_tokens
+        return count, True
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill"):
+            return
+        # Offer once: whatever happens next (load ok, load failed, nothing to load) this
+        # request must never be offered for a remote load again.
+        params["do_remote_prefill"] = False
+        tid = str(params.get("transfer_id") or "")
+        remote_engine = str(params.get("remote_engine_id") or "")
+        remote_ids = [int(b) for b in (params.get("remote_block_ids") or ())]
+        hit = self._local_hit.pop(request.request_id, 0)
+        if self._mode(params) == MODE_PUSH:
+            self._offer(request, blocks, num_external_tokens, hit, tid)
+            return
+        if num_external_tokens > 0:
+            local_all = blocks.get_block_ids()[0]
+            first = hit // self.block_size
+            n_tokens = hit + num_external_tokens
+            last = min(-(-n_tokens // self.block_size), len(local_all), len(remote_ids))
+            local = tuple(int(b) for b in local_all[first:last])
+            remote = tuple(remote_ids[first:last])
+            self._loads[request.request_id] = LoadSpec(tid, remote_engine, remote, local, True)
+        else:
+            # Nothing to read (all cached locally): still let prefill free its blocks now.
+            self._loads[request.request_id] = LoadSpec(tid, remote_engine, (), (), False)
+
+    def _offer(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int,
+               hit: int, tid: str) -> None:
+        from kvbaton.v1 import rendezvous_pb2 as rpb
+
+        if not tid:
+            log.warning("kvbaton: push request %s has no transfer_id; computing locally", request.request_id)
+            return
+        if num_external_tokens <= 0:
+            # All of it is cached here: cancel so prefill frees its blocks.
+            self._rpc("Cancel", lambda c: c.call(c.rendezvous.Cancel, rpb.CancelRequest(
+                transfer_id=tid, engine_id=self.settings.engine_id, reason="decode has the prefix cached")))
+            return
+        local_all = [int(b) for b in blocks.get_block_ids()[0]]
+        last = min(-(-(hit + num_external_tokens) // self.block_size), len(local_all))
+        first = hit // self.block_size
+        self._loads[request.request_id] = LoadSpec(tid, "", (), tuple(local_all[first:last]), True,
+                                                   mode=MODE_PUSH)
+        offer = rpb.OfferRequest(transfer_id=tid, decode_engine_id=self.settings.engine_id,
+                                 block_ids=local_all[:last], num_tokens=num_external_tokens,
+                                 timeout_ms=int(self.settings.timeout_s * 1000),
+                                 request_id=request.request_id)
+        self._rpc("Offer", lambda c: c.call(c.rendezvous.Offer, offer))
+
+    # ------------------------------------------------------------------ prefill side
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        params = request.kv_transfer_params
+        if not params:
+            return False, None
+        self._local_hit.pop(request.request_id, None)
+        if params.get("do_remote_prefill"):
+            # Decode request finished (aborted) before it was ever allocated: tell the
+            # prefill engine to free its held blocks instead of waiting for its timeout.
+            params["do_remote_prefill"] = False
+            if self._mode(params) == MODE_PUSH and params.get("transfer_id"):
+                from kvbaton.v1 import rendezvous_pb2 as rpb
+
+                cancel = rpb.CancelRequest(transfer_id=str(params["transfer_id"]),
+                                           engine_id=self.settings.engine_id, reason="decode request aborted")
+                self._rpc("Cancel", lambda c: c.call(c.rendezvous.Cancel, cancel))
+            elif params.get("remote_engine_id"):
+                self._loads[request.request_id] = LoadSpec(
+                    str(params.get("transfer_id") or ""), str(params["remote_engine_id"]), (), (), False)
+            return False, None
+        if not params.get("do_remote_decode"):
+            return False, None
+        if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
+            return False, None
+        if not block_ids:
+            return False, None
+        tid = str(params.get("transfer_id") or uuid.uuid4().hex)
+        if self._mode(params) == MODE_PUSH:
+            from kvbaton.v1 import rendezvous_pb2 as rpb
+
+            n_tokens = min(int(request.num_computed_tokens), int(request.num_prompt_tokens))
+            ids = tuple(int(b) for b in block_ids[: -(-n_tokens // self.block_size)])
+            self._sends[request.request_id] = SendSpec(tid, len(ids), self.settings.timeout_s, MODE_PUSH,
+                                                       ids, n_tokens)
+            complete = rpb.CompleteRequest(transfer_id=tid, prefill_engine_id=self.settings.engine_id,
+                                           block_ids=ids, num_tokens=n_tokens,
+                                           timeout_ms=int(self.settings.timeout_s * 1000),
+                                           request_id=request.request_id, writers=1)
+            self._rpc("Complete", lambda c: c.call(c.rendezvous.Complete, complete))
+            return True, {"transfer_id": tid, "transfer_mode": MODE_PUSH, "remote_engine_id": self.settings.engine_id}
+        self._sends[request.request_id] = SendSpec(tid, len(block_ids), self.settings.timeout_s)
+        return True, {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": self.settings.engine_id,
+            "remote_block_ids": [int(b) for b in block_ids],
+            "remote_num_tokens": int(request.num_computed_tokens),
+            "transfer_id": tid,
+            "transfer_mode": self.settings.mode,
+        }
+
+    # ------------------------------------------------------------------ per step
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvbatonMeta:
+        meta = KvbatonMeta(loads=self._loads, sends=self._sends)
+        self._loads, self._sends = {}, {}
+        return meta

@@ -1,0 +1,534 @@
+"""Worker half of the kvbaton connector (runs in ``VLLM::Worker``).
+
+Threads (all named daemons; the model-runner thread never blocks on them):
+
+* ``kvbaton-xfer-<engine>``: owns the :class:`NixlEndpoint` (NIXL agent in no-lock mode:
+  one owner thread). Takes commands from ``_inbox``, posts READs, polls their state and
+  the agent's notifications (that polling is also what progresses UCX for peers reading
+  *our* memory, since the agent runs without NIXL's spinning progress thread), and puts
+  results on ``_results``. It sleeps on the inbox queue with a 1 ms timeout while work is
+  pending and 50 ms when idle, so it is never a busy loop.
+* ``kvbaton-control``: gRPC to the control plane (:mod:`.control`).
+
+Pull mode:
+
+* Decode: each :class:`LoadSpec` → fetch the prefill rank from the registrar (cached per
+  engine), ``add_peer``, plan (coalesced runs), READ with a ``kvb:done:<transfer_id>``
+  notification that NIXL delivers to prefill after the data. Done → ``finished_recving``;
+  any failure (unknown engine, layout mismatch, NIXL error, timeout) → the block ids go to
+  :meth:`get_block_ids_with_load_errors` *and* the request to ``finished_recving``, so
+  vLLM's ``kv_load_failure_policy=recompute`` recomputes it and every block is freed.
+* Prefill: each :class:`SendSpec` holds the request until the done notification for its
+  transfer id arrives or ``timeout_s`` passes; then ``finished_sending`` (vLLM frees).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import json
+import logging
+import os
+import queue
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .control import ControlThread, geometry_fields, role_of
+from .descriptors import plan_transfer
+from .geometry import KvLayout
+from .metadata import MODE_PUSH, NOTIF_DONE, NOTIF_PUSH, KvbatonMeta, KvbatonSettings, LoadSpec, SendSpec
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+    from .nixl_agent import NixlEndpoint, Transfer
+
+log = logging.getLogger("kvbaton.connector.worker")
+
+_BUSY_POLL_S = 0.001
+_IDLE_POLL_S = 0.05
+
+
+def agent_name(engine_id: str, tp_rank: int) -> str:
+    return f"kvb-{engine_id}-r{tp_rank}"
+
+
+@dataclasses.dataclass
+class _Load:
+    req_id: str
+    spec: LoadSpec
+    deadline: float
+    t0: float
+    peer_future: concurrent.futures.Future[Any] | None = None
+    xfer: Transfer | None = None
+    nbytes: int = 0
+    num_descs: int = 0
+    peer: str = ""
+
+
+@dataclasses.dataclass
+class _Held:
+    req_id: str
+    spec: SendSpec
+    deadline: float
+    t0: float
+    match: Any = None  # push: the rendezvous TransferState once matched
+    peer_future: concurrent.futures.Future[Any] | None = None
+    xfer: Transfer | None = None
+    peer: str = ""
+    nbytes: int = 0
+    num_descs: int = 0
+
+
+class StatsLog:
+    """Per-transfer JSON lines in ``stats_dir`` (tests and operators read them) + counters."""
+
+    def __init__(self, stats_dir: str, engine_id: str) -> None:
+        self.counters: dict[str, int] = {}
+        self._path = Path(stats_dir) / f"{engine_id}.worker.jsonl" if stats_dir else None
+        if self._path is not None:
+            self._path.parent.mkdir(parents=True, exist_ok=True)
+
+    def record(self, event: str, **fields: Any) -> None:
+        self.counters[event] = self.counters.get(event, 0) + 1
+        if "nbytes" in fields:
+            self.counters["bytes"] = self.counters.get("bytes", 0) + int(fields["nbytes"])
+        line = {"event": event, "t": time.time(), "pid": os.getpid(), **fields}
+        log.info("kvbaton: %s", json.dumps(line))
+        if self._path is not None:
+            with open(self._path, "a") as f:
+                f.write(json.dumps(line) + "\n")
+
+
+class TransferThread:
+    """The NIXL owner thread (see module docstring)."""
+
+    def __init__(self, settings: KvbatonSettings, tp_rank: int, layout: KvLayout,
+                 control: ControlThread, stats: StatsLog) -> None:
+        self.settings = settings
+        self.layout = layout
+        self.control = control
+        self.stats = stats
+        self.name = agent_name(settings.engine_id, tp_rank)
+        self.inbox: queue.Queue[tuple[str, str, Any]] = queue.Queue()
+        self.results: queue.Queue[tuple[str, str, bool, tuple[int, ...]]] = queue.Queue()
+        self.metadata: bytes = b""
+        self._ready = threading.Event()
+        self._stop = threading.Event()
+        self._error: BaseException | None = None
+        self._loads: list[_Load] = []
+        self._held: dict[str, _Held] = {}  # transfer_id -> held request
+        self._early_acks: dict[str, float] = {}  # acks that arrived before the SendSpec
+        self._early_matches: dict[str, tuple[float, Any]] = {}  # MATCH before the SendSpec
+        self._push_arrived: dict[str, tuple[float, int]] = {}  # push WRITE notifs: tid -> (t, bytes)
+        self._push_failed: dict[str, tuple[float, str]] = {}  # rendezvous said the push is off
+        self._peers: dict[str, tuple[str, KvLayout]] = {}  # engine_id -> (agent, layout)
+        self._ep: NixlEndpoint | None = None
+        self._thread = threading.Thread(target=self._run, name=f"kvbaton-xfer-{settings.engine_id}",
+                                        daemon=True)
+
+    def start(self, timeout_s: float = 60.0) -> None:
+        """Start the thread and wait until the agent exists and the caches are registered."""
+        self._thread.start()
+        if not self._ready.wait(timeout_s):
+            raise RuntimeError("kvbaton transfer thread did not become ready")
+        if self._error is not None:
+            raise RuntimeError("kvbaton transfer thread failed to start") from self._error
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.inbox.put(("stop", "", None))
+        self._thread.join(timeout=5.0)
+
+    # ------------------------------------------------------------------ thread body
+    def _run(self) -> None:
+        from .nixl_agent import NixlEndpoint  # heavy import, only in the worker process
+
+        try:
+            ep = NixlEndpoint(self.name, net_devices=self.settings.ucx_net_devices,
+                              ucx_tls=self.settings.ucx_tls)
+            ep.register_layout(self.layout)
+            ep.on_notif(NOTIF_DONE, self._on_done)
+            ep.on_notif(NOTIF_PUSH, self._on_push)
+            self.metadata = ep.metadata()
+            self._ep = ep
+        except BaseException as exc:  # noqa: BLE001 - surfaced by start()
+            self._error = exc
+            self._ready.set()
+            return
+        self._ready.set()
+        try:
+            while not self._stop.is_set():
+                busy = bool(self._loads or self._held)
+                try:
+                    cmd = self.inbox.get(timeout=_BUSY_POLL_S if busy else _IDLE_POLL_S)
+                    self._handle(cmd)
+                    while True:
+                        self._handle(self.inbox.get_nowait())
+                except queue.Empty:
+                    pass
+                try:
+                    ep.poll_notifs()
+                except Exception:  # noqa: BLE001 - keep the thread alive
+                    log.exception("kvbaton: poll_notifs failed")
+                self._progress_loads()
+                self._progress_writes()
+                self._expire_held()
+        finally:
+            for ld in self._loads:
+                self._finish_load(ld, ok=False, reason="shutdown")
+            ep.close()
+
+    def _handle(self, cmd: tuple[str, str, Any]) -> None:
+        kind, req_id, spec = cmd
+        now = time.monotonic()
+        if kind == "load":
+            ld = _Load(req_id, spec, now + self.settings.timeout_s, now)
+            self._loads.append(ld)
+        elif kind == "event":
+            self._on_event(req_id, spec)
+        elif kind == "send":
+            tid = spec.transfer_id
+            if spec.mode == MODE_PUSH:
+                held = _Held(req_id, spec, now + spec.timeout_s, now)
+                early = self._early_matches.pop(tid, None)
+                if early is not None:
+                    held.match = early[1]
+                self._held[tid] = held
+            elif tid in self._early_acks:
+                self._early_acks.pop(tid)
+                self.stats.record("send_done", transfer_id=tid, req_id=req_id, notif=True, early=True)
+                self.results.put(("sent", req_id, True, ()))
+            else:
+                self._held[tid] = _Held(req_id, spec, now + spec.timeout_s, now)
+
+    def _on_done(self, peer: str, msg: bytes) -> None:
+        tid = msg[len(NOTIF_DONE):].decode(errors="replace")
+        self.stats.record("notif", transfer_id=tid, peer=peer)
+        held = self._held.pop(tid, None)
+        if held is None:
+            self._early_acks[tid] = time.monotonic()
+            return
+        self.stats.record("send_done", transfer_id=tid, req_id=held.req_id, notif=True,
+                          held_s=round(time.monotonic() - held.t0, 6))
+        self.results.put(("sent", held.req_id, True, ()))
+
+    def _on_push(self, peer: str, msg: bytes) -> None:
+        tid, _, nbytes = msg[len(NOTIF_PUSH):].decode(errors="replace").partition(":")
+        self.stats.record("notif", transfer_id=tid, peer=peer, kind="push")
+        self._push_arrived[tid] = (time.monotonic(), int(nbytes or 0))
+
+    def _on_event(self, tid: str, ev: Any) -> None:
+        """A rendezvous event for this engine (from the control thread's subscription)."""
+        from kvbaton.v1 import rendezvous_pb2 as rpb
+
+        T = rpb.RendezvousEvent
+        state = ev.transfer
+        mine_prefill = state.completion.engine_id == self.settings.engine_id
+        if ev.type == T.TYPE_MATCH and mine_prefill:
+            held = self._held.get(tid)
+            if held is not None and held.spec.mode == MODE_PUSH:
+                held.match = state
+            else:
+                self._early_matches[tid] = (time.monotonic(), state)
+        elif ev.type in (T.TYPE_EXPIRED, T.TYPE_CANCELLED):
+            held = self._held.get(tid)
+            if mine_prefill and held is not None and held.xfer is None:
+                del self._held[tid]
+                self.stats.record("send_cancelled", transfer_id=tid, req_id=held.req_id,
+                                  reason=state.reason or rpb.TransferPhase.Name(state.phase))
+                self.results.put(("sent", held.req_id, False, ()))
+            if state.offer.engine_id == self.settings.engine_id:
+                self._push_failed[tid] = (time.monotonic(), state.reason or "expired/cancelled")
+        elif ev.type == T.TYPE_DONE and state.offer.engine_id == self.settings.engine_id:
+            if any(not o.success for o in state.outcomes):
+                self._push_failed[tid] = (time.monotonic(), "prefill reported failure")
+
+    def _expire_held(self) -> None:
+        now = time.monotonic()
+        for tid, held in list(self._held.items()):
+            if now >= held.deadline and held.xfer is None:
+                del self._held[tid]
+                self.stats.record("send_expired", transfer_id=tid, req_id=held.req_id)
+                self.results.put(("sent", held.req_id, False, ()))
+        for box in (self._early_acks, self._push_arrived, self._push_failed, self._early_matches):
+            for tid, v in list(box.items()):
+                t = v if isinstance(v, float) else v[0]
+                if now - t > 2 * self.settings.timeout_s:
+                    del box[tid]
+
+    # ------------------------------------------------------------------ push writes (prefill)
+    def _progress_writes(self) -> None:
+        now = time.monotonic()
+        for tid, held in list(self._held.items()):
+            if held.spec.mode != MODE_PUSH or held.match is None:
+                continue
+            try:
+                done = self._step_write(tid, held, now)
+                err = ""
+            except Exception as exc:  # noqa: BLE001 - any failure: report, free, decode recomputes
+                if held.xfer is not None and self._ep is not None:
+                    self._ep.release(held.xfer)
+                done, err = True, f"{type(exc).__name__}: {exc}"
+            if done:
+                del self._held[tid]
+                self._report_outcome(held, ok=not err, error=err, dur=now - held.t0)
+                self.results.put(("sent", held.req_id, not err, ()))
+
+    def _step_write(self, tid: str, held: _Held, now: float) -> bool:
+        assert self._ep is not None
+        if held.xfer is None:
+            offer = held.match.offer
+            got = self._peer(offer.engine_id, held, now)
+            if got is None:
+                return False
+            peer, remote_layout = got
+            held.peer = peer
+            local = list(held.spec.block_ids)
+            remote = [int(b) for b in offer.block_ids]
+            if len(local) != len(remote):
+                raise ValueError(f"block count mismatch: {len(local)} local vs {len(remote)} offered")
+            # Decode needs only its last num_tokens tokens; the leading blocks are its own
+            # prefix-cache hits (shared) and must not be written.
+            skip = max(0, (held.spec.num_tokens - int(offer.num_tokens)) // self.layout.tokens_per_block)
+            plan = plan_transfer(self.layout, local[skip:], remote_layout, remote[skip:], op="WRITE")
+            held.nbytes, held.num_descs = plan.nbytes, plan.num_descs
+            msg = NOTIF_PUSH + f"{tid}:{plan.nbytes}".encode()
+            try:
+                held.xfer = self._ep.write(plan, peer, msg)
+            except Exception:
+                self._forget_peer(offer.engine_id)
+                raise
+        st = self._ep.state(held.xfer)
+        if st == "DONE":
+            self._ep.release(held.xfer)
+            return True
+        if st == "ERR":
+            self._forget_peer(held.match.offer.engine_id)
+            raise RuntimeError(f"NIXL WRITE to {held.peer} failed")
+        if now >= held.deadline:
+            raise TimeoutError(f"NIXL WRITE to {held.peer} not done after {self.settings.timeout_s}s")
+        return False
+
+    def _report_outcome(self, held: _Held, *, ok: bool, error: str, dur: float) -> None:
+        from kvbaton.v1 import rendezvous_pb2 as rpb
+
+        self.stats.record("send_done" if ok else "send_failed", transfer_id=held.spec.transfer_id,
+                          req_id=held.req_id, mode=MODE_PUSH, write_nbytes=held.nbytes,
+                          num_descs=held.num_descs, error=error, held_s=round(dur, 6))
+        req = rpb.ReportOutcomeRequest(
+            transfer_id=held.spec.transfer_id, attempt=held.match.attempt,
+            outcome=rpb.Outcome(engine_id=self.settings.engine_id, tp_rank=0, success=ok,
+                                bytes=held.nbytes if ok else 0, error=error[:500],
+                                duration_us=int(dur * 1e6)))
+        fut = self.control.submit(lambda c: c.call(c.rendezvous.ReportOutcome, req))
+        fut.add_done_callback(lambda f: f.cancelled() or f.exception() is None or log.warning(
+            "kvbaton: ReportOutcome failed: %r", f.exception()))
+
+    def _peer(self, eid: str, holder: Any, now: float) -> tuple[str, KvLayout] | None:
+        """The peer's (agent, layout), fetched from the registrar once; None while pending."""
+        assert self._ep is not None
+        if eid in self._peers:
+            return self._peers[eid]
+        if holder.peer_future is None:
+            holder.peer_future = self.control.get_engine(eid)
+        if not holder.peer_future.done():
+            if now >= holder.deadline:
+                holder.peer_future.cancel()
+                raise TimeoutError(f"registrar lookup of engine {eid!r} timed out")
+            return None
+        fut, holder.peer_future = holder.peer_future, None
+        resp = fut.result()
+        if not resp.ranks:
+            raise LookupError(f"engine {eid!r} has no registered ranks")
+        rank = resp.ranks[0]
+        layout = KvLayout.from_proto_fields(**geometry_fields(rank))
+        self._ep.add_peer(rank.agent_name, rank.agent_metadata)
+        self._peers[eid] = (rank.agent_name, layout)
+        return self._peers[eid]
+
+    # ------------------------------------------------------------------ loads
+    def _progress_loads(self) -> None:
+        assert self._ep is not None
+        now = time.monotonic()
+        keep: list[_Load] = []
+        for ld in self._loads:
+            try:
+                done = self._step_load(ld, now)
+            except Exception as exc:  # noqa: BLE001 - any failure → recompute
+                if ld.xfer is not None:
+                    self._ep.release(ld.xfer)
+                self._finish_load(ld, ok=False, reason=f"{type(exc).__name__}: {exc}")
+                done = True
+            if not done:
+                keep.append(ld)
+        self._loads = keep
+
+    def _step_load(self, ld: _Load, now: float) -> bool:
+        """Advance one load; True when finished (reported)."""
+        assert self._ep is not None
+        eid = ld.spec.remote_engine_id
+        tid_s = ld.spec.transfer_id
+        if ld.spec.mode == MODE_PUSH:
+            arrived = self._push_arrived.pop(tid_s, None)
+            if arrived is not None:
+                ld.nbytes = arrived[1]
+                self._finish_load(ld, ok=True)
+                return True
+            failed = self._push_failed.pop(tid_s, None)
+            if failed is not None:
+                raise RuntimeError(f"push transfer ended without data: {failed[1]}")
+            if now >= ld.deadline:
+                raise TimeoutError(f"no push WRITE for {tid_s} after {self.settings.timeout_s}s")
+            return False
+        if ld.xfer is None:
+            got = self._peer(eid, ld, now)
+            if got is None:
+                return False
+            peer, remote_layout = got
+            ld.peer = peer
+            tid = ld.spec.transfer_id.encode()
+            if not ld.spec.local_block_ids:
+                self._ep.send_notif(peer, NOTIF_DONE + tid)
+                self._finish_load(ld, ok=True, reason="release-only")
+                return True
+            plan = plan_transfer(self.layout, ld.spec.local_block_ids, remote_layout,
+                                 ld.spec.remote_block_ids, op="READ", coalesce=True)
+            ld.nbytes, ld.num_descs = plan.nbytes, plan.num_descs
+            try:
+                ld.xfer = self._ep.read(plan, peer, NOTIF_DONE + tid)
+            except Exception:
+                # Metadata may be stale (prefill restarted): look it up again next time.
+                self._forget_peer(eid)
+                raise
+        st = self._ep.state(ld.xfer)
+        if st == "DONE":
+            self._ep.release(ld.xfer)
+            self._finish_load(ld, ok=True)
+            return True
+        if st == "ERR":
+            self._forget_peer(eid)
+            raise RuntimeError(f"NIXL READ from {ld.peer} failed")
+        if now >= ld.deadline:
+            raise TimeoutError(f"NIXL READ from {ld.peer} not done after {self.settings.timeout_s}s")
+        return False
+
+    def _forget_peer(self, eid: str) -> None:
+        got = self._peers.pop(eid, None)
+        if got is not None and self._ep is not None:
+            try:
+                self._ep.remove_peer(got[0])
+            except Exception:  # noqa: BLE001
+                log.debug("remove_peer failed", exc_info=True)
+
+    def _finish_load(self, ld: _Load, *, ok: bool, reason: str = "") -> None:
+        dur = time.monotonic() - ld.t0
+        if ok and ld.spec.local_block_ids:
+            self.stats.record("recv_done", transfer_id=ld.spec.transfer_id, req_id=ld.req_id,
+                              nbytes=ld.nbytes, num_descs=ld.num_descs,
+                              num_blocks=len(ld.spec.local_block_ids), duration_s=round(dur, 6))
+        elif ok:
+            self.stats.record("release_sent", transfer_id=ld.spec.transfer_id, req_id=ld.req_id)
+        else:
+            self.stats.record("recv_failed", transfer_id=ld.spec.transfer_id, req_id=ld.req_id,
+                              reason=reason, duration_s=round(dur, 6))
+            if ld.spec.mode == MODE_PUSH and ld.spec.transfer_id:
+                # Tell the rendezvous we gave up, so a late match is refused and prefill
+                # frees its blocks (a write already in flight can still land: not fenced yet).
+                from kvbaton.v1 import rendezvous_pb2 as rpb
+
+                cancel = rpb.CancelRequest(transfer_id=ld.spec.transfer_id, engine_id=self.settings.engine_id,
+                                           reason=f"decode gave up: {reason}"[:200])
+                self.control.submit(lambda c: c.call(c.rendezvous.Cancel, cancel, retries=1))
+            # Let prefill free now rather than at its timeout (best effort).
+            if ld.peer and self._ep is not None and ld.spec.remote_engine_id in self._peers:
+                try:
+                    self._ep.send_notif(ld.peer, NOTIF_DONE + ld.spec.transfer_id.encode())
+                except Exception:  # noqa: BLE001
+                    log.debug("failure notif not sent", exc_info=True)
+        if ld.spec.report_recv:
+            self.results.put(("recv", ld.req_id, ok, ld.spec.local_block_ids))
+
+
+class KvbatonWorker:
+    """Worker-side facade state: hands specs to the transfer thread, reports results."""
+
+    def __init__(self, settings: KvbatonSettings, kv_role: str, tp_rank: int = 0) -> None:
+        self.settings = settings
+        self.kv_role = kv_role
+        self.tp_rank = tp_rank
+        self.stats = StatsLog(settings.stats_dir, settings.engine_id)
+        self._control: ControlThread | None = None
+        self._xfer: TransferThread | None = None
+        self._expect_send: set[str] = set()  # held on the scheduler side for a transfer
+        self._seen_finished: set[str] = set()
+        self._sent_pending: set[str] = set()  # done sending, not yet seen in finished_req_ids
+        self._load_errors: set[int] = set()
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], block_size: int) -> None:
+        # All layers' tensors share one allocation on CPU; KvLayout merges adjacent regions
+        # into one NIXL registration.
+        tensors = list(kv_caches.values())
+        layout = KvLayout.from_tensors(tensors, block_size, block_dim=0)
+        self._control = ControlThread(self.settings.control_plane)
+        self._xfer = TransferThread(self.settings, self.tp_rank, layout, self._control, self.stats)
+        self._xfer.start()
+        from kvbaton.v1 import common_pb2, registrar_pb2
+
+        rank = registrar_pb2.EngineRank(
+            engine_id=self.settings.engine_id, role=role_of(self.kv_role), tp_size=1,
+            tp_rank=self.tp_rank, agent_name=self._xfer.name, agent_metadata=self._xfer.metadata,
+            geometry=common_pb2.KvGeometry(**layout.to_proto_fields()),
+            labels={"mode": self.settings.mode})
+        self._control.register_rank(rank, self.settings.ttl_ms)
+        inbox = self._xfer.inbox
+        self._control.subscribe(self.settings.engine_id, self.tp_rank,
+                                lambda ev: inbox.put(("event", ev.transfer.transfer_id, ev)))
+        log.info("kvbaton: worker ready: engine %s agent %s, %d regions x %d blocks x %d B",
+                 self.settings.engine_id, self._xfer.name, layout.num_regions, layout.num_blocks,
+                 layout.bytes_per_block)
+
+    def on_meta(self, meta: KvbatonMeta | None) -> None:
+        """Hand this step's specs to the transfer thread (called from bind_connector_metadata,
+        which vLLM calls every step, empty ones included)."""
+        if meta is None or self._xfer is None:
+            return
+        for req_id, spec in meta.loads.items():
+            self._xfer.inbox.put(("load", req_id, spec))
+        for req_id, sspec in meta.sends.items():
+            self._expect_send.add(req_id)
+            self._xfer.inbox.put(("send", req_id, sspec))
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        self._seen_finished |= finished_req_ids & self._expect_send
+        recving: set[str] = set()
+        if self._xfer is not None:
+            while True:
+                try:
+                    kind, req_id, ok, blocks = self._xfer.results.get_nowait()
+                except queue.Empty:
+                    break
+                if kind == "sent":
+                    self._sent_pending.add(req_id)
+                else:
+                    recving.add(req_id)
+                    if not ok:
+                        self._load_errors.update(blocks)
+        # vLLM asserts finished_sending ids were seen finished (API notes §4.7).
+        sending = self._sent_pending & self._seen_finished
+        self._sent_pending -= sending
+        self._seen_finished -= sending
+        self._expect_send -= sending
+        return (sending or None), (recving or None)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errs, self._load_errors = self._load_errors, set()
+        return errs
+
+    def shutdown(self) -> None:
+        if self._xfer is not None:
+            self._xfer.stop()
+        if self._control is not None:
+            self._control.close()

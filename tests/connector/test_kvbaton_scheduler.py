@@ -1,0 +1,78 @@
+"""Scheduler-half bookkeeping of the kvbaton connector, without an engine.
+
+These pin the contracts from connector/VLLM_API_NOTES.md that a wrong implementation
+violates silently: offer a remote load once (§0.5), never load into locally prefix-cached
+blocks (§0.6), hold blocks only for finished P requests (§7).
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from vllm.v1.request import RequestStatus  # noqa: E402
+
+from kvbaton.connector.metadata import KvbatonSettings  # noqa: E402
+from kvbaton.connector.scheduler import KvbatonScheduler  # noqa: E402
+
+BS = 128
+
+
+def _req(rid: str, n_prompt: int, params: dict | None, status=RequestStatus.WAITING, computed: int = 0):
+    return types.SimpleNamespace(request_id=rid, prompt_token_ids=list(range(n_prompt)),
+                                 num_prompt_tokens=n_prompt, kv_transfer_params=params,
+                                 status=status, num_computed_tokens=computed)
+
+
+def _blocks(ids: list[int]):
+    return types.SimpleNamespace(get_block_ids=lambda: (list(ids),))
+
+
+@pytest.fixture
+def sched() -> KvbatonScheduler:
+    return KvbatonScheduler(KvbatonSettings(control_plane="127.0.0.1:1", engine_id="d0"), BS)
+
+
+def test_decode_offers_once_and_skips_cached_blocks(sched: KvbatonScheduler) -> None:
+    params = {"do_remote_prefill": True, "remote_engine_id": "p0", "remote_block_ids": [7, 8, 9],
+              "remote_num_tokens": 300, "transfer_id": "t1"}
+    r = _req("r1", 300, params)
+    assert sched.get_num_new_matched_tokens(r, 128) == (172, True)
+    sched.update_state_after_alloc(r, _blocks([4, 5, 6]), 172)
+    meta = sched.build_connector_meta(None)
+    spec = meta.loads["r1"]
+    assert spec.local_block_ids == (5, 6) and spec.remote_block_ids == (8, 9)
+    assert spec.remote_engine_id == "p0" and spec.transfer_id == "t1"
+    # After a failed load the request is re-admitted: it must not be offered again.
+    assert sched.get_num_new_matched_tokens(r, 0) == (0, False)
+    assert sched.build_connector_meta(None).loads == {}
+
+
+def test_prefill_holds_blocks_and_returns_params(sched: KvbatonScheduler) -> None:
+    r = _req("p1", 200, {"do_remote_decode": True, "transfer_id": "t2"},
+             status=RequestStatus.FINISHED_LENGTH_CAPPED, computed=200)
+    hold, out = sched.request_finished(r, [3, 4])
+    assert hold and out is not None
+    assert out["do_remote_prefill"] and out["remote_block_ids"] == [3, 4]
+    assert out["remote_engine_id"] == "d0" and out["transfer_id"] == "t2"
+    assert sched.build_connector_meta(None).sends["p1"].transfer_id == "t2"
+
+
+def test_aborted_prefill_and_plain_requests_free_at_once(sched: KvbatonScheduler) -> None:
+    aborted = _req("p2", 200, {"do_remote_decode": True}, status=RequestStatus.FINISHED_ABORTED)
+    assert sched.request_finished(aborted, [3, 4]) == (False, None)
+    plain = _req("x", 10, None, status=RequestStatus.FINISHED_STOPPED)
+    assert sched.request_finished(plain, [1]) == (False, None)
+    assert sched.get_num_new_matched_tokens(plain, 0) == (0, False)
+
+
+def test_decode_aborted_before_alloc_releases_prefill(sched: KvbatonScheduler) -> None:
+    params = {"do_remote_prefill": True, "remote_engine_id": "p0", "remote_block_ids": [7],
+              "transfer_id": "t3"}
+    r = _req("r3", 50, params, status=RequestStatus.FINISHED_ABORTED)
+    assert sched.request_finished(r, []) == (False, None)
+    spec = sched.build_connector_meta(None).loads["r3"]
+    assert spec.local_block_ids == () and not spec.report_recv and spec.transfer_id == "t3"
