@@ -40,6 +40,7 @@ class KvbatonClient:
             raise ValueError("no control-plane address")
         self.timeout_s = timeout_s
         self._index = 0
+        self._renewer: _RenewalBatcher | None = None
         self._connect()
 
     def _connect(self) -> None:
@@ -67,6 +68,8 @@ class KvbatonClient:
         await asyncio.wait_for(self.channel.channel_ready(), timeout_s)
 
     async def close(self) -> None:
+        if self._renewer is not None:
+            await self._renewer.close()
         await self.channel.close(grace=0)
 
     async def __aenter__(self) -> "KvbatonClient":
@@ -104,32 +107,23 @@ class KvbatonClient:
         service, name = path.rsplit("/", 1)
         return self._STUBS[service.rsplit(".", 1)[-1].lstrip("/")], name
 
-    async def subscribe(self, engine_id: str, tp_rank: int = 0, *, after_revision: int = 0,
-                        heartbeats: bool = False) -> AsyncIterator[rendezvous_pb2.RendezvousEvent]:
-        """Rendezvous events for an engine rank, resumed across disconnects without loss
-        or duplicates (events are de-duplicated by revision)."""
-        last = after_revision
+    async def _resumable(self, open_stream, on_event) -> AsyncIterator:
+        """Runs a server stream and re-opens it after a transport failure (on the next
+        replica, with jittered backoff). ``open_stream()`` builds the call from the
+        caller's resume state; ``on_event(event)`` updates that state and says whether to
+        yield the event."""
         backoff = 0.05
         while True:
-            stream = self.rendezvous.Subscribe(rendezvous_pb2.SubscribeRequest(
-                engine_id=engine_id, tp_rank=tp_rank, after_revision=last))
+            stream = open_stream()
             try:
                 async for event in stream:
                     backoff = 0.05
-                    if event.type == rendezvous_pb2.RendezvousEvent.TYPE_HEARTBEAT:
-                        if last == 0:
-                            last = event.revision
-                        if heartbeats:
-                            yield event
-                        continue
-                    if event.revision and event.revision <= last and event.type != rendezvous_pb2.RendezvousEvent.TYPE_MATCH:
-                        continue
-                    last = max(last, event.revision)
-                    yield event
+                    if on_event(event):
+                        yield event
             except grpc.aio.AioRpcError as exc:
                 if exc.code() not in _RETRYABLE:
                     raise
-                log.info("client.subscribe_reconnect", code=exc.code().name, after_revision=last)
+                log.info("client.stream_reconnect", code=exc.code().name, address=self.address)
             finally:
                 stream.cancel()
             if len(self.addresses) > 1:
@@ -137,32 +131,125 @@ class KvbatonClient:
             await asyncio.sleep(backoff * (1 + random.random()))
             backoff = min(backoff * 2, 2.0)
 
-    async def watch_leases(self, engine_id: str = "", *, snapshot: bool = True) -> AsyncIterator[lease_pb2.LeaseEvent]:
-        """Lease events for an engine (or all), resumed across disconnects."""
-        last = 0
-        first = snapshot
+    def subscribe(self, engine_id: str, tp_rank: int = 0, *, after_revision: int = 0,
+                  heartbeats: bool = False) -> AsyncIterator[rendezvous_pb2.RendezvousEvent]:
+        """Rendezvous events for an engine rank, resumed across disconnects from the last
+        revision seen, so nothing is lost or repeated."""
+        Ev = rendezvous_pb2.RendezvousEvent
+        state = {"last": after_revision}
+
+        def open_stream():
+            return self.rendezvous.Subscribe(rendezvous_pb2.SubscribeRequest(
+                engine_id=engine_id, tp_rank=tp_rank, after_revision=state["last"]))
+
+        def on_event(event) -> bool:
+            if event.type == Ev.TYPE_HEARTBEAT:
+                state["last"] = state["last"] or event.revision
+                return heartbeats
+            # A fresh subscription replays pending matches at older revisions: keep those.
+            if event.revision and event.revision <= state["last"] and event.type != Ev.TYPE_MATCH:
+                return False
+            state["last"] = max(state["last"], event.revision)
+            return True
+
+        return self._resumable(open_stream, on_event)
+
+    def watch_leases(self, engine_id: str = "", *, snapshot: bool = True) -> AsyncIterator[lease_pb2.LeaseEvent]:
+        """Lease events for an engine (or all), resumed across disconnects; the snapshot
+        of live leases comes first when ``snapshot`` is set."""
+        state = {"last": 0}
+
+        def open_stream():
+            return self.lease.Watch(lease_pb2.WatchLeasesRequest(
+                engine_id=engine_id, snapshot=snapshot and state["last"] == 0, after_revision=state["last"]))
+
+        def on_event(event) -> bool:
+            if event.type == lease_pb2.LeaseEvent.TYPE_HEARTBEAT:
+                state["last"] = state["last"] or event.revision
+                return False
+            state["last"] = max(state["last"], event.revision)
+            return True
+
+        return self._resumable(open_stream, on_event)
+
+    async def renew(self, conversation_id: str, *, lease_id: str = "", ttl_ms: int = 0) -> lease_pb2.RenewResult:
+        """Renews over the client's one KeepAlive stream, batched with every other renewal
+        in flight (an agent framework with a thousand conversations sends a few messages
+        a second, not a thousand calls)."""
+        if self._renewer is None:
+            self._renewer = _RenewalBatcher(self)
+        return await self._renewer.renew(lease_pb2.RenewRequest(conversation_id=conversation_id, lease_id=lease_id,
+                                                                ttl_ms=ttl_ms))
+
+
+class _RenewalBatcher:
+    """Multiplexes renewals onto one KeepAlive stream: requests queued while a batch is
+    being sent go out together in the next one; a broken stream is re-opened and the
+    unanswered renewals are sent again (renewing twice is harmless)."""
+
+    def __init__(self, client: KvbatonClient, max_batch: int = 1000) -> None:
+        self.client = client
+        self.max_batch = max_batch
+        self._queue: list[tuple[lease_pb2.RenewRequest, asyncio.Future]] = []
+        self._wakeup = asyncio.Event()
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="kvbaton-keepalive")
+
+    async def renew(self, req: lease_pb2.RenewRequest) -> lease_pb2.RenewResult:
+        fut = asyncio.get_running_loop().create_future()
+        self._queue.append((req, fut))
+        self._wakeup.set()
+        return await asyncio.wait_for(fut, self.client.timeout_s * 2)
+
+    async def _run(self) -> None:
         backoff = 0.05
+        generation = 0
         while True:
-            stream = self.lease.Watch(lease_pb2.WatchLeasesRequest(engine_id=engine_id, snapshot=first, after_revision=last))
+            inflight: dict[int, list[tuple[lease_pb2.RenewRequest, asyncio.Future]]] = {}
+            seq = 0
+            generation += 1
+
+            async def requests(mine: int = generation):
+                nonlocal seq
+                while True:
+                    await self._wakeup.wait()
+                    if mine != generation:
+                        return  # a broken stream's iterator must not take the new stream's work
+                    self._wakeup.clear()
+                    while self._queue:
+                        batch, self._queue = self._queue[: self.max_batch], self._queue[self.max_batch :]
+                        batch = [(r, f) for r, f in batch if not f.done()]
+                        if not batch:
+                            continue
+                        seq += 1
+                        inflight[seq] = batch
+                        yield lease_pb2.KeepAliveRequest(seq=seq, renewals=[r for r, _ in batch])
+
+            call = self.client.lease.KeepAlive(requests())
             try:
-                async for event in stream:
+                async for resp in call:
                     backoff = 0.05
-                    if event.type == lease_pb2.LeaseEvent.TYPE_HEARTBEAT:
-                        last = max(last, event.revision) if last == 0 else last
-                        continue
-                    last = max(last, event.revision)
-                    yield event
-                first = False
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() not in _RETRYABLE:
-                    raise
-                first = last == 0 and snapshot
-            finally:
-                stream.cancel()
-            if len(self.addresses) > 1:
-                await self.reconnect()
+                    for (_, fut), result in zip(inflight.pop(resp.seq, []), resp.results):
+                        if not fut.done():
+                            fut.set_result(result)
+            except asyncio.CancelledError:
+                call.cancel()
+                raise
+            except Exception as exc:  # the stream broke; whatever the cause, open another
+                call.cancel()
+                log.info("client.keepalive_reconnect", error=repr(exc)[:200])
+                if len(self.client.addresses) > 1:
+                    await self.client.reconnect()
+            # Unanswered renewals go out again on the new stream.
+            self._queue[:0] = [item for batch in inflight.values() for item in batch]
+            if self._queue:
+                self._wakeup.set()
             await asyncio.sleep(backoff * (1 + random.random()))
             backoff = min(backoff * 2, 2.0)
+
+    async def close(self) -> None:
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
 
 
 class LeaseKeeper:
@@ -196,8 +283,7 @@ class LeaseKeeper:
         return self
 
     async def renew_once(self) -> lease_pb2.RenewResult:
-        req = lease_pb2.RenewRequest(conversation_id=self.conversation_id, ttl_ms=self.ttl_ms)
-        result = await self.client.call(self.client.lease.Renew, req)
+        result = await self.client.renew(self.conversation_id, ttl_ms=self.ttl_ms)
         self.last = result
         if result.status == lease_pb2.RENEW_STATUS_OK:
             self.renewals += 1
@@ -216,9 +302,9 @@ class LeaseKeeper:
                     # A newer turn's lease replaces this one; keep renewing whatever is current.
                     if result.status == lease_pb2.RENEW_STATUS_ENDED:
                         log.info("lease_keeper.ended", conversation_id=self.conversation_id, error=result.error)
-            except grpc.aio.AioRpcError as exc:
+            except (grpc.aio.AioRpcError, TimeoutError) as exc:
                 self.failures += 1
-                log.warning("lease_keeper.renew_failed", conversation_id=self.conversation_id, code=exc.code().name)
+                log.warning("lease_keeper.renew_failed", conversation_id=self.conversation_id, error=repr(exc))
 
     async def release(self, reason: str = "conversation finished") -> lease_pb2.LeaseInfo:
         await self.stop()

@@ -33,27 +33,23 @@ def _dump_tasks_if_stuck():
     """If a test hangs, print every asyncio task's stack before pytest-timeout fires:
     the thread dump alone only shows the idle event loop."""
     import asyncio
+    import gc
     import sys
     import threading
 
-    loop_holder: list = []
-    try:
-        loop_holder.append(asyncio.get_event_loop_policy().get_event_loop())
-    except Exception:
-        pass
     done = threading.Event()
 
     def watchdog() -> None:
         if done.wait(90):
             return
-        for loop in loop_holder:
-            def dump() -> None:
+        loops = [o for o in gc.get_objects() if isinstance(o, asyncio.AbstractEventLoop) and o.is_running()]
+        for loop in loops:
+            def dump(loop=loop) -> None:
                 for task in asyncio.all_tasks(loop):
-                    print(f"--- stuck task {task.get_name()}", file=sys.stderr)
+                    print(f"--- stuck task {task.get_name()}: {task.get_coro()}", file=sys.stderr)
                     task.print_stack(file=sys.stderr)
             loop.call_soon_threadsafe(dump)
 
-    t = threading.Thread(target=watchdog, daemon=True, name="stuck-test-watchdog")
-    t.start()
+    threading.Thread(target=watchdog, daemon=True, name="stuck-test-watchdog").start()
     yield
     done.set()

@@ -10,15 +10,8 @@ leaked blocks).
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import json
 import os
-import signal
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,93 +19,32 @@ from typing import Any
 import pytest
 
 from kvbaton.tinymodel import ensure_tiny_model
-from tests.harness.vllm_server import VllmServer, free_port, small_engine_args
+from tests.harness.pd_stack import PdStack, post_json, stream_request, usage_back_to_zero
+from tests.harness.vllm_server import VllmServer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
-ROOT = Path(__file__).resolve().parents[2]
-PY = sys.executable
-
-
-def _kv_config(cp: str, engine_id: str, stats_dir: Path, mode: str = "pull") -> str:
-    return json.dumps({
-        "kv_connector": "KvbatonConnector",
-        "kv_connector_module_path": "kvbaton.connector.kvbaton_connector",
-        "kv_role": "kv_both",
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {
-            "control_plane": cp, "mode": mode, "engine_id": engine_id, "timeout_s": 20,
-            "stats_dir": str(stats_dir), "ucx_net_devices": "lo", "ucx_tls": "tcp,self,sm",
-        },
-    })
-
-
-def _wait_port(port: int, proc: subprocess.Popen[bytes], timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"process exited rc={proc.returncode}")
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5):
-            return
-        time.sleep(0.1)
-    raise TimeoutError(f"port {port} not listening after {timeout_s}s")
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
-
-
-def _post(url: str, body: dict[str, Any], timeout_s: float = 120.0) -> tuple[int, bytes]:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout_s) as r:
-            return r.status, r.read()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read()
+_post = post_json
+_usage_back_to_zero = usage_back_to_zero
 
 
 def _stream_ttft(url: str, body: dict[str, Any], timeout_s: float = 120.0) -> tuple[float, str]:
-    """(seconds to the first SSE data line with text, full text) of a streamed completion."""
-    req = urllib.request.Request(url, data=json.dumps({**body, "stream": True}).encode(), method="POST",
-                                 headers={"Content-Type": "application/json"})
-    t0 = time.perf_counter()
-    ttft = -1.0
-    text = []
-    with urllib.request.urlopen(req, timeout=timeout_s) as r:
-        for raw in r:
-            line = raw.decode().strip()
-            if not line.startswith("data:") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[5:])
-            piece = chunk["choices"][0].get("text", "")
-            if piece and ttft < 0:
-                ttft = time.perf_counter() - t0
-            text.append(piece)
-    return ttft, "".join(text)
+    """(seconds to the first streamed text chunk, full text)."""
+    r = stream_request(url, body, timeout_s=timeout_s)
+    return r.ttft_s, r.text
 
 
 class PD:
-    """Everything the tests talk to."""
+    """Everything the tests talk to (a view of the shared :class:`PdStack`)."""
 
-    def __init__(self, p: VllmServer, d: VllmServer, router_url: str, push_router_url: str,
-                 stats_dir: Path) -> None:
-        self.p, self.d, self.router_url, self.stats_dir = p, d, router_url, stats_dir
-        self.push_router_url = push_router_url
-
-    def events(self, engine: str, event: str) -> list[dict[str, Any]]:
-        path = self.stats_dir / f"{engine}.worker.jsonl"
-        if not path.exists():
-            return []
-        return [e for e in map(json.loads, path.read_text().splitlines()) if e["event"] == event]
+    def __init__(self, stack: PdStack) -> None:
+        assert stack.p is not None and stack.d is not None
+        self.p: VllmServer = stack.p
+        self.d: VllmServer = stack.d
+        self.router_url = stack.routers["pull"]
+        self.push_router_url = stack.routers["push"]
+        self.stats_dir = stack.stats_dir
+        self.events = stack.events
 
     def body(self, prompt: str, max_tokens: int = 16) -> dict[str, Any]:
         return {"model": self.p.served_model_name, "prompt": prompt, "max_tokens": max_tokens,
@@ -121,43 +53,9 @@ class PD:
 
 @pytest.fixture(scope="module")
 def pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PD]:
-    work = tmp_path_factory.mktemp("pd")
     model = ensure_tiny_model(Path(os.environ.get("KVBATON_TINY_MODEL", "/tmp/kvbaton-tiny-model")))
-    stats = work / "stats"
-    cp_port = free_port()
-    cp_log = open(work / "cp.log", "wb")
-    cp = subprocess.Popen([str(Path(PY).parent / "kvbaton"), "serve", "--listen", f"127.0.0.1:{cp_port}"],
-                          stdout=cp_log, stderr=subprocess.STDOUT, start_new_session=True)
-    procs: list[subprocess.Popen[bytes]] = [cp]
-    servers: list[VllmServer] = []
-    try:
-        _wait_port(cp_port, cp)
-        cpa = f"127.0.0.1:{cp_port}"
-        p = VllmServer(model, extra_args=[*small_engine_args(), "--kv-transfer-config", _kv_config(cpa, "p0", stats)],
-                       env={"VLLM_CPU_OMP_THREADS_BIND": "0"}, log_path=work / "p.log", served_model_name="tiny")
-        d = VllmServer(model, extra_args=[*small_engine_args(), "--kv-transfer-config", _kv_config(cpa, "d0", stats)],
-                       env={"VLLM_CPU_OMP_THREADS_BIND": "1"}, log_path=work / "d.log", served_model_name="tiny")
-        servers += [p, d]
-        with concurrent.futures.ThreadPoolExecutor(2) as ex:
-            for f in [ex.submit(s.start) for s in servers]:
-                f.result()
-        urls = []
-        for mode in ("pull", "push"):
-            rport = free_port()
-            rlog = open(work / f"router-{mode}.log", "wb")
-            router = subprocess.Popen([PY, "-m", "kvbaton.services.router", "--prefill", p.base_url,
-                                       "--decode", d.base_url, "--mode", mode, "--port", str(rport)],
-                                      stdout=rlog, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
-            procs.append(router)
-            _wait_port(rport, router)
-            urls.append(f"http://127.0.0.1:{rport}")
-        yield PD(p, d, urls[0], urls[1], stats)
-    finally:
-        for s in reversed(servers):
-            with contextlib.suppress(Exception):
-                s.stop()
-        for proc in reversed(procs):
-            _stop(proc)
+    with PdStack(model, tmp_path_factory.mktemp("pd"), router_modes=("pull", "push"), timeout_s=20) as stack:
+        yield PD(stack)
 
 
 PROMPTS = [
@@ -165,15 +63,6 @@ PROMPTS = [
     "Hello there, decode engine 42. " * 25,
     "Once upon a time",  # one partial block
 ]
-
-
-def _usage_back_to_zero(srv: VllmServer, timeout_s: float = 15.0) -> float:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        u = srv.metric("vllm:kv_cache_usage_perc") or 0.0
-        if u == 0.0 or time.monotonic() > deadline:
-            return u
-        time.sleep(0.2)
 
 
 def test_pull_outputs_match_single_engine(pd: PD) -> None:

@@ -1,0 +1,350 @@
+"""Start and stop a whole P/D stack (control plane, prefill + decode vLLM, routers) for
+tests, the demo and the benchmark, without leaking processes.
+
+Why one module: the e2e tests, the fault tests, ``kvbaton.pd_demo`` and
+``benchmarks/pd_compare.py`` all need the same four things started the same way, and
+the details are easy to get subtly wrong on a 2-core box:
+
+- P is pinned to core 0 and D to core 1 (``VLLM_CPU_OMP_THREADS_BIND``; vLLM's default
+  pins *every* engine's worker to core 0, API notes §0.3), and both start in parallel
+  (≈30 s each; sequential would double the wait).
+- Every child runs in its own session so a stop kills its whole tree (vLLM's
+  EngineCore and Worker outlive their API process otherwise), and every wait and every
+  HTTP call has a timeout (a client waiting on a killed server hangs forever).
+- The connectors' stats files (``<engine>.worker.jsonl``) are the only place that says
+  KV really moved (bytes, notifications): :meth:`PdStack.events` reads them.
+
+Two connectors are supported: ``"kvbaton"`` (needs the control plane, which is started
+too) and ``"nixl"`` (vLLM's own ``NixlConnector``, pull, for comparisons; it uses its
+ZMQ side channel, so each engine gets its own ``VLLM_NIXL_SIDE_CHANNEL_PORT``).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import dataclasses
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, IO
+
+from tests.harness.vllm_server import VllmServer, free_port, small_engine_args
+
+__all__ = [
+    "PdStack", "StreamResult", "kvbaton_kv_config", "nixl_kv_config", "post_json", "stop_group",
+    "stream_request", "usage_back_to_zero", "wait_port",
+]
+
+ROOT = Path(__file__).resolve().parents[2]
+PY = sys.executable
+
+
+# ---------------------------------------------------------------------- configs
+
+def kvbaton_kv_config(cp: str, engine_id: str, stats_dir: Path | str, *, mode: str = "pull",
+                      timeout_s: float = 20.0, kv_role: str = "kv_both") -> str:
+    """``--kv-transfer-config`` for the kvbaton connector on loopback.
+
+    ``recompute`` (not vLLM's default ``fail``) so a transfer that did not happen costs a
+    local prefill instead of an HTTP 500; ``timeout_s`` bounds every hold and wait."""
+    return json.dumps({
+        "kv_connector": "KvbatonConnector",
+        "kv_connector_module_path": "kvbaton.connector.kvbaton_connector",
+        "kv_role": kv_role,
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {
+            "control_plane": cp, "mode": mode, "engine_id": engine_id, "timeout_s": timeout_s,
+            "stats_dir": str(stats_dir), "ucx_net_devices": "lo", "ucx_tls": "tcp,self,sm",
+        },
+    })
+
+
+def nixl_kv_config() -> str:
+    """``--kv-transfer-config`` for vLLM's own ``NixlConnector`` with host (CPU) buffers."""
+    return json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu",
+                       "kv_load_failure_policy": "recompute"})
+
+
+def _nixl_env(side_channel_port: int) -> dict[str, str]:
+    """Loopback UCX for NixlConnector (measured working: vllm-cpu-notes.md)."""
+    return {"VLLM_HOST_IP": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel_port),
+            "UCX_TLS": "tcp,self,sm", "UCX_NET_DEVICES": "lo"}
+
+
+# ---------------------------------------------------------------------- processes
+
+def wait_port(port: int, proc: subprocess.Popen[bytes], timeout_s: float = 30.0) -> None:
+    """Wait until something listens on ``port``; fail early if ``proc`` died."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"process {proc.args!r} exited rc={proc.returncode}")
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            return
+        time.sleep(0.1)
+    raise TimeoutError(f"port {port} not listening after {timeout_s}s")
+
+
+def stop_group(proc: subprocess.Popen[bytes], grace_s: float = 10.0) -> None:
+    """SIGTERM the process group of a ``start_new_session`` child, SIGKILL after ``grace_s``."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(grace_s)
+    else:  # leader gone: make sure nothing of its group is left either
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+# ---------------------------------------------------------------------- HTTP
+
+def post_json(url: str, body: dict[str, Any], timeout_s: float = 120.0) -> tuple[int, bytes]:
+    """POST JSON; (status, body) also for HTTP errors, so callers can assert on them."""
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+@dataclasses.dataclass
+class StreamResult:
+    """A streamed completion as the client saw it."""
+
+    text: str
+    ttft_s: float  # to the first chunk carrying text (-1 if none)
+    total_s: float
+    chunk_times_s: list[float]  # arrival of every text-carrying chunk, from the request start
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Mean inter-token time after the first (vLLM streams one token per chunk here)."""
+        t = self.chunk_times_s
+        return (t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else None
+
+
+def stream_request(url: str, body: dict[str, Any], timeout_s: float = 120.0) -> StreamResult:
+    """Stream ``/v1/completions`` or ``/v1/chat/completions`` and time every chunk.
+
+    ``timeout_s`` is urllib's per-socket-read timeout: a stalled stream raises instead
+    of hanging. Raises ``urllib.error.HTTPError`` on a non-200 answer."""
+    req = urllib.request.Request(url, data=json.dumps({**body, "stream": True}).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    t0 = time.perf_counter()
+    times: list[float] = []
+    text: list[str] = []
+    with urllib.request.urlopen(req, timeout=timeout_s) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[5:])
+            if not chunk.get("choices"):
+                continue
+            ch = chunk["choices"][0]
+            piece = ch.get("text") or (ch.get("delta") or {}).get("content") or ""
+            if piece:
+                times.append(time.perf_counter() - t0)
+                text.append(piece)
+    return StreamResult("".join(text), times[0] if times else -1.0, time.perf_counter() - t0, times)
+
+
+def usage_back_to_zero(srv: VllmServer, timeout_s: float = 15.0) -> float:
+    """Poll ``vllm:kv_cache_usage_perc`` until 0 (nothing held or leaked) or ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        u = srv.metric("vllm:kv_cache_usage_perc") or 0.0
+        if u == 0.0 or time.monotonic() > deadline:
+            return u
+        time.sleep(0.2)
+
+
+# ---------------------------------------------------------------------- the stack
+
+class PdStack:
+    """Control plane (kvbaton only) + P on core 0 + D on core 1 + one router per mode.
+
+    Args:
+        model: model directory (``kvbaton.tinymodel.ensure_tiny_model``).
+        workdir: logs and connector stats go here.
+        connector: ``"kvbaton"`` or ``"nixl"`` (vLLM's NixlConnector, pull only).
+        router_modes: a router subprocess is started for each (``"pull"``, ``"push"``).
+        timeout_s: the kvbaton connector's hold/wait bound (``timeout_s`` extra config).
+        engine_args: extra vLLM arguments (after :func:`small_engine_args`).
+        startup_timeout_s: per engine; generous because a loaded box was seen at >8 min.
+
+    Use as a context manager; :meth:`stop` is idempotent and stops everything started,
+    also after a failed start.
+    """
+
+    def __init__(self, model: Path | str, workdir: Path | str, *, connector: str = "kvbaton",
+                 router_modes: Sequence[str] = ("pull", "push"), timeout_s: float = 20.0,
+                 engine_args: Sequence[str] = (), startup_timeout_s: float = 600.0,
+                 prefill_id: str = "p0", decode_id: str = "d0") -> None:
+        if connector not in ("kvbaton", "nixl"):
+            raise ValueError(f"connector must be kvbaton or nixl, got {connector!r}")
+        self.model = Path(model)
+        self.workdir = Path(workdir)
+        self.connector = connector
+        self.router_modes = list(router_modes)
+        self.timeout_s = timeout_s
+        self.engine_args = list(engine_args)
+        self.startup_timeout_s = startup_timeout_s
+        self.prefill_id, self.decode_id = prefill_id, decode_id
+        self.stats_dir = self.workdir / "stats"
+        self.cp_address = ""
+        self.p: VllmServer | None = None
+        self.d: VllmServer | None = None
+        self.routers: dict[str, str] = {}  # mode -> base URL
+        self._procs: list[subprocess.Popen[bytes]] = []
+        self._logs: list[IO[bytes]] = []
+        self._servers: list[VllmServer] = []
+        self._channel: Any = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def _spawn(self, name: str, cmd: list[str]) -> subprocess.Popen[bytes]:
+        log = open(self.workdir / f"{name}.log", "wb")
+        self._logs.append(log)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True, cwd=ROOT)
+        self._procs.append(proc)
+        return proc
+
+    def start(self) -> PdStack:
+        """Start everything; on any failure stop what was started and re-raise."""
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        try:
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start(self) -> None:
+        envs: list[dict[str, str]] = [{"VLLM_CPU_OMP_THREADS_BIND": "0"}, {"VLLM_CPU_OMP_THREADS_BIND": "1"}]
+        if self.connector == "kvbaton":
+            port = free_port()
+            cp = self._spawn("cp", [str(Path(PY).parent / "kvbaton"), "serve", "--listen", f"127.0.0.1:{port}"])
+            wait_port(port, cp)
+            self.cp_address = f"127.0.0.1:{port}"
+            configs = [kvbaton_kv_config(self.cp_address, eid, self.stats_dir, timeout_s=self.timeout_s)
+                       for eid in (self.prefill_id, self.decode_id)]
+        else:
+            configs = [nixl_kv_config()] * 2
+            for env in envs:
+                env.update(_nixl_env(free_port()))
+        self.p, self.d = (
+            VllmServer(self.model, extra_args=[*small_engine_args(), *self.engine_args, "--kv-transfer-config", c],
+                       env=env, log_path=self.workdir / f"{name}.log", served_model_name="tiny",
+                       startup_timeout_s=self.startup_timeout_s)
+            for name, c, env in (("prefill", configs[0], envs[0]), ("decode", configs[1], envs[1])))
+        self._servers = [self.p, self.d]
+        with concurrent.futures.ThreadPoolExecutor(2) as ex:
+            futures = [ex.submit(s.start) for s in self._servers]
+            for f in futures:  # wait for both, then raise the first error
+                f.exception(timeout=self.startup_timeout_s + 60)
+            for f in futures:
+                f.result(timeout=0)
+        for mode in self.router_modes:
+            rport = free_port()
+            router = self._spawn(f"router-{mode}", [
+                PY, "-m", "kvbaton.services.router", "--prefill", self.p.base_url, "--decode", self.d.base_url,
+                "--mode", mode, "--port", str(rport)])
+            wait_port(rport, router)
+            self.routers[mode] = f"http://127.0.0.1:{rport}"
+
+    def stop(self) -> None:
+        """Stop routers, engines, control plane (reverse order) and verify nothing is left."""
+        errors: list[BaseException] = []
+        for proc in reversed(self._procs[1:] if self.cp_address else self._procs):
+            stop_group(proc)
+        for s in reversed(self._servers):
+            try:
+                s.stop()
+            except Exception as exc:  # noqa: BLE001 - keep stopping the others
+                errors.append(exc)
+        if self.cp_address and self._procs:
+            stop_group(self._procs[0])
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
+        for log in self._logs:
+            log.close()
+        self._procs, self._servers, self._logs = [], [], []
+        if errors:
+            raise errors[0]
+
+    def __enter__(self) -> PdStack:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # ------------------------------------------------------------------ observing
+    def events(self, engine: str, event: str | None = None, *, since: int = 0) -> list[dict[str, Any]]:
+        """The connector's stats events of ``engine`` (all, or those named ``event``),
+        starting at line ``since`` (see :meth:`event_count`)."""
+        path = self.stats_dir / f"{engine}.worker.jsonl"
+        if not path.exists():
+            return []
+        lines = path.read_text().splitlines()[since:]
+        evs = [json.loads(x) for x in lines if x.strip()]
+        return [e for e in evs if event is None or e["event"] == event]
+
+    def event_count(self, engine: str) -> int:
+        """Lines in ``engine``'s stats file so far: a bookmark for :meth:`events`."""
+        path = self.stats_dir / f"{engine}.worker.jsonl"
+        return len(path.read_text().splitlines()) if path.exists() else 0
+
+    def rendezvous(self) -> Any:
+        """A synchronous Rendezvous stub (tests poll transfer phases with it)."""
+        import grpc
+
+        from kvbaton.v1 import rendezvous_pb2_grpc
+
+        if self._channel is None:
+            self._channel = grpc.insecure_channel(self.cp_address)
+        return rendezvous_pb2_grpc.RendezvousStub(self._channel)
+
+    def transfer_phase(self, transfer_id: str) -> str:
+        """Phase name of ``transfer_id`` (e.g. ``"OFFERED"``), ``""`` if the plane has none."""
+        import grpc
+
+        from kvbaton.v1 import rendezvous_pb2
+
+        try:
+            st = self.rendezvous().GetTransfer(rendezvous_pb2.GetTransferRequest(transfer_id=transfer_id),
+                                               timeout=2.0)
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.NOT_FOUND:
+                return ""
+            raise
+        return rendezvous_pb2.TransferPhase.Name(st.phase).removeprefix("TRANSFER_PHASE_")
+
+    def wait_phase(self, transfer_id: str, phases: Sequence[str], timeout_s: float = 10.0) -> str:
+        """Poll until ``transfer_id`` is in one of ``phases``; raise TimeoutError otherwise."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            ph = self.transfer_phase(transfer_id)
+            if ph in phases:
+                return ph
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"transfer {transfer_id} in phase {ph or 'none'!r}, wanted {list(phases)}")
+            time.sleep(0.02)
