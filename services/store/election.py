@@ -215,9 +215,13 @@ class Election:
     async def _stop_tasks(self) -> None:
         me = asyncio.current_task()
         tasks, self._tasks = [t for t in self._tasks if t is not me], []
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        pending = set(tasks)
+        while pending:
+            for t in pending:
+                t.cancel()
+            # Python 3.11's wait_for can swallow a cancellation that races its inner
+            # future's completion; a task that survived one cancel gets another.
+            _, pending = await asyncio.wait(pending, timeout=1.0)
         if self._watch is not None:
             await self._watch.close()
             self._watch = None
