@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import random
 from collections.abc import AsyncIterator, Sequence
 
@@ -27,6 +28,52 @@ _RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, gr
               grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN)
 
 
+@dataclasses.dataclass(frozen=True)
+class ClientTls:
+    """Files for a TLS channel: the CA that signed the server, and for mutual TLS this
+    client's certificate and key."""
+
+    ca_file: str
+    cert_file: str = ""
+    key_file: str = ""
+    server_name: str = ""
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        read = lambda p: open(p, "rb").read() if p else None  # noqa: E731
+        return grpc.ssl_channel_credentials(root_certificates=read(self.ca_file), private_key=read(self.key_file),
+                                            certificate_chain=read(self.cert_file))
+
+
+class _BearerToken:
+    """Adds ``authorization: Bearer <token>`` to every call (grpc.aio files an interceptor
+    under one call type only, hence one subclass per type below)."""
+
+    def __init__(self, token: str) -> None:
+        self.header = ("authorization", f"Bearer {token}")
+
+    def _details(self, d):
+        return d._replace(metadata=list(d.metadata or ()) + [self.header])
+
+    @staticmethod
+    def all(token: str) -> list:
+        return [_TokenUnary(token), _TokenServerStream(token), _TokenBidi(token)]
+
+
+class _TokenUnary(_BearerToken, grpc.aio.UnaryUnaryClientInterceptor):
+    async def intercept_unary_unary(self, continuation, d, request):
+        return await continuation(self._details(d), request)
+
+
+class _TokenServerStream(_BearerToken, grpc.aio.UnaryStreamClientInterceptor):
+    async def intercept_unary_stream(self, continuation, d, request):
+        return await continuation(self._details(d), request)
+
+
+class _TokenBidi(_BearerToken, grpc.aio.StreamStreamClientInterceptor):
+    async def intercept_stream_stream(self, continuation, d, request_iterator):
+        return await continuation(self._details(d), request_iterator)
+
+
 class KvbatonClient:
     """Stubs for the three services over one channel per address list.
 
@@ -34,24 +81,35 @@ class KvbatonClient:
     and moves to the next on ``reconnect()`` (streams do it for you).
     """
 
-    def __init__(self, addresses: str | Sequence[str], *, timeout_s: float = 5.0) -> None:
+    def __init__(self, addresses: str | Sequence[str], *, timeout_s: float = 5.0, tls: "ClientTls | None" = None,
+                 token: str | None = None) -> None:
         self.addresses = [a for a in (addresses.split(",") if isinstance(addresses, str) else addresses) if a]
         if not self.addresses:
             raise ValueError("no control-plane address")
         self.timeout_s = timeout_s
+        self.tls = tls
+        self.token = token
         self._index = 0
         self._renewer: _RenewalBatcher | None = None
         self._connect()
 
     def _connect(self) -> None:
         addr = self.addresses[self._index % len(self.addresses)]
-        self.channel = grpc.aio.insecure_channel(addr, options=[
+        options = [
             ("grpc.max_receive_message_length", 16 * 1024 * 1024),
             ("grpc.max_send_message_length", 16 * 1024 * 1024),
             ("grpc.keepalive_time_ms", 10_000),
             ("grpc.keepalive_timeout_ms", 5_000),
             ("grpc.keepalive_permit_without_calls", 1),
-        ])
+        ]
+        interceptors = _BearerToken.all(self.token) if self.token else None
+        if self.tls is not None:
+            if self.tls.server_name:
+                options.append(("grpc.ssl_target_name_override", self.tls.server_name))
+            self.channel = grpc.aio.secure_channel(addr, self.tls.credentials(), options=options,
+                                                   interceptors=interceptors)
+        else:
+            self.channel = grpc.aio.insecure_channel(addr, options=options, interceptors=interceptors)
         self.address = addr
         self.registrar = registrar_pb2_grpc.RegistrarStub(self.channel)
         self.rendezvous = rendezvous_pb2_grpc.RendezvousStub(self.channel)

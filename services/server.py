@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 import grpc
 import structlog
+from prometheus_client import CollectorRegistry
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -26,7 +27,12 @@ from .api.rendezvous import RendezvousServicer
 from .domain.clock import Clock, WallClock
 from .domain.lease import LeaseConfig, LeaseService
 from .domain.registrar import RegistrarService
+from .domain.rendezvous import PENDING as RDV_PENDING
 from .domain.rendezvous import RendezvousConfig, RendezvousService
+from .domain.lease import ACTIVE as LEASE_ACTIVE
+from .domain.lease import DRAINING as LEASE_DRAINING
+from .domain.registrar import role_name
+from .metrics import InstrumentedStore, ServiceMetrics
 from .store import Store, open_store
 
 log = structlog.get_logger(__name__)
@@ -50,6 +56,19 @@ class ServerConfig:
     grace_s: float = 5.0
     # Expiry leadership: a dead leader is replaced within about this long.
     leader_ttl_s: float = 3.0
+    # Transport security: server cert/key; a client CA turns on mutual TLS (client certs
+    # required). Without TLS the server refuses to start unless ``insecure`` is set.
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_client_ca: str = ""
+    insecure: bool = True
+    tokens_file: str = ""
+    rate_limit: float = 0.0
+    max_streams_per_client: int = 256
+    # host:port for /metrics, the status page and /api/state (port 0: any free port); None: off.
+    metrics_address: str | None = None
+    # A separate host:port for the status page and /api/state; None: served with /metrics.
+    web_address: str | None = None
 
 
 class ControlPlane:
@@ -69,6 +88,10 @@ class ControlPlane:
         self.port = 0
         self._owns_store = store is None
         self._leadership: list = []
+        # One registry per plane: several planes in one process each count only their own.
+        self.metrics = ServiceMetrics(CollectorRegistry())
+        self._engine_counts: tuple[dict[tuple[str, ...], float], dict[tuple[str, ...], float]] = ({}, {})
+        self.web = None  # services.web.WebServer once started
 
     @property
     def address(self) -> str:
@@ -78,32 +101,41 @@ class ControlPlane:
     async def start(self) -> None:
         if self.store is None:
             self.store = await open_store(self.config.store_url)
-        store = self.store
+        # The domains see the store through a timing wrapper; ``self.store`` stays the
+        # backend itself (tests and tools poke it directly).
+        store = InstrumentedStore(self.store, self.metrics)
         opts = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES), ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.keepalive_time_ms", 20_000), ("grpc.http2.max_pings_without_data", 0),
                 ("grpc.keepalive_permit_without_calls", 1)]
-        self.server = grpc.aio.server(options=opts)
+        from .api.guard import Guard, GuardConfig
+        from .auth import TokenBook
+
+        tokens = TokenBook.load(self.config.tokens_file) if self.config.tokens_file else None
+        self.guard = Guard(GuardConfig(tokens=tokens, rate_limit=self.config.rate_limit,
+                                       max_streams_per_client=self.config.max_streams_per_client))
+        self.server = grpc.aio.server(options=opts, interceptors=[self.guard])
         health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         names = [reflection.SERVICE_NAME, health.SERVICE_NAME]
         # The registrar domain is also what rendezvous asks "is this engine known?".
-        self.registrar = RegistrarService(store, clock=self.clock)
+        self.registrar = RegistrarService(store, clock=self.clock, metrics=self.metrics)
         if "registrar" in self.config.services:
             registrar_pb2_grpc.add_RegistrarServicer_to_server(RegistrarServicer(self.registrar), self.server)
         if "rendezvous" in self.config.services:
             self.rendezvous = RendezvousService(store, clock=self.clock, config=self.config.rendezvous,
-                                                engine_exists=self.registrar.engine_exists)
+                                                engine_exists=self.registrar.engine_exists, metrics=self.metrics)
             await self.rendezvous.start(run_sweeper=True)
             rendezvous_pb2_grpc.add_RendezvousServicer_to_server(RendezvousServicer(self.rendezvous), self.server)
         if "lease" in self.config.services:
-            self.lease = LeaseService(store, clock=self.clock, config=self.config.lease)
+            self.lease = LeaseService(store, clock=self.clock, config=self.config.lease, metrics=self.metrics)
             await self.lease.start(run_expiry=True)
             lease_pb2_grpc.add_LeaseServicer_to_server(LeaseServicer(self.lease), self.server)
-        await self._elect()
+        await self._elect(store)
+        self._wire_state_gauges()
         for svc in self.config.services:
             names.append(_NAMES[svc])
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, self.server)
         reflection.enable_server_reflection(names, self.server)
-        self.port = self.server.add_insecure_port(self.config.address)
+        self.port = self._bind()
         if self.port == 0:
             raise OSError(f"cannot bind {self.config.address}")
         await self.server.start()
@@ -111,9 +143,94 @@ class ControlPlane:
             await _set(health_servicer, _NAMES[svc], health_pb2.HealthCheckResponse.SERVING)
         await _set(health_servicer, "", health_pb2.HealthCheckResponse.SERVING)
         self.health = health_servicer
-        log.info("kvbaton.serving", address=self.address, store=store.name, services=list(self.config.services))
+        if self.config.metrics_address is not None or self.config.web_address is not None:
+            from .web import WebServer
 
-    async def _elect(self) -> None:
+            self.web = WebServer(self)
+            await self.web.start()
+        log.info("kvbaton.serving", address=self.address, store=store.name, services=list(self.config.services),
+                 metrics=self.web.metrics_url if self.web else None)
+
+    def _wire_state_gauges(self) -> None:
+        """Points the scrape-time gauges at this replica's caches. Each is exported only by
+        a process that runs the service owning it, so a split deployment does not report the
+        same state three times."""
+        sources = self.metrics.state.sources
+        lease, rdv = self.lease, self.rendezvous
+        if lease is not None:
+            def leases() -> dict[tuple[str, ...], float]:
+                out = {("active",): 0.0, ("draining",): 0.0}
+                for info, _ in list(lease.hub.records.values()):
+                    if info.state in (LEASE_ACTIVE, LEASE_DRAINING):
+                        out[("active" if info.state == LEASE_ACTIVE else "draining",)] += 1
+                return out
+
+            def retained() -> dict[tuple[str, ...], float]:
+                out: dict[tuple[str, ...], float] = {}
+                for info, _ in list(lease.hub.records.values()):
+                    out[(info.engine_id,)] = out.get((info.engine_id,), 0.0) + info.num_blocks
+                return out
+
+            sources["kvbaton_leases"] = leases
+            sources["kvbaton_retained_blocks"] = retained
+        if rdv is not None:
+            from .domain.rendezvous import MATCHED, P
+
+            def pending() -> dict[tuple[str, ...], float]:
+                out = {(P.Name(p).removeprefix("TRANSFER_PHASE_").lower(),): 0.0 for p in (*RDV_PENDING, MATCHED)}
+                for t, _ in list(rdv.hub.records.values()):
+                    key = (P.Name(t.phase).removeprefix("TRANSFER_PHASE_").lower(),)
+                    if key in out:
+                        out[key] += 1
+                return out
+
+            sources["kvbaton_transfers_pending"] = pending
+        if "registrar" in self.config.services:
+            sources["kvbaton_engines"] = lambda: self._engine_counts[0]
+            sources["kvbaton_engine_ranks"] = lambda: self._engine_counts[1]
+        sources["kvbaton_leader"] = lambda: {(e.name,): float(bool(e.is_leader)) for e, _ in self._leadership}
+
+    async def refresh_state_gauges(self, timeout_s: float = 2.0) -> None:
+        """Re-reads what no cache holds (registered engines) for the next scrape. Bounded: a
+        scrape during a store outage gets the last known values rather than hanging."""
+        if self.registrar is None or "registrar" not in self.config.services:
+            return
+        try:
+            ranks = await asyncio.wait_for(self.registrar.list_engines(), timeout_s)
+        except Exception as exc:  # store down: keep the last values; store_errors says why
+            log.debug("metrics.engine_refresh_failed", error=repr(exc))
+            return
+        engines: dict[tuple[str, ...], set[str]] = {}
+        rank_counts: dict[tuple[str, ...], float] = {}
+        for r in ranks:
+            key = (role_name(r.role),)
+            engines.setdefault(key, set()).add(r.engine_id)
+            rank_counts[key] = rank_counts.get(key, 0.0) + 1
+        for role in ("prefill", "decode", "both"):
+            engines.setdefault((role,), set())
+            rank_counts.setdefault((role,), 0.0)
+        self._engine_counts = ({k: float(len(v)) for k, v in engines.items()}, rank_counts)
+
+    def _bind(self) -> int:
+        cfg = self.config
+        if cfg.tls_cert or cfg.tls_key:
+            if not (cfg.tls_cert and cfg.tls_key):
+                raise ValueError("TLS needs both a certificate and a key")
+            read = lambda p: open(p, "rb").read()  # noqa: E731
+            creds = grpc.ssl_server_credentials(
+                [(read(cfg.tls_key), read(cfg.tls_cert))],
+                root_certificates=read(cfg.tls_client_ca) if cfg.tls_client_ca else None,
+                require_client_auth=bool(cfg.tls_client_ca))
+            log.info("kvbaton.tls", mutual=bool(cfg.tls_client_ca))
+            return self.server.add_secure_port(cfg.address, creds)
+        if not cfg.insecure:
+            raise ValueError("no TLS certificate configured: pass --tls-cert/--tls-key (and --tls-client-ca for "
+                             "mutual TLS), or --insecure to serve plaintext")
+        log.warning("kvbaton.PLAINTEXT", address=cfg.address,
+                    message="serving WITHOUT TLS: anyone who can reach this port can read and change KV hand-offs")
+        return self.server.add_insecure_port(cfg.address)
+
+    async def _elect(self, store: Store) -> None:
         """Expiry and sweeping run on one replica at a time (an election over the store);
         a replica that loses leadership campaigns again, so a standby is always waiting."""
         from .store.election import Election
@@ -121,7 +238,7 @@ class ControlPlane:
         for name, domain in (("lease-expiry", self.lease), ("rendezvous-sweeper", self.rendezvous)):
             if domain is None:
                 continue
-            election = Election(self.store, name, ttl_s=self.config.leader_ttl_s)
+            election = Election(store, name, ttl_s=self.config.leader_ttl_s)
             domain.is_leader = lambda e=election: e.is_leader
             self._leadership.append((election, asyncio.get_running_loop().create_task(
                 _campaign_forever(election), name=f"campaign-{name}")))
@@ -134,6 +251,8 @@ class ControlPlane:
             except Exception as exc:  # shutting down: log and go on
                 log.warning("kvbaton.stop_step_failed", step=what, error=repr(exc))
 
+        if self.web is not None:
+            await bounded(self.web.stop(), "web")
         if self.server is not None:
             if hasattr(self, "health"):
                 await bounded(_set(self.health, "", health_pb2.HealthCheckResponse.NOT_SERVING), "health")
@@ -179,6 +298,8 @@ async def serve(config: ServerConfig) -> None:
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, stop.set)
     print(f"kvbaton listening on {plane.address} (store {config.store_url})", flush=True)
+    if plane.web is not None:
+        print(f"kvbaton metrics on {plane.web.metrics_url}, status page on {plane.web.page_url}", flush=True)
     await stop.wait()
     log.info("kvbaton.stopping", grace_s=config.grace_s)
     await plane.stop()

@@ -1,0 +1,150 @@
+"""A server interceptor applying ``services.auth`` to every RPC: authentication
+(bearer token → principal), authorization (the principal's scope against the request's
+engine / conversation), per-client rate limits and a cap on concurrent streams.
+
+Refusals are statuses with a reason: UNAUTHENTICATED (no or unknown token),
+PERMISSION_DENIED (out of scope), RESOURCE_EXHAUSTED (rate or stream limit). A refused
+request reaches no servicer, so it changes nothing.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import grpc
+import structlog
+
+from ..auth import PUBLIC_PREFIXES, Principal, RateLimiter, TokenBook, authorize
+
+log = structlog.get_logger(__name__)
+
+ANONYMOUS = Principal(name="anonymous", role="operator")
+
+
+@dataclasses.dataclass
+class GuardConfig:
+    tokens: TokenBook | None = None
+    # Requests per second per client (principal, or peer host without tokens); 0: off.
+    rate_limit: float = 0.0
+    burst: float = 0.0
+    max_streams_per_client: int = 256
+
+
+def _handler_factory(handler: grpc.RpcMethodHandler):
+    if handler.unary_unary:
+        return grpc.unary_unary_rpc_method_handler, handler.unary_unary
+    if handler.unary_stream:
+        return grpc.unary_stream_rpc_method_handler, handler.unary_stream
+    if handler.stream_unary:
+        return grpc.stream_unary_rpc_method_handler, handler.stream_unary
+    return grpc.stream_stream_rpc_method_handler, handler.stream_stream
+
+
+class Guard(grpc.aio.ServerInterceptor):
+    def __init__(self, config: GuardConfig) -> None:
+        self.config = config
+        self.limiter = RateLimiter(config.rate_limit, config.burst or max(config.rate_limit, 1.0)) if config.rate_limit else None
+        self.streams: collections.Counter[str] = collections.Counter()
+        self.refused: collections.Counter[str] = collections.Counter()
+
+    def _principal(self, metadata) -> Principal | None | str:
+        if self.config.tokens is None:
+            return ANONYMOUS
+        auth = next((v for k, v in metadata if k == "authorization"), None)
+        if not auth:
+            return "missing bearer token (metadata 'authorization: Bearer <token>')"
+        if not auth.startswith("Bearer "):
+            return "authorization metadata must be 'Bearer <token>'"
+        principal = self.config.tokens.lookup(auth[len("Bearer "):].strip())
+        return principal if principal is not None else "unknown token"
+
+    async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
+        handler = await continuation(details)
+        method = details.method
+        if handler is None or method.startswith(PUBLIC_PREFIXES):
+            return handler
+        who = self._principal(details.invocation_metadata or ())
+        make, inner = _handler_factory(handler)
+        guard = self
+
+        if isinstance(who, str):
+            reason = who
+
+            async def deny(request_or_iterator, context):
+                guard.refused["unauthenticated"] += 1
+                await context.abort(grpc.StatusCode.UNAUTHENTICATED, reason)
+
+            if handler.unary_stream or handler.stream_stream:
+                async def deny_stream(request_or_iterator, context):
+                    await deny(request_or_iterator, context)
+                    yield  # pragma: no cover - abort raises
+                return make(deny_stream, handler.request_deserializer, handler.response_serializer)
+            return make(deny, handler.request_deserializer, handler.response_serializer)
+
+        principal: Principal = who
+
+        async def admit(context, request=None) -> None:
+            client = principal.name if self.config.tokens is not None else context.peer().rsplit(":", 1)[0]
+            if guard.limiter is not None and not guard.limiter.allow(client):
+                guard.refused["rate_limited"] += 1
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                    f"rate limit {self.config.rate_limit:g} requests/s exceeded for {client}")
+            if request is not None:
+                reason = authorize(principal, method, request)
+                if reason is not None:
+                    guard.refused["permission_denied"] += 1
+                    log.warning("auth.denied", principal=principal.name, method=method, reason=reason)
+                    await context.abort(grpc.StatusCode.PERMISSION_DENIED, reason)
+
+        def stream_slot(context) -> str:
+            return principal.name if self.config.tokens is not None else context.peer().rsplit(":", 1)[0]
+
+        if handler.unary_unary:
+            async def unary(request, context):
+                await admit(context, request)
+                return await inner(request, context)
+            return make(unary, handler.request_deserializer, handler.response_serializer)
+
+        if handler.unary_stream:
+            async def server_stream(request, context):
+                await admit(context, request)
+                slot = stream_slot(context)
+                if guard.streams[slot] >= self.config.max_streams_per_client:
+                    guard.refused["too_many_streams"] += 1
+                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                        f"{slot} already has {guard.streams[slot]} open streams "
+                                        f"(limit {self.config.max_streams_per_client})")
+                guard.streams[slot] += 1
+                try:
+                    async for item in inner(request, context):
+                        yield item
+                finally:
+                    guard.streams[slot] -= 1
+            return make(server_stream, handler.request_deserializer, handler.response_serializer)
+
+        # Client streams (KeepAlive): every message is authorized before it reaches the servicer.
+        async def bidi(request_iterator, context):
+            await admit(context)
+            slot = stream_slot(context)
+            if guard.streams[slot] >= self.config.max_streams_per_client:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                    f"{slot} already has {guard.streams[slot]} open streams")
+            guard.streams[slot] += 1
+
+            async def checked():
+                async for req in request_iterator:
+                    reason = authorize(principal, method, req)
+                    if reason is not None:
+                        guard.refused["permission_denied"] += 1
+                        await context.abort(grpc.StatusCode.PERMISSION_DENIED, reason)
+                    if guard.limiter is not None and not guard.limiter.allow(principal.name, cost=1.0):
+                        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "rate limit exceeded")
+                    yield req
+
+            try:
+                async for item in inner(checked(), context):
+                    yield item
+            finally:
+                guard.streams[slot] -= 1
+        return make(bidi, handler.request_deserializer, handler.response_serializer)
