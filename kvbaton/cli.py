@@ -3,6 +3,7 @@
     kvbaton serve [registrar|rendezvous|lease ...] [--listen H:P] [--store URL]
     kvbaton leases list|get|revoke|watch ...      kvbaton engines list
     kvbaton transfers list                         (human tables, or --json)
+    kvbaton top [--metrics URL] [--once]           a live view (engines, transfers, leases, rates)
 """
 
 from __future__ import annotations
@@ -138,6 +139,13 @@ def _serve(args) -> int:
     services = args.services or list(ALL_SERVICES)
     config = ServerConfig(address=args.listen, store_url=args.store, services=services)
     config.lease.default_ttl_ms = args.default_lease_ttl_ms
+    # /metrics and the status page listen on the gRPC address's host: loopback by
+    # default, every interface when --listen is 0.0.0.0 (containers).
+    host = args.listen.rsplit(":", 1)[0] or "0.0.0.0"
+    if args.metrics_port is not None:
+        config.metrics_address = f"{host}:{args.metrics_port}"
+    if args.web_port is not None:
+        config.web_address = f"{host}:{args.web_port}"
     try:
         asyncio.run(serve(config))
     except KeyboardInterrupt:
@@ -156,6 +164,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--store", default="memory://", help="memory:// (default) or etcd://host:port[,host:port...]")
     s.add_argument("--default-lease-ttl-ms", type=int, default=30_000)
     s.add_argument("--log-level", default=None)
+    s.add_argument("--metrics-port", type=int, default=None,
+                   help="serve /metrics (and the status page, /api/state) on this port (default: off; 9464 is usual)")
+    s.add_argument("--web-port", type=int, default=None,
+                   help="serve the status page and /api/state on a separate port (default: with /metrics)")
     s.set_defaults(func=_serve)
 
     def client_args(sp: argparse.ArgumentParser) -> None:
@@ -197,7 +209,25 @@ def build_parser() -> argparse.ArgumentParser:
                     choices=["offered", "completed", "matched", "succeeded", "failed", "expired", "cancelled"])
     tl.add_argument("--limit", type=int, default=0)
     t.set_defaults(func=lambda a: asyncio.run(_transfers(a)))
+
+    tp = sub.add_parser("top", help="live view: engines, pending transfers, leases expiring soonest, rates")
+    tp.add_argument("--addr", default=DEFAULT_ADDR, help="control plane address(es), comma separated")
+    tp.add_argument("--metrics", default="", help="/metrics URL(s) of the replicas, comma separated (for rates)")
+    tp.add_argument("--interval", type=float, default=1.0, help="seconds between frames (default %(default)s)")
+    tp.add_argument("--once", action="store_true", help="print one frame and exit (rates over one interval)")
+    tp.add_argument("--timeout", type=float, default=5.0, help="seconds per call")
+    tp.set_defaults(func=_top)
     return p
+
+
+def _top(args) -> int:
+    from kvbaton import top
+
+    try:
+        return asyncio.run(top.run(args.addr, [u for u in args.metrics.split(",") if u], interval_s=args.interval,
+                                   once=args.once, timeout_s=args.timeout))
+    except KeyboardInterrupt:
+        return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

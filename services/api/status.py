@@ -84,4 +84,6 @@ async def with_heartbeats(events, heartbeat: Callable[[], object], every_s: floa
             pending = asyncio.ensure_future(it.__anext__())
     finally:
         pending.cancel()
+        # The cancelled __anext__ must finish before the generator can be closed.
+        await asyncio.gather(pending, return_exceptions=True)
         await it.aclose()

@@ -32,6 +32,7 @@ import structlog
 
 from kvbaton.v1 import lease_pb2 as pb
 
+from ..metrics import ServiceMetrics
 from ..store import Compare, CompareOp, CompareTarget, EventType, KeyValue, Put, Store, WatchEvent
 from . import limits
 from .clock import Clock, WallClock
@@ -48,6 +49,18 @@ LIVE_STATES = (ACTIVE, DRAINING)
 TERMINAL_STATES = (EXPIRED, REVOKED)
 MAX_PINS = 64
 _CAS_RETRIES = 32
+_REPLACED_PREFIX = "replaced by lease "
+_RENEW_STATUS = {pb.RENEW_STATUS_OK: "ok", pb.RENEW_STATUS_NOT_FOUND: "not_found", pb.RENEW_STATUS_SUPERSEDED: "superseded",
+                 pb.RENEW_STATUS_ENDED: "ended", pb.RENEW_STATUS_INVALID: "invalid"}
+
+
+def end_reason(state: int, reason: str) -> str:
+    """The ``kvbaton_lease_ends_total`` label for a lease ending in ``state`` with ``reason``:
+    a replacement (a newer turn's grant) is told apart from an explicit revoke, because
+    operators read the first as healthy reuse and a burst of the second as churn."""
+    if state == EXPIRED:
+        return "expired"
+    return "replaced" if reason.startswith(_REPLACED_PREFIX) else "revoked"
 
 
 @dataclasses.dataclass
@@ -105,8 +118,10 @@ class LeaseService:
         clock: Clock | None = None,
         config: LeaseConfig | None = None,
         prefix: bytes = b"kvb/lease/",
+        metrics: ServiceMetrics | None = None,
     ) -> None:
         self.store = store
+        self.metrics = metrics or ServiceMetrics()
         self.clock = clock or WallClock()
         self.config = config or LeaseConfig()
         self.prefix = prefix
@@ -223,7 +238,7 @@ class LeaseService:
             replaced: pb.LeaseInfo | None = None
             if old is not None and lkv is not None and old.state in LIVE_STATES:
                 compares.append(Compare.unchanged(lkv, self._lkey(old.lease_id)))
-                reason = f"replaced by lease {info.lease_id}"
+                reason = f"{_REPLACED_PREFIX}{info.lease_id}"
                 if _live_pins(old, now):
                     replaced = pb.LeaseInfo()
                     replaced.CopyFrom(old)
@@ -238,6 +253,9 @@ class LeaseService:
                 replaced = None  # ended already: nothing to free
             result = await self.store.txn(compares, ops)
             if result.succeeded:
+                self.metrics.lease_grants.inc()
+                if replaced is not None and replaced.state == REVOKED:
+                    self.metrics.lease_ends.labels("replaced").inc()
                 await self.hub.wait_for(result.revision)
                 log.info("lease.granted", conversation_id=conversation_id, lease_id=info.lease_id,
                          engine_id=engine_id, ttl_ms=ttl, replaced=replaced.lease_id if replaced else None)
@@ -247,6 +265,11 @@ class LeaseService:
     # -- renew -------------------------------------------------------------
     async def renew(self, conversation_id: str, lease_id: str = "", ttl_ms: int = 0) -> pb.RenewResult:
         """Never raises for a lease-level problem: the status says it (KeepAlive batches)."""
+        res = await self._renew(conversation_id, lease_id, ttl_ms)
+        self.metrics.lease_renewals.labels(_RENEW_STATUS.get(res.status, "other")).inc()
+        return res
+
+    async def _renew(self, conversation_id: str, lease_id: str, ttl_ms: int) -> pb.RenewResult:
         res = pb.RenewResult(conversation_id=conversation_id)
         try:
             limits.check_id("conversation_id", conversation_id)
@@ -404,6 +427,8 @@ class LeaseService:
         if not result.succeeded:
             return done
         self.stats["renewal_writes"] += len(puts)
+        self.metrics.lease_renewal_writes.inc(len(puts))
+        self.metrics.lease_renewal_txns.inc()
         await self.hub.wait_for(result.revision)
         done.update({lease_id: True for lease_id, _ in puts})
         return done
@@ -424,6 +449,8 @@ class LeaseService:
             result = await self.store.txn([Compare.unchanged(kv, key)], [Put(key, info.SerializeToString())])
             if result.succeeded:
                 self.stats["renewal_writes"] += 1
+                self.metrics.lease_renewal_writes.inc()
+                self.metrics.lease_renewal_txns.inc()
                 await self.hub.wait_for(result.revision)
                 return True
         return False
@@ -449,11 +476,14 @@ class LeaseService:
                 raise invalid(f"lease {lease_id} belongs to another conversation")
             now = self.clock.now_ms()
             if info.state != ACTIVE:
+                self.metrics.lease_pin_refusals.labels("ended").inc()
                 raise precondition(f"lease {lease_id} is {pb.LeaseState.Name(info.state)} ({info.reason}): not pinned")
             if now >= info.expires_at_ms:
+                self.metrics.lease_pin_refusals.labels("past_deadline").inc()
                 raise precondition(f"lease {lease_id} is past its deadline by {now - info.expires_at_ms} ms: not pinned")
             live = _live_pins(info, now)
             if len(live) >= MAX_PINS:
+                self.metrics.lease_pin_refusals.labels("too_many").inc()
                 raise exhausted(f"lease {lease_id} already has {len(live)} pins; the limit is {MAX_PINS}")
             pin = pb.PinInfo(pin_id=secrets.token_hex(6), reader=reader, expires_at_ms=now + ttl)
             del info.pins[:]
@@ -462,6 +492,7 @@ class LeaseService:
             result = await self.store.txn([Compare.unchanged(kv, key)], [Put(key, info.SerializeToString())])
             if result.succeeded:
                 self.stats["pins"] += 1
+                self.metrics.lease_pins.inc()
                 await self.hub.wait_for(result.revision)
                 log.info("lease.pinned", conversation_id=conversation_id, lease_id=lease_id, reader=reader, pin_id=pin.pin_id)
                 return pin, self._view(info, now)
@@ -493,8 +524,11 @@ class LeaseService:
                 ops = [Put(key, info.SerializeToString())]
             result = await self.store.txn([Compare.unchanged(kv, key)], ops)
             if result.succeeded:
+                final = _parse(ops[0].value)
+                if final.state in TERMINAL_STATES:
+                    self.metrics.lease_ends.labels(end_reason(final.state, final.reason)).inc()
                 await self.hub.wait_for(result.revision)
-                return self._view(_parse(ops[0].value), now)
+                return self._view(final, now)
         raise DomainError(Code.ABORTED, f"unpin on {lease_id} kept conflicting; retry")
 
     # -- revoke ------------------------------------------------------------
@@ -525,6 +559,8 @@ class LeaseService:
             result = await self.store.txn([Compare.unchanged(kv, key)], ops)
             if result.succeeded:
                 self.stats["revoked"] += 1
+                if _parse(ops[0].value).state == REVOKED:
+                    self.metrics.lease_ends.labels("revoked").inc()
                 await self.hub.wait_for(result.revision)
                 log.info("lease.revoked", conversation_id=conversation_id, lease_id=info.lease_id, reason=reason)
                 return self._view(_parse(ops[0].value), now)
@@ -603,6 +639,7 @@ class LeaseService:
             if result.succeeded:
                 ended += 1
                 self.stats["expired" if state == EXPIRED else "revoked"] += 1
+                self.metrics.lease_ends.labels(end_reason(state, reason)).inc()
                 log.info("lease.ended", conversation_id=info.conversation_id, lease_id=info.lease_id,
                          state=pb.LeaseState.Name(state), reason=reason)
         return ended

@@ -17,6 +17,7 @@ import structlog
 from kvbaton.v1 import common_pb2 as cpb
 from kvbaton.v1 import registrar_pb2 as pb
 
+from ..metrics import ServiceMetrics
 from ..store import Compare, Delete, EventType, LeaseNotFoundError, Put, Store
 from . import limits
 from .clock import Clock, WallClock
@@ -25,6 +26,11 @@ from .errors import Code, DomainError, invalid, not_found, precondition
 log = structlog.get_logger(__name__)
 
 _DTYPES = {"float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "int8", "uint8", "fp8", "auto"}
+
+
+def role_name(role: int) -> str:
+    """``prefill`` / ``decode`` / ``both``: the metric label and the JSON spelling of a role."""
+    return cpb.EngineRole.Name(role).removeprefix("ENGINE_ROLE_").lower()
 
 
 def validate_geometry(g: cpb.KvGeometry) -> None:
@@ -48,8 +54,10 @@ def validate_geometry(g: cpb.KvGeometry) -> None:
 
 
 class RegistrarService:
-    def __init__(self, store: Store, *, clock: Clock | None = None, prefix: bytes = b"kvb/reg/") -> None:
+    def __init__(self, store: Store, *, clock: Clock | None = None, prefix: bytes = b"kvb/reg/",
+                 metrics: ServiceMetrics | None = None) -> None:
         self.store = store
+        self.metrics = metrics or ServiceMetrics()
         self.clock = clock or WallClock()
         self.prefix = prefix
 
@@ -97,6 +105,7 @@ class RegistrarService:
         await self.store.put(key, rec.SerializeToString(), lease=store_lease)
         if old is not None and old.lease and old.lease != store_lease:
             await self.store.revoke_lease(old.lease)  # the previous incarnation's liveness
+        self.metrics.engine_registrations.labels(role_name(rank.role)).inc()
         log.info("engine.registered", engine_id=rank.engine_id, tp_rank=rank.tp_rank,
                  role=cpb.EngineRole.Name(rank.role), incarnation=rec.incarnation)
         return rec, ttl

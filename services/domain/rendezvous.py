@@ -25,11 +25,13 @@ import contextlib
 import dataclasses
 import heapq
 from collections.abc import AsyncIterator, Iterable, Sequence
+from typing import Any
 
 import structlog
 
 from kvbaton.v1 import rendezvous_pb2 as pb
 
+from ..metrics import ServiceMetrics
 from ..store import Compare, EventType, KeyValue, Put, Store, WatchEvent
 from . import limits
 from .clock import Clock, WallClock
@@ -46,6 +48,12 @@ PENDING = (OFFERED, COMPLETED)
 TERMINAL = (SUCCEEDED, FAILED, EXPIRED, CANCELLED)
 Ev = pb.RendezvousEvent
 _CAS_RETRIES = 32
+# Only push transfers meet at the rendezvous; pull and reuse reads are counted by the connector.
+_MODE = "push"
+
+
+def _phase_name(phase: int) -> str:
+    return P.Name(phase).removeprefix("TRANSFER_PHASE_").lower()
 
 
 @dataclasses.dataclass
@@ -127,8 +135,10 @@ class RendezvousService:
         config: RendezvousConfig | None = None,
         prefix: bytes = b"kvb/rdv/",
         engine_exists=None,
+        metrics: ServiceMetrics | None = None,
     ) -> None:
         self.store = store
+        self.metrics = metrics or ServiceMetrics()
         self.clock = clock or WallClock()
         self.config = config or RendezvousConfig()
         self.prefix = prefix
@@ -217,6 +227,7 @@ class RendezvousService:
             if cur is not None and cur.attempt > msg.attempt:
                 raise precondition(
                     f"transfer {msg.transfer_id}: attempt {msg.attempt} is superseded by attempt {cur.attempt}")
+            superseded = cur is not None and cur.attempt < msg.attempt and cur.phase not in TERMINAL
             if cur is None or cur.attempt < msg.attempt:
                 new = pb.TransferState(transfer_id=msg.transfer_id, attempt=msg.attempt, updated_at_ms=now)
             else:
@@ -251,9 +262,17 @@ class RendezvousService:
             result = await self.store.txn([Compare.unchanged(kv, key)], await self._put_ops(new))
             if result.succeeded:
                 new.revision = result.revision
-                if matched:
+                if superseded:
+                    self.metrics.transfers.labels("cancelled", "superseded").inc()
+                if matched and new.phase == MATCHED:
                     self.stats["matches"] += 1
+                    first = new.completion if msg.is_offer else new.offer
+                    self.metrics.matches.inc()
+                    self.metrics.match_wait.labels("completion" if msg.is_offer else "offer").observe(
+                        max(now - first.received_at_ms, 0) / 1000)
                     log.debug("rendezvous.matched", transfer_id=msg.transfer_id, attempt=msg.attempt)
+                elif matched:
+                    self.metrics.transfers.labels("failed", "block_count_mismatch").inc()
                 return new, matched and new.phase == MATCHED, False
         raise DomainError(Code.ABORTED, f"transfer {msg.transfer_id} kept conflicting; retry")
 
@@ -284,8 +303,12 @@ class RendezvousService:
     async def report_outcome(self, transfer_id: str, attempt: int, outcome: pb.Outcome) -> pb.TransferState:
         limits.check_id("engine_id", outcome.engine_id)
         limits.check_text("error", outcome.error)
+        # What the last (committed) run of ``change`` did: it may run once per CAS retry,
+        # so metrics are taken from it only after the write succeeded.
+        effect: dict[str, Any] = {}
 
         def change(t: pb.TransferState, now: int):
+            effect.clear()
             if t.phase in TERMINAL and t.phase != FAILED:
                 return False  # late report after the end: nothing to change
             if t.phase in PENDING:
@@ -300,24 +323,39 @@ class RendezvousService:
             o.CopyFrom(outcome)
             o.reported_at_ms = now
             t.outcomes.append(o)
+            effect["reported"] = True
             if t.phase == FAILED:
                 return None
             if not outcome.success:
                 t.phase = FAILED
                 t.reason = f"rank {outcome.tp_rank} of {outcome.engine_id} failed: {outcome.error}"
-                self.stats["failed"] += 1
             elif len(t.outcomes) >= max(t.expected_outcomes, 1):
                 t.phase = SUCCEEDED
-                self.stats["succeeded"] += 1
+            if t.phase in TERMINAL:
+                effect["ended"] = (t.phase, now - t.matched_at_ms)
             return None
 
-        return await self._update(transfer_id, attempt, change)
+        state = await self._update(transfer_id, attempt, change)
+        m = self.metrics
+        if effect.get("reported"):
+            rank_outcome = "succeeded" if outcome.success else "failed"
+            m.transfer_bytes.labels(_MODE, rank_outcome).inc(outcome.bytes)
+            if outcome.duration_us:
+                m.transfer_write.labels(_MODE).observe(outcome.duration_us / 1e6)
+        if "ended" in effect:
+            phase, since_match_ms = effect["ended"]
+            self.stats["succeeded" if phase == SUCCEEDED else "failed"] += 1
+            m.transfers.labels(_phase_name(phase), "reported").inc()
+            m.match_to_outcome.labels(_phase_name(phase)).observe(max(since_match_ms, 0) / 1000)
+        return state
 
     async def cancel(self, transfer_id: str, attempt: int, engine_id: str, reason: str) -> pb.TransferState:
         limits.check_id("engine_id", engine_id)
         reason = limits.check_text("reason", reason) or "cancelled"
+        effect: dict[str, bool] = {}
 
         def change(t: pb.TransferState, now: int):
+            effect.clear()
             if t.phase in TERMINAL:
                 return False
             if engine_id not in (t.offer.engine_id, t.completion.engine_id):
@@ -328,9 +366,13 @@ class RendezvousService:
                     "wait for its DONE event (it comes within the match timeout)")
             t.phase = CANCELLED
             t.reason = f"cancelled by {engine_id}: {reason}"
+            effect["cancelled"] = True
             return None
 
-        return await self._update(transfer_id, attempt, change)
+        state = await self._update(transfer_id, attempt, change)
+        if effect.get("cancelled"):
+            self.metrics.transfers.labels("cancelled", "cancelled").inc()
+        return state
 
     async def get(self, transfer_id: str) -> pb.TransferState:
         limits.check_id("transfer_id", transfer_id)
@@ -430,7 +472,11 @@ class RendezvousService:
                 ended += 1
                 if new_phase == EXPIRED:
                     self.stats["expired_offers" if t.phase == OFFERED else "expired_completions"] += 1
+                    self.metrics.unmatched_expired.labels("offer" if t.phase == OFFERED else "completion").inc()
+                    self.metrics.transfers.labels("expired", "unmatched").inc()
                 else:
                     self.stats["failed"] += 1
+                    self.metrics.transfers.labels("failed", "match_timeout").inc()
+                    self.metrics.match_to_outcome.labels("failed").observe(max(now - t.matched_at_ms, 0) / 1000)
                 log.info("rendezvous.ended", transfer_id=t.transfer_id, attempt=t.attempt, phase=P.Name(new_phase), reason=reason)
         return ended

@@ -8,6 +8,14 @@ are relayed as they are, so a client sees vLLM's own errors.
 
 Push: both legs are sent at once with one fresh ``transfer_id`` (the decode leg carries
 ``do_remote_prefill`` + ``transfer_mode=push``); the engines meet at the control plane.
+
+Conversations (bidirectional reuse): a request naming a conversation (``conversation_id``
+in the body, or the ``X-Conversation-Id`` header) has its decode leg carry the id, so
+decode keeps the turn's KV under a lease. On the next turn the router renews that lease
+and looks up the retained blocks (``Lease.Renew`` + ``Registrar.LookupRetained``, at once,
+bounded by ``lookup_timeout_s``); when the lease is live and protects that registration it
+hands them to prefill as ``kv_transfer_params.reuse`` (prefill decides whether to READ).
+A control plane that is slow or down only costs the reuse: the request goes on without it.
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ import asyncio
 import copy
 import json
 import logging
+import os
 import uuid
 from typing import Any
 
@@ -31,7 +40,7 @@ class Router:
     """Holds the upstream URLs and one shared HTTP session."""
 
     def __init__(self, prefill_url: str, decode_url: str, mode: str = "pull", *,
-                 timeout_s: float = 300.0) -> None:
+                 timeout_s: float = 300.0, control_plane: str = "", lookup_timeout_s: float = 1.0) -> None:
         if mode not in ("pull", "push"):
             raise ValueError(f"mode must be pull or push, got {mode!r}")
         self.prefill_url = prefill_url.rstrip("/")
@@ -39,13 +48,58 @@ class Router:
         self.mode = mode
         self.timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=10)
         self._session: aiohttp.ClientSession | None = None
+        self.control_plane = control_plane
+        self.lookup_timeout_s = lookup_timeout_s
+        self._kv: Any = None  # KvbatonClient, made on the app's loop
+        self.stats: dict[str, int] = {"conversation_turns": 0, "reuse_offered": 0, "reuse_unavailable": 0}
 
     async def start(self, app: web.Application) -> None:
         self._session = aiohttp.ClientSession(timeout=self.timeout)
+        if self.control_plane:
+            from kvbaton.client import KvbatonClient
+
+            self._kv = KvbatonClient(self.control_plane, timeout_s=self.lookup_timeout_s)
 
     async def stop(self, app: web.Application) -> None:
         if self._session is not None:
             await self._session.close()
+        if self._kv is not None:
+            await self._kv.close()
+
+    async def _reuse_for(self, conversation_id: str) -> dict[str, Any] | None:
+        """Renew the conversation's lease and look up its retained blocks (both bounded).
+
+        Returns prefill's ``reuse`` params, or None when there is nothing safe to offer:
+        no lease, a lease not ACTIVE, or a registration the lease does not protect (a turn
+        registered but not yet leased). Prefill pins the lease before reading anyway.
+        """
+        if self._kv is None:
+            return None
+        from kvbaton.v1 import lease_pb2, registrar_pb2
+
+        kv = self._kv
+        renew = kv.lease.Renew(lease_pb2.RenewRequest(conversation_id=conversation_id),
+                               timeout=self.lookup_timeout_s)
+        lookup = kv.registrar.LookupRetained(registrar_pb2.LookupRetainedRequest(conversation_id=conversation_id),
+                                             timeout=self.lookup_timeout_s)
+        results = await asyncio.gather(renew, lookup, return_exceptions=True)
+        renewed, found = results
+        if isinstance(renewed, BaseException) or isinstance(found, BaseException):
+            err = renewed if isinstance(renewed, BaseException) else found
+            log.info("conversation %s: no reuse (%s)", conversation_id,
+                     getattr(err, "code", lambda: err)() if hasattr(err, "code") else err)
+            return None
+        lease, ret = renewed.lease, found.retained
+        if (renewed.status != lease_pb2.RENEW_STATUS_OK or lease.state != lease_pb2.LEASE_STATE_ACTIVE
+                or lease.retention_id != ret.retention_id or lease.engine_id != ret.engine_id):
+            log.info("conversation %s: retained KV not reusable (renew %s, lease %s, retention %s/%s)",
+                     conversation_id, lease_pb2.RenewStatus.Name(renewed.status),
+                     lease_pb2.LeaseState.Name(lease.state), lease.retention_id, ret.retention_id)
+            return None
+        return {"conversation_id": conversation_id, "engine_id": ret.engine_id, "lease_id": lease.lease_id,
+                "retention_id": ret.retention_id, "block_ids": list(ret.block_ids),
+                "num_tokens": ret.num_tokens, "tokens_per_block": ret.tokens_per_block,
+                "block_hashes": [h.hex() for h in ret.block_hashes]}
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -81,11 +135,21 @@ class Router:
             return web.json_response({"error": {"message": "body is not JSON", "type": "BadRequestError",
                                                 "code": 400}}, status=400)
         transfer_id = uuid.uuid4().hex  # fresh per dispatch: a retry is a new transfer
+        conv = body.pop("conversation_id", None) or request.headers.get("X-Conversation-Id")
+        conv = str(conv) if conv else ""
+        reuse = None
+        if conv:
+            self.stats["conversation_turns"] += 1
+            reuse = await self._reuse_for(conv)
+            self.stats["reuse_offered" if reuse else "reuse_unavailable"] += 1
         if self.mode == "pull":
-            return await self._pull(request, path, body, transfer_id)
-        return await self._push(request, path, body, transfer_id)
+            return await self._pull(request, path, body, transfer_id, conv, reuse)
+        return await self._push(request, path, body, transfer_id, conv, reuse)
 
-    def _prefill_body(self, body: dict[str, Any], transfer_id: str, extra: dict[str, Any]) -> dict[str, Any]:
+    def _prefill_body(self, body: dict[str, Any], transfer_id: str, extra: dict[str, Any],
+                      reuse: dict[str, Any] | None = None) -> dict[str, Any]:
+        if reuse:
+            extra = {**extra, "reuse": reuse}
         pb = copy.deepcopy(body)
         pb["max_tokens"] = 1
         pb.pop("max_completion_tokens", None)
@@ -96,9 +160,9 @@ class Router:
         return pb
 
     async def _pull(self, request: web.Request, path: str, body: dict[str, Any],
-                    transfer_id: str) -> web.StreamResponse:
+                    transfer_id: str, conv: str = "", reuse: dict[str, Any] | None = None) -> web.StreamResponse:
         async with self.session.post(f"{self.prefill_url}{path}",
-                                     json=self._prefill_body(body, transfer_id, {})) as r:
+                                     json=self._prefill_body(body, transfer_id, {}, reuse)) as r:
             raw = await r.read()
             if r.status != 200:
                 return web.Response(status=r.status, body=raw,
@@ -114,14 +178,18 @@ class Router:
             # Prefill held nothing (e.g. an empty prompt): decode computes it all itself.
             log.warning("prefill returned no kv_transfer_params for %s; decode recomputes", transfer_id)
             db.pop("kv_transfer_params", None)
+        if conv:
+            db["kv_transfer_params"] = {**(db.get("kv_transfer_params") or {}), "conversation_id": conv}
         return await self._relay(request, f"{self.decode_url}{path}", db)
 
     async def _push(self, request: web.Request, path: str, body: dict[str, Any],
-                    transfer_id: str) -> web.StreamResponse:
-        pb = self._prefill_body(body, transfer_id, {"transfer_mode": "push"})
+                    transfer_id: str, conv: str = "", reuse: dict[str, Any] | None = None) -> web.StreamResponse:
+        pb = self._prefill_body(body, transfer_id, {"transfer_mode": "push"}, reuse)
         db = copy.deepcopy(body)
         db["kv_transfer_params"] = {"do_remote_prefill": True, "do_remote_decode": False,
                                     "transfer_id": transfer_id, "transfer_mode": "push"}
+        if conv:
+            db["kv_transfer_params"]["conversation_id"] = conv
 
         async def prefill() -> tuple[int, bytes]:
             async with self.session.post(f"{self.prefill_url}{path}", json=pb) as r:
@@ -153,13 +221,18 @@ class Router:
             return resp
 
 
-def build_app(prefill_url: str, decode_url: str, mode: str = "pull") -> web.Application:
-    router = Router(prefill_url, decode_url, mode)
+def build_app(prefill_url: str, decode_url: str, mode: str = "pull", *,
+              control_plane: str | None = None) -> web.Application:
+    """``control_plane`` (default: ``$KVBATON_CONTROL_PLANE``) enables conversation reuse."""
+    if control_plane is None:
+        control_plane = os.environ.get("KVBATON_CONTROL_PLANE", "")
+    router = Router(prefill_url, decode_url, mode, control_plane=control_plane)
     app = web.Application(client_max_size=64 * 1024 * 1024)
     app.on_startup.append(router.start)
     app.on_cleanup.append(router.stop)
     app.router.add_get("/health", router.health)
     app.router.add_get("/v1/models", router.models)
+    app.router.add_get("/kvbaton/stats", lambda r: web.json_response(router.stats))
     app.router.add_post("/v1/completions", router.completions)
     app.router.add_post("/v1/chat/completions", router.chat)
     app["router"] = router
