@@ -53,7 +53,7 @@ async def _leases(args) -> int:
     from kvbaton.client import KvbatonClient
     from kvbaton.v1 import lease_pb2
 
-    async with KvbatonClient(args.addr, timeout_s=args.timeout) as kv:
+    async with _client(args) as kv:
         if args.action == "list":
             states = [lease_pb2.LeaseState.Value("LEASE_STATE_" + s.upper()) for s in args.state]
             resp = await kv.call(kv.lease.List, lease_pb2.ListLeasesRequest(
@@ -92,7 +92,7 @@ async def _engines(args) -> int:
     from kvbaton.client import KvbatonClient
     from kvbaton.v1 import common_pb2, registrar_pb2
 
-    async with KvbatonClient(args.addr, timeout_s=args.timeout) as kv:
+    async with _client(args) as kv:
         resp = await kv.call(kv.registrar.ListEngines, registrar_pb2.ListEnginesRequest())
         if args.json:
             out = []
@@ -115,7 +115,7 @@ async def _transfers(args) -> int:
     from kvbaton.client import KvbatonClient
     from kvbaton.v1 import rendezvous_pb2
 
-    async with KvbatonClient(args.addr, timeout_s=args.timeout) as kv:
+    async with _client(args) as kv:
         phases = [rendezvous_pb2.TransferPhase.Value("TRANSFER_PHASE_" + p.upper()) for p in args.phase]
         resp = await kv.call(kv.rendezvous.ListTransfers, rendezvous_pb2.ListTransfersRequest(
             phases=phases, engine_id=args.engine or "", limit=args.limit))
@@ -131,13 +131,27 @@ async def _transfers(args) -> int:
     return 0
 
 
+def _client(args):
+    """A client from the common flags: --addr, --timeout, --token (or $KVBATON_TOKEN), --tls-*."""
+    import os
+
+    from kvbaton.client import ClientTls, KvbatonClient
+
+    tls = ClientTls(args.tls_ca, args.tls_cert or "", args.tls_key or "") if getattr(args, "tls_ca", None) else None
+    token = getattr(args, "token", None) or os.environ.get("KVBATON_TOKEN") or None
+    return KvbatonClient(args.addr, timeout_s=args.timeout, tls=tls, token=token)
+
+
 def _serve(args) -> int:
     from kvbaton import logs
     from kvbaton.services.server import ALL_SERVICES, ServerConfig, serve
 
     logs.configure(args.log_level)
     services = args.services or list(ALL_SERVICES)
-    config = ServerConfig(address=args.listen, store_url=args.store, services=services)
+    config = ServerConfig(address=args.listen, store_url=args.store, services=services,
+                          tls_cert=args.tls_cert or "", tls_key=args.tls_key or "", tls_client_ca=args.tls_client_ca or "",
+                          insecure=args.insecure, tokens_file=args.tokens or "", rate_limit=args.rate_limit,
+                          max_streams_per_client=args.max_streams_per_client)
     config.lease.default_ttl_ms = args.default_lease_ttl_ms
     # /metrics and the status page listen on the gRPC address's host: loopback by
     # default, every interface when --listen is 0.0.0.0 (containers).
@@ -162,6 +176,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="which services (default: all three)")
     s.add_argument("--listen", default=DEFAULT_ADDR, help="host:port to listen on (default %(default)s)")
     s.add_argument("--store", default="memory://", help="memory:// (default) or etcd://host:port[,host:port...]")
+    s.add_argument("--tls-cert", help="server certificate (PEM)")
+    s.add_argument("--tls-key", help="server private key (PEM)")
+    s.add_argument("--tls-client-ca", help="CA for client certificates: turns on mutual TLS")
+    s.add_argument("--insecure", action="store_true", help="serve plaintext (no TLS); logged loudly")
+    s.add_argument("--tokens", help="bearer-token file (JSON) enabling authorization; see services/auth.py")
+    s.add_argument("--rate-limit", type=float, default=0.0, help="requests/s per client (0: off)")
+    s.add_argument("--max-streams-per-client", type=int, default=256)
     s.add_argument("--default-lease-ttl-ms", type=int, default=30_000)
     s.add_argument("--log-level", default=None)
     s.add_argument("--metrics-port", type=int, default=None,
@@ -174,6 +195,10 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--addr", default=DEFAULT_ADDR, help="control plane address(es), comma separated")
         sp.add_argument("--json", action="store_true", help="JSON instead of a table")
         sp.add_argument("--timeout", type=float, default=5.0, help="seconds per call")
+        sp.add_argument("--token", help="bearer token (default: $KVBATON_TOKEN)")
+        sp.add_argument("--tls-ca", help="CA certificate that signed the server's (turns TLS on)")
+        sp.add_argument("--tls-cert", help="client certificate, for mutual TLS")
+        sp.add_argument("--tls-key", help="client key, for mutual TLS")
 
     l = sub.add_parser("leases", help="decode-side leases")
     lsub = l.add_subparsers(dest="action", required=True)

@@ -132,12 +132,16 @@ class StreamResult:
     ttft_s: float  # to the first chunk carrying text (-1 if none)
     total_s: float
     chunk_times_s: list[float]  # arrival of every text-carrying chunk, from the request start
+    n_tokens: int = 0  # completion tokens (the server's usage count; chunks if it sent none)
 
     @property
     def tpot_s(self) -> float | None:
-        """Mean inter-token time after the first (vLLM streams one token per chunk here)."""
+        """Time per output token after the first: (last token - first token) / (tokens - 1).
+
+        Counted in tokens, not chunks: vLLM merges several tokens into one chunk when the
+        reader lags, so chunk gaps would overstate it (this is vLLM's benchmark definition)."""
         t = self.chunk_times_s
-        return (t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else None
+        return (t[-1] - t[0]) / (self.n_tokens - 1) if t and self.n_tokens > 1 else None
 
 
 def stream_request(url: str, body: dict[str, Any], timeout_s: float = 120.0) -> StreamResult:
@@ -145,17 +149,21 @@ def stream_request(url: str, body: dict[str, Any], timeout_s: float = 120.0) -> 
 
     ``timeout_s`` is urllib's per-socket-read timeout: a stalled stream raises instead
     of hanging. Raises ``urllib.error.HTTPError`` on a non-200 answer."""
-    req = urllib.request.Request(url, data=json.dumps({**body, "stream": True}).encode(), method="POST",
+    payload = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    req = urllib.request.Request(url, data=json.dumps(payload).encode(), method="POST",
                                  headers={"Content-Type": "application/json"})
     t0 = time.perf_counter()
     times: list[float] = []
     text: list[str] = []
+    n_tokens = 0
     with urllib.request.urlopen(req, timeout=timeout_s) as r:
         for raw in r:
             line = raw.decode().strip()
             if not line.startswith("data:") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[5:])
+            if chunk.get("usage"):
+                n_tokens = int(chunk["usage"].get("completion_tokens") or 0)
             if not chunk.get("choices"):
                 continue
             ch = chunk["choices"][0]
@@ -163,7 +171,8 @@ def stream_request(url: str, body: dict[str, Any], timeout_s: float = 120.0) -> 
             if piece:
                 times.append(time.perf_counter() - t0)
                 text.append(piece)
-    return StreamResult("".join(text), times[0] if times else -1.0, time.perf_counter() - t0, times)
+    return StreamResult("".join(text), times[0] if times else -1.0, time.perf_counter() - t0, times,
+                        n_tokens or len(times))
 
 
 def usage_back_to_zero(srv: VllmServer, timeout_s: float = 15.0) -> float:
