@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 
 from kvbaton.v1 import rendezvous_pb2 as pb
 from kvbaton.v1 import rendezvous_pb2_grpc as pb_grpc

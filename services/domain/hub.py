@@ -11,7 +11,6 @@ joins the live feed with no gap and no duplicate.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncIterator, Callable, Hashable, Iterable
 from typing import Generic, TypeVar
 
@@ -88,9 +87,9 @@ class PrefixHub(Generic[T, E]):
 
     async def stop(self) -> None:
         if self._task:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
+            from .background import cancel_all
+
+            await cancel_all([self._task])
         for subs in self._subs.values():
             for s in subs:
                 s.queue.put_nowait(None)

@@ -23,7 +23,6 @@ tombstone store lease for ``tombstone_s``.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import secrets
 from collections.abc import AsyncIterator, Iterable, Sequence
@@ -37,6 +36,7 @@ from ..store import Compare, CompareOp, CompareTarget, EventType, KeyValue, Put,
 from . import limits
 from .clock import Clock, WallClock
 from .errors import Code, DomainError, exhausted, invalid, not_found, precondition
+from .background import Tombstones, cancel_all, leader_ticks
 from .hub import PrefixHub
 
 log = structlog.get_logger(__name__)
@@ -71,6 +71,9 @@ class LeaseConfig:
     expiry_tick_s: float = 0.05
     tombstone_s: float = 600.0
     flush_batch: int = 64
+    # Bounded memory: a grant that would add a live lease beyond this is refused
+    # (RESOURCE_EXHAUSTED); re-grants of an existing conversation are always accepted.
+    max_live_leases: int = 1_000_000
 
 
 def _key(prefix: bytes, kind: str, ident: str) -> bytes:
@@ -132,7 +135,7 @@ class LeaseService:
         self._pending: dict[str, tuple[int, list[asyncio.Future]]] = {}  # lease_id -> (deadline, waiters)
         self._flush_wakeup = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
-        self._tomb_lease: tuple[int, float] | None = None  # (store lease, granted at monotonic)
+        self._tombstones = Tombstones(store, self.config.tombstone_s, rotate_s=60.0)
         self._active_by_conv: dict[str, str] = {}
         self.hub.listeners.append(self._index)
         self.is_leader = lambda: True
@@ -147,14 +150,12 @@ class LeaseService:
         loop = asyncio.get_running_loop()
         self._tasks.append(loop.create_task(self._flusher(), name="lease-flusher"))
         if run_expiry:
-            self._tasks.append(loop.create_task(self._expiry_loop(), name="lease-expiry"))
+            self._tasks.append(loop.create_task(
+                leader_ticks("lease.expiry", self.config.expiry_tick_s, lambda: self.is_leader(), self.expire_due),
+                name="lease-expiry"))
 
     async def stop(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+        await cancel_all(self._tasks)
         await self.hub.stop()
 
     # -- helpers -----------------------------------------------------------
@@ -170,14 +171,6 @@ class LeaseService:
         out.CopyFrom(info)
         out.remaining_ms = max(0, info.expires_at_ms - now) if info.state in LIVE_STATES else 0
         return out
-
-    async def _tombstone_lease(self) -> int:
-        """One store lease shared by the ended records of a minute, so ending a lease costs
-        no extra store round trip."""
-        loop = asyncio.get_running_loop()
-        if self._tomb_lease is None or loop.time() - self._tomb_lease[1] > 60:
-            self._tomb_lease = (await self.store.grant_lease(self.config.tombstone_s), loop.time())
-        return self._tomb_lease[0]
 
     async def _read(self, conversation_id: str) -> tuple[KeyValue | None, KeyValue | None, pb.LeaseInfo | None]:
         ckv = await self.store.get(self._ckey(conversation_id))
@@ -195,7 +188,7 @@ class LeaseService:
 
     async def _end_ops(self, info: pb.LeaseInfo, state: int, reason: str, now: int) -> list[Put]:
         """The writes that end ``info`` (terminal record and index, under the tombstone)."""
-        tomb = await self._tombstone_lease()
+        tomb = await self._tombstones.lease()
         ended = pb.LeaseInfo()
         ended.CopyFrom(info)
         ended.state = state
@@ -225,6 +218,9 @@ class LeaseService:
         for _ in range(_CAS_RETRIES):
             now = self.clock.now_ms()
             ckv, lkv, old = await self._read(conversation_id)
+            if (old is None or old.state not in LIVE_STATES) and len(self.hub.records) >= self.config.max_live_leases:
+                raise exhausted(f"{len(self.hub.records)} live leases (limit {self.config.max_live_leases}); "
+                                "revoke finished conversations or raise the limit")
             info = pb.LeaseInfo(
                 lease_id=secrets.token_hex(8), conversation_id=conversation_id, engine_id=engine_id,
                 state=ACTIVE, ttl_ms=ttl, granted_at_ms=now, expires_at_ms=now + ttl,
@@ -610,18 +606,6 @@ class LeaseService:
             yield event
 
     # -- expiry ------------------------------------------------------------
-    async def _expiry_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.config.expiry_tick_s)
-            if not self.is_leader():
-                continue
-            try:
-                await self.expire_due()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # keep the loop alive; the store may be failing over
-                log.warning("lease.expiry_failed", error=str(exc))
-
     async def expire_due(self) -> int:
         """Ends every lease that is due by this clock; returns how many it ended."""
         now = self.clock.now_ms()

@@ -21,7 +21,6 @@ writer may (it then promises not to write).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import heapq
 from collections.abc import AsyncIterator, Iterable, Sequence
@@ -35,7 +34,8 @@ from ..metrics import ServiceMetrics
 from ..store import Compare, EventType, KeyValue, Put, Store, WatchEvent
 from . import limits
 from .clock import Clock, WallClock
-from .errors import Code, DomainError, invalid, not_found, precondition
+from .errors import Code, DomainError, exhausted, invalid, not_found, precondition
+from .background import Tombstones, cancel_all, leader_ticks
 from .hub import PrefixHub
 
 log = structlog.get_logger(__name__)
@@ -64,6 +64,9 @@ class RendezvousConfig:
     sweep_tick_s: float = 0.05
     # Ended transfers are kept this long so late duplicates are answered, not re-opened.
     tombstone_s: float = 120.0
+    # Bounded memory: a new transfer is refused (RESOURCE_EXHAUSTED) while this many are
+    # pending or matched; existing ones still progress, expire and free their slots.
+    max_pending: int = 200_000
 
 
 def _parse(value: bytes) -> pb.TransferState:
@@ -149,7 +152,7 @@ class RendezvousService:
             keep=lambda t: t.phase not in TERMINAL,
         )
         self._tasks: list[asyncio.Task] = []
-        self._tomb: tuple[int, float] | None = None
+        self._tombstones = Tombstones(store, self.config.tombstone_s)
         # (deadline_ms, key, mod_revision) of every live record: the sweeper pops what is due
         # instead of scanning every pending transfer on each tick.
         self._deadlines: list[tuple[int, bytes, int]] = []
@@ -162,27 +165,19 @@ class RendezvousService:
         for key, (t, rev) in self.hub.records.items():
             self._push_deadline(key, t, rev)
         if run_sweeper:
-            self._tasks.append(asyncio.get_running_loop().create_task(self._sweeper(), name="rdv-sweeper"))
+            self._tasks.append(asyncio.get_running_loop().create_task(
+                leader_ticks("rendezvous.sweep", self.config.sweep_tick_s, lambda: self.is_leader(), self.sweep),
+                name="rdv-sweeper"))
 
     async def stop(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+        await cancel_all(self._tasks)
         await self.hub.stop()
 
     def _key(self, transfer_id: str) -> bytes:
         return self.prefix + b"t/" + transfer_id.encode()
 
-    async def _tombstone(self) -> int:
-        loop = asyncio.get_running_loop()
-        if self._tomb is None or loop.time() - self._tomb[1] > 30:
-            self._tomb = (await self.store.grant_lease(self.config.tombstone_s), loop.time())
-        return self._tomb[0]
-
     async def _put_ops(self, t: pb.TransferState) -> list[Put]:
-        lease = await self._tombstone() if t.phase in TERMINAL else 0
+        lease = await self._tombstones.lease() if t.phase in TERMINAL else 0
         return [Put(self._key(t.transfer_id), t.SerializeToString(), lease=lease)]
 
     # -- validation --------------------------------------------------------
@@ -228,6 +223,9 @@ class RendezvousService:
                 raise precondition(
                     f"transfer {msg.transfer_id}: attempt {msg.attempt} is superseded by attempt {cur.attempt}")
             superseded = cur is not None and cur.attempt < msg.attempt and cur.phase not in TERMINAL
+            if cur is None and len(self.hub.records) >= self.config.max_pending:
+                raise exhausted(f"{len(self.hub.records)} transfers are pending (limit {self.config.max_pending}); "
+                                "retry after some complete or expire")
             if cur is None or cur.attempt < msg.attempt:
                 new = pb.TransferState(transfer_id=msg.transfer_id, attempt=msg.attempt, updated_at_ms=now)
             else:
@@ -414,18 +412,6 @@ class RendezvousService:
             yield event
 
     # -- deadlines ---------------------------------------------------------
-    async def _sweeper(self) -> None:
-        while True:
-            await asyncio.sleep(self.config.sweep_tick_s)
-            if not self.is_leader():
-                continue
-            try:
-                await self.sweep()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                log.warning("rendezvous.sweep_failed", error=str(exc))
-
     def _deadline_of(self, t: pb.TransferState) -> int | None:
         if t.phase == OFFERED:
             return t.offer.deadline_ms

@@ -207,3 +207,16 @@ async def test_bad_pins_and_unknowns(kv):
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
     r = await kv.call(kv.lease.Renew, pb.RenewRequest(conversation_id="bad id"))
     assert r.status == pb.RENEW_STATUS_INVALID
+
+
+async def test_live_leases_are_bounded(kv, plane):
+    plane.lease.config.max_live_leases = 2
+    await grant(kv, "m1", ttl_ms=60_000)
+    await grant(kv, "m2", ttl_ms=60_000)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await grant(kv, "m3", ttl_ms=60_000)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "limit 2" in err.value.details()
+    again = await grant(kv, "m1", ttl_ms=60_000)  # a new turn of a live conversation is fine
+    assert again.replaced.conversation_id == "m1"
+    await kv.call(kv.lease.Revoke, pb.RevokeRequest(conversation_id="m2"))
+    assert (await grant(kv, "m3", ttl_ms=60_000)).lease.state == pb.LEASE_STATE_ACTIVE

@@ -8,14 +8,10 @@ and checks the numbers. Each plane has its own registry, so values are exact.
 from __future__ import annotations
 
 import asyncio
-import json
-import os
 import pathlib
 import shutil
-import subprocess
 import sys
 import tempfile
-import urllib.request
 
 import aiohttp
 import grpc

@@ -244,3 +244,17 @@ async def test_unknown_engine_and_block_count_mismatch(kv, engines):
     await kv.call(kv.rendezvous.Offer, offer("u2", blocks=(1, 2)))
     r = await kv.call(kv.rendezvous.Complete, complete("u2", blocks=(1, 2, 3)))
     assert r.state.phase == pb.TRANSFER_PHASE_FAILED and "mismatch" in r.state.reason
+
+
+async def test_pending_transfers_are_bounded(kv, engines, plane):
+    plane.rendezvous.config.max_pending = 3
+    for i in range(3):
+        await kv.call(kv.rendezvous.Offer, offer(f"b{i}"))
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await kv.call(kv.rendezvous.Offer, offer("b3"))
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "limit 3" in err.value.details()
+    # Existing transfers still progress and free their slot.
+    done = await kv.call(kv.rendezvous.Complete, complete("b0", blocks=(4, 5, 6)))
+    assert done.matched_now
+    await kv.call(kv.rendezvous.Cancel, pb.CancelRequest(transfer_id="b0", engine_id="pre"))
+    assert (await kv.call(kv.rendezvous.Offer, offer("b3"))).state.phase == pb.TRANSFER_PHASE_OFFERED
