@@ -11,10 +11,12 @@ Pipelining: transfers are cut into tiles (a range of regions × a range of block
 fit a slot, regions first: a tile holds whole regions whenever one region's blocks fit,
 so the number of gather/scatter kernels stays one per region however many chunks there
 are (measured on an H200: per-kernel launch cost, ~11 µs, not bandwidth, is what limits
-small chunks). A single packer thread packs chunk i+1 while the owner thread posts and
-waits for chunk i's WRITE (on host memory UCX copies inside the post call with the GIL
-released; on GPUs the WRITE is asynchronous), and the receiver unpacks chunk i while
-chunk i+1 flies. Slots are a fixed pool on both sides,
+small chunks). On CPU a single packer thread packs chunk i+1 while the owner thread
+posts and waits for chunk i's WRITE (UCX copies inside the post call with the GIL
+released). On CUDA nothing blocks: each chunk's gather is one Triton launch for all of
+its regions (:class:`GpuRowCopier`, torch per-region fallback) on a side stream, its
+WRITE is posted when the chunk's event fires, and the receiver enqueues the scatter on
+another stream and acks only when that event fires (:meth:`StagedPeer.progress`). Slots are a fixed pool on both sides,
 reused: a slot is free again once its WRITE is done *and* the receiver acked its unpack.
 
 Protocol (NIXL notifications, which arrive after the data they follow):
@@ -62,6 +64,10 @@ class PathCosts:
     pack_bps: float      # end-to-end bandwidth of the pipelined pack path
     pack_fixed_s: float  # per-transfer protocol latency of the pack path (chunk + ack)
 
+
+# while GPU chunks are in flight the sender polls at least every ~50 µs (a 32 MiB chunk
+# crosses NVLink in ~80 µs; the default 2 ms backoff cap would idle the link)
+GPU_POLL_MAX_S = 50e-6
 
 HOST_COSTS = PathCosts(desc_s=3e-6, link_bps=10e9, pack_bps=4e9, pack_fixed_s=300e-6)
 GPU_COSTS = PathCosts(desc_s=7e-6, link_bps=300e9, pack_bps=150e9, pack_fixed_s=100e-6)
@@ -195,6 +201,19 @@ def plan_tiles(num_blocks: int, num_regions: int, bytes_per_block: int,
             for b0 in range(0, num_blocks, nb) for r0 in range(0, num_regions, g)]
 
 
+def chunk_bytes_for(total_bytes: int, slot_bytes: int, bytes_per_block: int, *,
+                    target_chunks: int, min_chunk_bytes: int) -> int:
+    """Tile size for a transfer: about ``target_chunks`` chunks, within ``[min, slot]``.
+
+    More chunks shorten the pipeline's fill and drain (one chunk's gather before the
+    first WRITE, one chunk's scatter after the last), fewer chunks cost fewer posts,
+    notifications and acks. Always at least one block.
+    """
+    want = -(-int(total_bytes) // max(1, int(target_chunks)))
+    size = min(int(slot_bytes), max(int(min_chunk_bytes), want))
+    return max(size, int(bytes_per_block))
+
+
 def _packed(views: Sequence[torch.Tensor], n: int, buf: torch.Tensor) -> torch.Tensor:
     """``buf`` (uint8, 16-byte aligned) seen as ``[regions, n, row]`` of the views' dtype."""
     row, esize = int(views[0].shape[1]), views[0].element_size()
@@ -207,6 +226,7 @@ def pack_blocks(views: Sequence[torch.Tensor], ids: torch.Tensor, out: torch.Ten
 
     One ``index_select`` per region: the block lists are shared by all regions, so a
     transfer of n blocks over R regions is R kernel calls, independent of fragmentation.
+    (On CUDA the staged path uses :class:`GpuRowCopier` instead: one kernel for all.)
     """
     dst = _packed(views, int(ids.shape[0]), out)
     for r, v in enumerate(views):
@@ -221,16 +241,156 @@ def unpack_blocks(views: Sequence[torch.Tensor], ids: torch.Tensor, src: torch.T
         v.index_copy_(0, ids, packed[r])
 
 
+# ---------------------------------------------------------------------------- GPU kernel
+_UNIT = 16  # bytes: the kernel addresses KV rows in 16-byte units (one vector load)
+_KERNEL: object | None = None
+
+
+def _triton_kernel() -> object | None:
+    """The gather/scatter kernel, compiled lazily; None where Triton is missing."""
+    global _KERNEL
+    if _KERNEL is not None:
+        return _KERNEL
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:  # pragma: no cover - CPU-only installs
+        return None
+
+    @triton.jit
+    def kv_rows(kv_ptr, roff_ptr, ids_ptr, stage_ptr, n, row_u, stride_u,
+                TO_STAGE: tl.constexpr, BLOCK: tl.constexpr, EVEN: tl.constexpr):
+        # program (pid, cid): columns cid*BLOCK.. of row j of tile-region r, where
+        # pid = r * n + j. KV rows live at anchor + roff[r] + ids[j] * stride (16-byte
+        # units); the tile is packed region-major, row after row. Offsets are int64
+        # element (8-byte) counts, always even → 16-byte vector loads and stores.
+        pid = tl.program_id(0)
+        cid = tl.program_id(1)
+        r = pid // n
+        j = pid - r * n
+        roff = tl.load(roff_ptr + r)
+        b = tl.load(ids_ptr + j)
+        kv = (roff + b * stride_u) * 2
+        st = pid.to(tl.int64) * row_u * 2
+        cols = cid * BLOCK + tl.arange(0, BLOCK)
+        if EVEN:
+            if TO_STAGE:
+                x = tl.load(kv_ptr + kv + cols, eviction_policy="evict_first")
+                tl.store(stage_ptr + st + cols, x)
+            else:
+                x = tl.load(stage_ptr + st + cols, eviction_policy="evict_first")
+                tl.store(kv_ptr + kv + cols, x)
+        else:
+            mask = cols < row_u * 2
+            if TO_STAGE:
+                x = tl.load(kv_ptr + kv + cols, mask=mask)
+                tl.store(stage_ptr + st + cols, x, mask=mask)
+            else:
+                x = tl.load(stage_ptr + st + cols, mask=mask)
+                tl.store(kv_ptr + kv + cols, x, mask=mask)
+
+    _KERNEL = kv_rows
+    return _KERNEL
+
+
+class GpuRowCopier:
+    """Moves ``(region, block)`` rows between the KV regions and a packed tile, on CUDA,
+    with one kernel launch per tile whatever the number of regions.
+
+    The regions are separate allocations (one tensor per layer), so no single torch view
+    spans them; the kernel reads a small device table of region offsets (16-byte units
+    from an anchor address) instead. The packed format is exactly :func:`pack_blocks`'s
+    (region-major, block rows in id order), so either side may fall back to torch.
+    """
+
+    BLOCK = 1024  # int64 elements (8 KiB) per program
+
+    def __init__(self, tensors: Sequence[torch.Tensor], layout: KvLayout) -> None:
+        dev = tensors[0].device
+        storage = tensors[0].untyped_storage()
+        self.anchor = torch.empty(0, dtype=torch.int64, device=dev).set_(
+            storage, 0, (storage.nbytes() // 8,), (1,))
+        base = int(self.anchor.data_ptr())
+        offs = [a - base for a in layout.region_base_addrs]
+        if (layout.bytes_per_block % _UNIT or layout.block_stride_bytes % _UNIT
+                or any(o % _UNIT for o in offs) or base % _UNIT):
+            raise ValueError("KV rows are not 16-byte aligned: use the torch gather")
+        self.roff = torch.tensor([o // _UNIT for o in offs], dtype=torch.int64, device=dev)
+        self.row_u = layout.bytes_per_block // _UNIT
+        self.stride_u = layout.block_stride_bytes // _UNIT
+        self.row_elems = self.row_u * 2
+        blk = self.BLOCK
+        while blk > 2 and self.row_elems % blk:
+            blk //= 2
+        if (blk < 256 and self.row_elems > blk) or self.row_elems % blk:
+            # no large power of two tiles a row: whole-row programs, masked
+            blk = min(self.BLOCK, 1 << (self.row_elems - 1).bit_length())
+        self.block = blk
+        self.even = self.row_elems % self.block == 0
+        self.kernel = _triton_kernel()
+        if self.kernel is None:
+            raise ValueError("triton is not importable")
+
+    def _launch(self, ids: torch.Tensor, r0: int, r1: int, buf: torch.Tensor, to_stage: bool) -> int:
+        n = int(ids.shape[0])
+        nbytes = (r1 - r0) * n * self.row_u * _UNIT
+        if n == 0 or r1 <= r0:
+            return 0
+        if buf.numel() < nbytes:
+            raise ValueError(f"tile of {nbytes} B does not fit a {buf.numel()} B buffer")
+        stage = buf[:nbytes].view(torch.int64)
+        grid = ((r1 - r0) * n, -(-self.row_elems // self.block))
+        self.kernel[grid](self.anchor, self.roff[r0:r1], ids, stage, n, self.row_u,
+                          self.stride_u, TO_STAGE=to_stage, BLOCK=self.block, EVEN=self.even,
+                          num_warps=4)
+        return nbytes
+
+    def gather(self, ids: torch.Tensor, r0: int, r1: int, out: torch.Tensor) -> int:
+        """Rows ``ids`` of regions ``r0..r1`` into ``out`` (the current stream)."""
+        return self._launch(ids, r0, r1, out, True)
+
+    def scatter(self, ids: torch.Tensor, r0: int, r1: int, src: torch.Tensor) -> None:
+        """A :meth:`gather` tile back into rows ``ids`` of regions ``r0..r1``."""
+        self._launch(ids, r0, r1, src, False)
+
+
 # ---------------------------------------------------------------------------- protocol
+@dataclasses.dataclass
+class _Unpack:
+    peer: str
+    xfer_id: str
+    slot: int
+    seq: str
+    nchunks: int
+    event: object  # torch.cuda.Event
+    keep: tuple[torch.Tensor, ...]  # tensors the scatter still reads
+
+
 class StagedPeer:
     """Both roles of the pack path for one endpoint: sender (:meth:`send`) and receiver
-    (unpack + ack, answered from :meth:`NixlEndpoint.poll_notifs`)."""
+    (unpack + ack, driven by :meth:`progress` / :meth:`NixlEndpoint.poll_notifs`).
+
+    On CUDA nothing blocks on the GPU: the sender enqueues each chunk's gather on a side
+    stream and posts its WRITE once the chunk's event has fired; the receiver enqueues each
+    chunk's scatter on another side stream and acks the chunk (freeing the slot) and
+    reports the transfer complete only once the scatter's event has fired. Those events
+    are checked by :meth:`progress`, which the owner thread must keep calling while
+    transfers are incoming (it also polls notifications); :meth:`send` and
+    :meth:`wait_complete` call it themselves. On CPU the scatter is synchronous inside
+    the notification handler, so ``poll_notifs`` alone is enough.
+    """
 
     def __init__(self, endpoint: NixlEndpoint, tensors: Sequence[torch.Tensor],
                  layout: KvLayout, *, slot_bytes: int, num_slots: int = 4,
+                 target_chunks: int = 16, min_chunk_bytes: int = 4 << 20,
+                 use_kernel: bool | None = None,
                  on_complete: Callable[[str, str], None] | None = None) -> None:
         """Allocate and register two pools (send and receive, so both directions can run
         at once without sharing slots) of ``num_slots × slot_bytes`` on the KV's device.
+
+        A transfer is cut into about ``target_chunks`` chunks of at least
+        ``min_chunk_bytes`` (and at most a slot). ``use_kernel`` picks the one-launch
+        Triton gather/scatter on CUDA (default: when available).
 
         One incoming staged transfer at a time per :class:`StagedPeer`: the receive slots
         are addressed by the sender, so concurrent senders need separate peers/pools.
@@ -239,21 +399,33 @@ class StagedPeer:
         self.layout = layout
         self.views = region_byte_views(tensors, layout)
         self.device = tensors[0].device
+        self.target_chunks = int(target_chunks)
+        self.min_chunk_bytes = int(min_chunk_bytes)
         self.send_pool = StagingPool(slot_bytes, num_slots, self.device)
         self.recv_pool = StagingPool(slot_bytes, num_slots, self.device)
         self.send_pool.register(endpoint)
         self.recv_pool.register(endpoint)
         self._send_info = self.send_pool.info()
-        self._packer = cf.ThreadPoolExecutor(1, thread_name_prefix="kvbaton-pack")
-        cuda = self.device.type == "cuda"
-        self._pack_stream = torch.cuda.Stream(self.device) if cuda else None
-        self._unpack_stream = torch.cuda.Stream(self.device) if cuda else None
+        self.cuda = self.device.type == "cuda"
+        self._packer = None if self.cuda else cf.ThreadPoolExecutor(
+            1, thread_name_prefix="kvbaton-pack")
+        self._pack_stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self._unpack_stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self.copier: GpuRowCopier | None = None
+        if self.cuda and use_kernel is not False:
+            try:
+                self.copier = GpuRowCopier(tensors, layout)
+            except ValueError:
+                if use_kernel:
+                    raise
         self._acks: dict[str, set[int]] = {}
         self._recv_counts: dict[str, int] = {}
+        self._unpacking: collections.deque[_Unpack] = collections.deque()
         self.completed: dict[str, str] = {}  # xfer_id → peer, for finished incoming transfers
         self._pulls: collections.deque[tuple[str, str, StagingInfo, np.ndarray, np.ndarray]] = \
             collections.deque()
         self._on_complete = on_complete
+        self.last_send_chunks = 0
         endpoint.on_notif(PREFIX, self._on_notif)
 
     def info(self) -> StagingInfo:
@@ -266,12 +438,30 @@ class StagedPeer:
         return self.layout.bytes_per_block * self.layout.num_regions
 
     def close(self) -> None:
-        self._packer.shutdown(wait=True)
+        if self._packer is not None:
+            self._packer.shutdown(wait=True)
+        if self._unpack_stream is not None:
+            self._unpack_stream.synchronize()
 
     def forget(self, xfer_id: str) -> None:
         """Drop receive-side state of an incoming transfer whose sender gave up."""
         self._recv_counts.pop(xfer_id, None)
         self.completed.pop(xfer_id, None)
+
+    def progress(self) -> bool:
+        """Poll notifications and finish scatters whose events fired (acks, completions).
+
+        Non-blocking; returns whether anything happened. Call it from the owner thread.
+        """
+        got = bool(self.ep.poll_notifs())
+        return self._finish_unpacks() or got
+
+    def tile_bytes(self, num_blocks: int, remote: StagingInfo | None = None) -> int:
+        slot = self._send_info.slot_bytes if remote is None else min(
+            self._send_info.slot_bytes, remote.slot_bytes)
+        return chunk_bytes_for(num_blocks * self.block_bytes, slot, self.layout.bytes_per_block,
+                               target_chunks=self.target_chunks,
+                               min_chunk_bytes=self.min_chunk_bytes)
 
     # -------------------------------------------------------------- sender
     def send(self, peer: str, remote: StagingInfo, local_ids: npt.ArrayLike,
@@ -279,7 +469,8 @@ class StagedPeer:
              idle: Callable[[], object] | None = None) -> int:
         """Staged WRITE of local blocks into the peer's blocks; returns bytes moved.
 
-        Returns once the receiver acked every chunk (its blocks hold the data).
+        Returns once the receiver acked every chunk (its blocks hold the data). ``idle``
+        runs on every turn of the loop (tests progress the peer with it).
         """
         _check_xfer_id(xfer_id)
         lids, rids = as_ids(local_ids), as_ids(remote_ids)
@@ -294,12 +485,21 @@ class StagedPeer:
         if n == 0:
             return 0
         tiles = plan_tiles(n, self.layout.num_regions, self.layout.bytes_per_block,
-                           min(mine.slot_bytes, remote.slot_bytes))
+                           self.tile_bytes(n, remote))
         nchunks = len(tiles)
+        self.last_send_chunks = nchunks
+        ids_dev: torch.Tensor | None = None
+        if self.cuda:
+            assert self._pack_stream is not None
+            # the gathers read what the engine's stream wrote: order after it
+            self._pack_stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.device(self.device), torch.cuda.stream(self._pack_stream):
+                ids_dev = torch.from_numpy(lids).pin_memory().to(self.device, non_blocking=True)
+        poll_max = GPU_POLL_MAX_S if self.cuda else POLL_MAX_S
         deadline = time.monotonic() + timeout_s
         acks = self._acks.setdefault(xfer_id, set())
         free = collections.deque(range(nslots))
-        packing: collections.deque[tuple[int, int, cf.Future[int]]] = collections.deque()
+        packing: collections.deque[tuple[int, int, object]] = collections.deque()
         inflight: dict[int, Transfer] = {}
         written: set[int] = set()
         next_c = acked = 0
@@ -310,12 +510,12 @@ class StagedPeer:
                 while next_c < nchunks and free:
                     slot = free.popleft()
                     r0, r1, b0, b1 = tiles[next_c]
-                    packing.append((next_c, slot, self._packer.submit(
-                        self._pack, lids[b0:b1], r0, r1, slot)))
+                    packing.append((next_c, slot, self._start_pack(lids, ids_dev, b0, b1, r0, r1,
+                                                                   slot)))
                     next_c += 1
-                if packing and packing[0][2].done():
-                    c, slot, fut = packing.popleft()
-                    nbytes = fut.result()
+                while packing and self._pack_done(packing[0][2]):
+                    c, slot, handle = packing.popleft()
+                    nbytes = self._pack_result(handle)
                     r0, r1, b0, b1 = tiles[c]
                     msg = (_CHUNK + f"{xfer_id} {slot} {c} {nchunks} {r0} {r1}\n".encode()
                            + rids[b0:b1].astype("<i8").tobytes())
@@ -334,7 +534,7 @@ class StagedPeer:
                         del inflight[slot]
                         written.add(slot)
                         progressed = True
-                self.ep.poll_notifs()
+                progressed |= self.progress()
                 for slot in list(acks & written):
                     acks.discard(slot)
                     written.discard(slot)
@@ -346,38 +546,60 @@ class StagedPeer:
                 if time.monotonic() >= deadline:
                     raise TimeoutError(f"staged transfer {xfer_id} to {peer}: {acked}/{nchunks} "
                                        f"chunks acked after {timeout_s:.3f}s")
+                if idle is not None:
+                    idle()
                 if progressed:
                     delay = POLL_MIN_S
                     continue
-                if idle is not None:
-                    idle()
-                if packing and not inflight:
+                if packing and not inflight and isinstance(packing[0][2], cf.Future):
                     cf.wait([packing[0][2]], timeout=delay)  # sleeps until packed, bounded
                 else:
                     time.sleep(delay)
-                delay = min(delay * 2, POLL_MAX_S)
+                delay = min(delay * 2, poll_max)
         finally:
             for x in inflight.values():
                 self.ep.release(x)  # cancels anything still in flight
-            for _, _, fut in packing:
-                fut.cancel()
+            for _, _, h in packing:
+                if isinstance(h, cf.Future):
+                    h.cancel()
+            if self._pack_stream is not None and packing:
+                self._pack_stream.synchronize()  # no gather may still write a slot we reuse
             self._acks.pop(xfer_id, None)
         return n * self.block_bytes
 
-    def _pack(self, ids: np.ndarray, r0: int, r1: int, slot: int) -> int:
-        """Runs on the packer thread; returns once the slot holds the bytes.
+    def _start_pack(self, lids: np.ndarray, ids_dev: torch.Tensor | None, b0: int, b1: int,
+                    r0: int, r1: int, slot: int) -> object:
+        """Begin packing a tile into a send slot: a Future (CPU) or (event, bytes) (CUDA)."""
+        if not self.cuda:
+            assert self._packer is not None
+            return self._packer.submit(self._pack_cpu, lids[b0:b1], r0, r1, slot)
+        assert self._pack_stream is not None and ids_dev is not None
+        with torch.cuda.device(self.device), torch.cuda.stream(self._pack_stream):
+            ids = ids_dev[b0:b1]
+            out = self.send_pool.slot(slot)
+            if self.copier is not None:
+                nbytes = self.copier.gather(ids, r0, r1, out)
+            else:
+                nbytes = pack_blocks(self.views[r0:r1], ids, out)
+            ev = torch.cuda.Event()
+            ev.record(self._pack_stream)
+        return (ev, nbytes)
 
-        On CUDA the id upload and the gathers are on a side stream, synchronized before
-        the slot is handed to NIXL. Ordering against the engine's writes of these blocks
-        is the caller's (the blocks belong to a finished request).
-        """
-        if self._pack_stream is None:
-            return pack_blocks(self.views[r0:r1], torch.from_numpy(ids), self.send_pool.slot(slot))
-        with torch.cuda.stream(self._pack_stream):
-            ids_dev = torch.from_numpy(ids).to(self.device, non_blocking=False)
-            nbytes = pack_blocks(self.views[r0:r1], ids_dev, self.send_pool.slot(slot))
-        self._pack_stream.synchronize()
-        return nbytes
+    @staticmethod
+    def _pack_done(handle: object) -> bool:
+        if isinstance(handle, cf.Future):
+            return handle.done()
+        return bool(handle[0].query())  # type: ignore[index]
+
+    @staticmethod
+    def _pack_result(handle: object) -> int:
+        if isinstance(handle, cf.Future):
+            return int(handle.result())
+        return int(handle[1])  # type: ignore[index]
+
+    def _pack_cpu(self, ids: np.ndarray, r0: int, r1: int, slot: int) -> int:
+        """Runs on the packer thread (CPU tensors); returns once the slot holds the bytes."""
+        return pack_blocks(self.views[r0:r1], torch.from_numpy(ids), self.send_pool.slot(slot))
 
     # -------------------------------------------------------------- staged READ
     def request_pull(self, peer: str, remote_ids: npt.ArrayLike, local_ids: npt.ArrayLike,
@@ -398,8 +620,10 @@ class StagedPeer:
         """Wait (bounded backoff) until an incoming transfer finished; returns the peer."""
         deadline = time.monotonic() + timeout_s
         delay = POLL_MIN_S
+        poll_max = GPU_POLL_MAX_S if self.cuda else POLL_MAX_S
         while True:
-            self.ep.poll_notifs()
+            if self.progress():
+                delay = POLL_MIN_S
             if xfer_id in self.completed:
                 return self.completed.pop(xfer_id)
             if time.monotonic() >= deadline:
@@ -407,7 +631,7 @@ class StagedPeer:
             if idle is not None:
                 idle()
             time.sleep(delay)
-            delay = min(delay * 2, POLL_MAX_S)
+            delay = min(delay * 2, poll_max)
 
     def serve_pulls(self, *, timeout_s: float, idle: Callable[[], object] | None = None) -> int:
         """Answer queued pull requests with staged WRITEs; returns how many were served.
@@ -429,18 +653,17 @@ class StagedPeer:
         elif msg.startswith(_CHUNK):
             head, _, body = msg.partition(b"\n")
             xfer_id, slot_s, seq, nchunks, r0, r1 = head[len(_CHUNK):].decode().split()
-            slot = int(slot_s)
             ids = np.frombuffer(body, dtype="<i8")
-            self._unpack(ids, int(r0), int(r1), slot)
-            self.ep.send_notif(peer, _ACK + f"{xfer_id} {slot} {seq}".encode())
-            got = self._recv_counts.get(xfer_id, 0) + 1
-            if got == int(nchunks):
-                self._recv_counts.pop(xfer_id, None)
-                self.completed[xfer_id] = peer
-                if self._on_complete is not None:
-                    self._on_complete(peer, xfer_id)
-            else:
-                self._recv_counts[xfer_id] = got
+            check_ids(ids, self.layout.num_blocks, side="staged destination", unique=True)
+            slot = int(slot_s)
+            if not self.cuda:
+                unpack_blocks(self.views[int(r0):int(r1)], torch.from_numpy(ids.copy()),
+                              self.recv_pool.slot(slot))
+                self._chunk_done(peer, xfer_id, slot, seq, int(nchunks))
+                return
+            self._unpacking.append(self._start_unpack(peer, xfer_id, slot, seq, int(nchunks),
+                                                      ids, int(r0), int(r1)))
+            self._finish_unpacks()
         elif msg.startswith(_PULL):
             head, _, body = msg.partition(b"\n")
             xfer_id, n, base, slot_bytes, num_slots, mem, dev = head[len(_PULL):].decode().split()
@@ -449,15 +672,42 @@ class StagedPeer:
             info = StagingInfo(int(base), int(slot_bytes), int(num_slots), mem, int(dev))
             self._pulls.append((peer, xfer_id, info, ids[:k].copy(), ids[k:2 * k].copy()))
 
-    def _unpack(self, ids: np.ndarray, r0: int, r1: int, slot: int) -> None:
-        check_ids(ids, self.layout.num_blocks, side="staged destination", unique=True)
-        ids_t = torch.from_numpy(ids.copy())
-        if self._unpack_stream is None:
-            unpack_blocks(self.views[r0:r1], ids_t, self.recv_pool.slot(slot))
-            return
-        with torch.cuda.stream(self._unpack_stream):
-            unpack_blocks(self.views[r0:r1], ids_t.to(self.device), self.recv_pool.slot(slot))
-        self._unpack_stream.synchronize()  # the ack frees the slot: data must be out first
+    def _start_unpack(self, peer: str, xfer_id: str, slot: int, seq: str, nchunks: int,
+                      ids: np.ndarray, r0: int, r1: int) -> _Unpack:
+        """Enqueue a chunk's scatter on the unpack stream; its event says when it is out."""
+        assert self._unpack_stream is not None
+        host = torch.from_numpy(ids.copy()).pin_memory()
+        with torch.cuda.device(self.device), torch.cuda.stream(self._unpack_stream):
+            ids_dev = host.to(self.device, non_blocking=True)
+            src = self.recv_pool.slot(slot)
+            if self.copier is not None:
+                self.copier.scatter(ids_dev, r0, r1, src)
+            else:
+                unpack_blocks(self.views[r0:r1], ids_dev, src)
+            ev = torch.cuda.Event()
+            ev.record(self._unpack_stream)
+        return _Unpack(peer, xfer_id, slot, seq, nchunks, ev, (host, ids_dev))
+
+    def _finish_unpacks(self) -> bool:
+        """Ack every chunk whose scatter finished (one stream: they finish in order)."""
+        done = False
+        while self._unpacking and self._unpacking[0].event.query():  # type: ignore[attr-defined]
+            u = self._unpacking.popleft()
+            self._chunk_done(u.peer, u.xfer_id, u.slot, u.seq, u.nchunks)
+            done = True
+        return done
+
+    def _chunk_done(self, peer: str, xfer_id: str, slot: int, seq: str, nchunks: int) -> None:
+        """A chunk is in the KV blocks: free the sender's slot, count the transfer."""
+        self.ep.send_notif(peer, _ACK + f"{xfer_id} {slot} {seq}".encode())
+        got = self._recv_counts.get(xfer_id, 0) + 1
+        if got == nchunks:
+            self._recv_counts.pop(xfer_id, None)
+            self.completed[xfer_id] = peer
+            if self._on_complete is not None:
+                self._on_complete(peer, xfer_id)
+        else:
+            self._recv_counts[xfer_id] = got
 
 
 def _check_xfer_id(xfer_id: str) -> None:
