@@ -50,7 +50,6 @@ LEASE_HEADERS = ["CONVERSATION", "LEASE", "ENGINE", "STATE", "REMAINING", "PINS"
 
 
 async def _leases(args) -> int:
-    from kvbaton.client import KvbatonClient
     from kvbaton.v1 import lease_pb2
 
     async with _client(args) as kv:
@@ -89,7 +88,6 @@ async def _leases(args) -> int:
 
 
 async def _engines(args) -> int:
-    from kvbaton.client import KvbatonClient
     from kvbaton.v1 import common_pb2, registrar_pb2
 
     async with _client(args) as kv:
@@ -112,7 +110,6 @@ async def _engines(args) -> int:
 
 
 async def _transfers(args) -> int:
-    from kvbaton.client import KvbatonClient
     from kvbaton.v1 import rendezvous_pb2
 
     async with _client(args) as kv:
