@@ -113,19 +113,29 @@ class KvLayout:
         return hashlib.sha256(key.encode()).hexdigest()[:16]
 
     def registration_regions(self) -> list[tuple[int, int, int]]:
-        """(addr, nbytes, device_id) extents to register with NIXL, adjacent ones merged.
+        """(addr, nbytes, device_id) extents to register with NIXL.
 
-        K and V halves of one ``kv_split`` tensor are adjacent, so registering them as one
-        extent halves the registrations (each one costs a UCX memory key on every peer).
+        The K and V halves of one ``kv_split`` tensor are one allocation and are registered
+        as one extent (half the UCX memory keys). Extents of *different* tensors are never
+        merged even when their addresses touch: on GPUs they may be different CUDA
+        allocations, and one registration spanning two breaks CUDA IPC
+        (``cuMemcpyDtoDAsync: invalid argument`` on the peer).
         """
-        spans = sorted((a, a + self.region_span_bytes) for a in self.region_base_addrs)
-        merged: list[list[int]] = []
-        for start, end in spans:
-            if merged and start <= merged[-1][1]:
-                merged[-1][1] = max(merged[-1][1], end)
-            else:
-                merged.append([start, end])
-        return [(s, e - s, self.device_id) for s, e in merged]
+        span = self.region_span_bytes
+        group = 2 if self.layout == LAYOUT_KV_SPLIT else 1
+        addrs = list(self.region_base_addrs)
+        out: list[tuple[int, int, int]] = []
+        for i in range(0, len(addrs), group):
+            members = sorted(addrs[i : i + group])
+            start, end = members[0], members[0] + span
+            for a in members[1:]:
+                if a <= end:
+                    end = max(end, a + span)
+                else:
+                    out.append((start, end - start, self.device_id))
+                    start, end = a, a + span
+            out.append((start, end - start, self.device_id))
+        return out
 
     # ------------------------------------------------------------------ compatibility
     def compatible(self, other: KvLayout) -> None:
