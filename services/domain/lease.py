@@ -457,6 +457,16 @@ class LeaseService:
         return list(await asyncio.gather(*(self.renew(r.conversation_id, r.lease_id, r.ttl_ms) for r in batch)))
 
     # -- pins --------------------------------------------------------------
+    async def _lease_of(self, conversation_id: str, lease_id: str) -> tuple[KeyValue, pb.LeaseInfo]:
+        """The authoritative record of ``lease_id``, which must be ``conversation_id``'s."""
+        kv = await self.store.get(self._lkey(lease_id))
+        if kv is None:
+            raise not_found(f"lease {lease_id} not found")
+        info = _parse(kv.value)
+        if info.conversation_id != conversation_id:
+            raise invalid(f"lease {lease_id} belongs to another conversation")
+        return kv, info
+
     async def pin(self, conversation_id: str, lease_id: str, reader: str, ttl_ms: int = 0) -> tuple[pb.PinInfo, pb.LeaseInfo]:
         limits.check_id("conversation_id", conversation_id)
         limits.check_id("lease_id", lease_id)
@@ -464,12 +474,7 @@ class LeaseService:
         ttl = limits.check_range("ttl_ms", ttl_ms, 1, limits.MAX_PIN_TTL_MS, default=limits.DEFAULT_PIN_TTL_MS)
         key = self._lkey(lease_id)
         for _ in range(_CAS_RETRIES):
-            kv = await self.store.get(key)
-            if kv is None:
-                raise not_found(f"lease {lease_id} not found")
-            info = _parse(kv.value)
-            if info.conversation_id != conversation_id:
-                raise invalid(f"lease {lease_id} belongs to another conversation")
+            kv, info = await self._lease_of(conversation_id, lease_id)
             now = self.clock.now_ms()
             if info.state != ACTIVE:
                 self.metrics.lease_pin_refusals.labels("ended").inc()
@@ -500,12 +505,7 @@ class LeaseService:
         limits.check_id("pin_id", pin_id)
         key = self._lkey(lease_id)
         for _ in range(_CAS_RETRIES):
-            kv = await self.store.get(key)
-            if kv is None:
-                raise not_found(f"lease {lease_id} not found")
-            info = _parse(kv.value)
-            if info.conversation_id != conversation_id:
-                raise invalid(f"lease {lease_id} belongs to another conversation")
+            kv, info = await self._lease_of(conversation_id, lease_id)
             if info.state in TERMINAL_STATES or not any(p.pin_id == pin_id for p in info.pins):
                 return self._view(info)  # idempotent: already gone
             now = self.clock.now_ms()
