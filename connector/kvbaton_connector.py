@@ -6,7 +6,9 @@ Load it with::
         "kv_connector_module_path": "kvbaton.connector.kvbaton_connector",
         "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"control_plane": "127.0.0.1:50051", "mode": "pull",
-                                      "engine_id": "p0", "timeout_s": 30, "stats_dir": "/tmp/s"}}'
+                                      "engine_id": "p0", "timeout_s": 30, "stats_dir": "/tmp/s",
+                                      "lease_ttl_s": 30, "max_retained_fraction": 0.5,
+                                      "kv_recompute_threshold": 64}}'
 
 vLLM imports this module in three processes (API server, EngineCore, Worker), so nothing
 happens at import time; the SCHEDULER role gets a :class:`KvbatonScheduler` (pure
@@ -97,6 +99,12 @@ class KvbatonConnector(KVConnectorBase_V1):
             self._sched.shutdown()
 
     # ================================================================== scheduler side
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        """Decode retention keeps its own references in the block pool (see reuse.py)."""
+        super().bind_kv_cache_manager(kv_cache_manager)
+        if self._sched is not None:
+            self._sched.bind_block_pool(kv_cache_manager.block_pool)
+
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._sched is not None
         return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)

@@ -19,9 +19,18 @@ NOTIF_DONE = b"kvb:done:"
 #: Notification a prefill worker attaches to its push WRITE: ``kvb:push:<transfer_id>:<bytes>``;
 #: NIXL delivers it after the data, so its arrival means the blocks are complete.
 NOTIF_PUSH = b"kvb:push:"
+#: Notification a prefill worker attaches to a reuse READ from a decode engine's retained
+#: blocks: ``kvb:reuse:<conversation_id>:<bytes>`` (decode only counts it: the blocks stay
+#: owned by the lease, not by the reader).
+NOTIF_REUSE = b"kvb:reuse:"
 
 MODE_PULL = "pull"
 MODE_PUSH = "push"
+MODE_REUSE = "reuse"  # a LoadSpec that READs a decode engine's retained blocks (D→P)
+
+#: The longest pin the lease service grants (services/domain/limits.MAX_PIN_TTL_MS): a
+#: decode engine's local hard cap must outlast a lease plus this.
+MAX_PIN_S = 60.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +45,19 @@ class KvbatonSettings:
     ttl_ms: int = 10_000
     ucx_net_devices: str | None = None  # e.g. "lo" for single-host tests
     ucx_tls: str | None = None  # e.g. "tcp,self,sm" for host memory
+    # Bidirectional reuse (D→P across turns of one conversation).
+    lease_ttl_s: float = 30.0  # TTL of the lease decode takes on a finished turn's blocks
+    max_retained_fraction: float = 0.5  # above this share of KV blocks, revoke oldest leases
+    retain_hard_cap_s: float = 0.0  # 0: lease_ttl_s + MAX_PIN_S + 30 (see reuse.py)
+    kv_recompute_threshold: int = 64  # fewer reusable tokens than this: recompute instead
+    pin_ttl_s: float = 10.0  # prefill's pin while it READs retained blocks
+    retain: bool = True  # decode keeps blocks of turns that carry a conversation_id
+
+    @property
+    def hard_cap_s(self) -> float:
+        """Local last-resort bound on holding retained blocks without word from the control plane."""
+        floor = self.lease_ttl_s + MAX_PIN_S
+        return max(self.retain_hard_cap_s, floor + 1.0) if self.retain_hard_cap_s else floor + 30.0
 
     @classmethod
     def from_vllm(cls, kv_transfer_config: Any) -> KvbatonSettings:
@@ -54,7 +76,13 @@ class KvbatonSettings:
         return cls(control_plane=cp, mode=mode, engine_id=engine_id,
                    timeout_s=float(get("timeout_s", 30.0)), stats_dir=str(get("stats_dir", "") or ""),
                    ttl_ms=int(get("ttl_ms", 10_000)),
-                   ucx_net_devices=get("ucx_net_devices", None), ucx_tls=get("ucx_tls", None))
+                   ucx_net_devices=get("ucx_net_devices", None), ucx_tls=get("ucx_tls", None),
+                   lease_ttl_s=float(get("lease_ttl_s", 30.0)),
+                   max_retained_fraction=float(get("max_retained_fraction", 0.5)),
+                   retain_hard_cap_s=float(get("retain_hard_cap_s", 0.0)),
+                   kv_recompute_threshold=int(get("kv_recompute_threshold", 64)),
+                   pin_ttl_s=float(get("pin_ttl_s", 10.0)),
+                   retain=bool(get("retain", True)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +99,23 @@ class LoadSpec:
     local_block_ids: tuple[int, ...]
     report_recv: bool = True  # False: nobody waits for finished_recving (release only)
     mode: str = MODE_PULL  # push: wait for prefill's WRITE notification instead of reading
+    reuse: ReuseSource | None = None  # mode == reuse: the lease to pin while reading
+
+
+@dataclasses.dataclass(frozen=True)
+class ReuseSource:
+    """Where a prefill engine reads a conversation's history from (D's retained blocks).
+
+    ``lease_id``/``retention_id`` are what the router looked up; the worker pins that lease
+    and checks its ``retention_id`` before reading, so the block ids it reads are the ones
+    the lease protects (never blocks of a newer or an ended retention).
+    """
+
+    conversation_id: str
+    engine_id: str
+    lease_id: str
+    retention_id: str
+    num_tokens: int  # tokens this load covers (from the start of the prompt)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,6 +19,16 @@ Pull mode, as seen from here:
   claims the non-locally-cached prompt tokens as an async load, once per request (the
   flag is cleared so a failed load, which re-enters admission, recomputes instead of
   looping — API notes §0.5).
+
+Reuse (D→P across turns, see :mod:`.reuse`):
+
+* **Decode**: a finished turn whose ``kv_transfer_params`` carry ``conversation_id`` keeps
+  its full blocks under a lease (:class:`RetentionManager`); the response says so.
+* **Prefill**: a request whose params carry ``reuse`` (the router's lookup of the
+  conversation's retained blocks) compares hash chains; if at least
+  ``kv_recompute_threshold`` tokens beyond its own prefix-cache hit are reusable it claims
+  them as an async load (``MODE_REUSE``: the worker pins the lease and READs from decode).
+  Offered once, like pull loads: a failed read re-enters admission and recomputes.
 """
 
 from __future__ import annotations
@@ -30,7 +40,17 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.v1.request import RequestStatus
 
-from .metadata import MODE_PULL, MODE_PUSH, KvbatonMeta, KvbatonSettings, LoadSpec, SendSpec
+from .metadata import (
+    MODE_PULL,
+    MODE_PUSH,
+    MODE_REUSE,
+    KvbatonMeta,
+    KvbatonSettings,
+    LoadSpec,
+    ReuseSource,
+    SendSpec,
+)
+from .reuse import RetentionManager, reusable_blocks
 
 if TYPE_CHECKING:  # pragma: no cover
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -52,17 +72,31 @@ class KvbatonScheduler:
         self._loads: dict[str, LoadSpec] = {}
         self._sends: dict[str, SendSpec] = {}
         self._control: Any = None  # ControlThread, started on first push use
+        self._retention: RetentionManager | None = None
+        self._reuse_pending: dict[str, tuple[int, dict[str, Any]]] = {}  # req -> (blocks, reuse)
+        self.reuse_stats: dict[str, int] = {"reuse_claimed": 0, "reuse_below_threshold": 0,
+                                            "reuse_no_match": 0, "reuse_claimed_tokens": 0}
 
     def _mode(self, params: dict[str, Any]) -> str:
         return str(params.get("transfer_mode") or self.settings.mode)
 
-    def _rpc(self, what: str, fn: Any) -> None:
-        """Fire-and-forget a control-plane call from the engine loop (never blocks it)."""
+    def _control_thread(self) -> Any:
         if self._control is None:
             from .control import ControlThread
 
             self._control = ControlThread(self.settings.control_plane, name="kvbaton-sched-control")
-        fut = self._control.submit(fn)
+        return self._control
+
+    def bind_block_pool(self, block_pool: Any) -> None:
+        """Decode retention holds block references in vLLM's pool (see :mod:`.reuse`)."""
+        if not self.settings.retain:
+            return
+        self._retention = RetentionManager(self.settings, self.block_size, self._control_thread())
+        self._retention.bind(block_pool)
+
+    def _rpc(self, what: str, fn: Any) -> None:
+        """Fire-and-forget a control-plane call from the engine loop (never blocks it)."""
+        fut = self._control_thread().submit(fn)
 
         def _done(f: concurrent.futures.Future[Any]) -> None:
             if f.cancelled() or f.exception() is not None:
@@ -70,12 +104,18 @@ class KvbatonScheduler:
         fut.add_done_callback(_done)
 
     def shutdown(self) -> None:
+        if self._retention is not None:
+            self._retention.close()
         if self._control is not None:
             self._control.close()
 
     # ------------------------------------------------------------------ decode side
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        if self._retention is not None:
+            self._retention.drain()  # ended leases give their blocks back before allocation
         params = request.kv_transfer_params
+        if params and params.get("reuse") and not params.get("do_remote_prefill"):
+            return self._claim_reuse(request, params, num_computed_tokens)
         if not params or not params.get("do_remote_prefill"):
             return 0, False
         if self._mode(params) == MODE_PULL and not params.get("remote_engine_id"):
@@ -87,9 +127,58 @@ class KvbatonScheduler:
         self._local_hit[request.request_id] = num_computed_tokens
         return count, True
 
+    def _claim_reuse(self, request: Request, params: dict[str, Any], num_computed_tokens: int) -> tuple[int, bool]:
+        """Prefill: how many prompt tokens to READ from decode's retained blocks (once)."""
+        reuse = params.get("reuse") or {}
+        try:
+            hashes = [bytes.fromhex(h) for h in reuse.get("block_hashes") or ()]
+            remote_ids = [int(b) for b in reuse.get("block_ids") or ()]
+            ok = (int(reuse.get("tokens_per_block") or 0) == self.block_size and reuse.get("engine_id")
+                  and reuse.get("lease_id") and reuse.get("retention_id") and reuse.get("conversation_id"))
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
+            params.pop("reuse", None)
+            self.reuse_stats["reuse_no_match"] += 1
+            return 0, False
+        k = reusable_blocks(request.prompt_token_ids or (), self.block_size, hashes[: len(remote_ids)])
+        ext = k * self.block_size - num_computed_tokens
+        if ext < max(1, self.settings.kv_recompute_threshold):
+            params.pop("reuse", None)
+            self.reuse_stats["reuse_below_threshold" if k else "reuse_no_match"] += 1
+            log.info("kvbaton: %s: %d reusable tokens beyond the local hit (%d): recomputing",
+                     request.request_id, max(ext, 0), num_computed_tokens)
+            return 0, False
+        self._local_hit[request.request_id] = num_computed_tokens
+        self._reuse_pending[request.request_id] = (k, reuse)
+        return ext, True
+
+    def _alloc_reuse(self, request: Request, params: dict[str, Any], blocks: KVCacheBlocks,
+                     num_external_tokens: int) -> None:
+        params.pop("reuse", None)  # offer once (API notes §0.5)
+        k, reuse = self._reuse_pending.pop(request.request_id)
+        hit = self._local_hit.pop(request.request_id, 0)
+        if num_external_tokens <= 0:
+            return
+        local_all = blocks.get_block_ids()[0]
+        first = hit // self.block_size
+        last = min(k, len(local_all))
+        remote = tuple(int(b) for b in reuse["block_ids"][first:last])
+        local = tuple(int(b) for b in local_all[first:last])
+        src = ReuseSource(str(reuse["conversation_id"]), str(reuse["engine_id"]), str(reuse["lease_id"]),
+                          str(reuse["retention_id"]), last * self.block_size)
+        tid = f"reuse-{uuid.uuid4().hex[:12]}"
+        self._loads[request.request_id] = LoadSpec(tid, src.engine_id, remote, local, True,
+                                                   mode=MODE_REUSE, reuse=src)
+        self.reuse_stats["reuse_claimed"] += 1
+        self.reuse_stats["reuse_claimed_tokens"] += num_external_tokens
+
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
         params = request.kv_transfer_params
+        if params is not None and request.request_id in self._reuse_pending:
+            self._alloc_reuse(request, params, blocks, num_external_tokens)
+            return
         if not params or not params.get("do_remote_prefill"):
             return
         # Offer once: whatever happens next (load ok, load failed, nothing to load) this
@@ -143,6 +232,7 @@ class KvbatonScheduler:
         if not params:
             return False, None
         self._local_hit.pop(request.request_id, None)
+        self._reuse_pending.pop(request.request_id, None)
         if params.get("do_remote_prefill"):
             # Decode request finished (aborted) before it was ever allocated: tell the
             # prefill engine to free its held blocks instead of waiting for its timeout.
@@ -158,6 +248,11 @@ class KvbatonScheduler:
                     str(params.get("transfer_id") or ""), str(params["remote_engine_id"]), (), (), False)
             return False, None
         if not params.get("do_remote_decode"):
+            if params.get("conversation_id") and self._retention is not None and request.status in (
+                    RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
+                retained = self._retention.retain(str(params["conversation_id"]), request.all_token_ids,
+                                                  block_ids, int(request.num_computed_tokens))
+                return False, ({"retained": retained} if retained else None)
             return False, None
         if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
             return False, None
@@ -190,6 +285,8 @@ class KvbatonScheduler:
 
     # ------------------------------------------------------------------ per step
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvbatonMeta:
+        if self._retention is not None:
+            self._retention.drain()
         meta = KvbatonMeta(loads=self._loads, sends=self._sends)
         self._loads, self._sends = {}, {}
         return meta

@@ -20,6 +20,16 @@ Pull mode:
   vLLM's ``kv_load_failure_policy=recompute`` recomputes it and every block is freed.
 * Prefill: each :class:`SendSpec` holds the request until the done notification for its
   transfer id arrives or ``timeout_s`` passes; then ``finished_sending`` (vLLM frees).
+
+Reuse (prefill reads a conversation's history from decode's retained blocks):
+
+* A ``MODE_REUSE`` :class:`LoadSpec` → ``Lease.Pin`` (control thread) → check the pinned
+  lease still names the retention the router looked up → registrar lookup of the decode
+  rank → one coalesced NIXL READ → ``Lease.Unpin``. The READ must finish within half the
+  pin's TTL counted from when the pin was *requested* (so it ends before the service can
+  let the pin lapse, without comparing clocks); otherwise it is cancelled. A refused pin,
+  a mismatch or a failed/late READ fails the load: vLLM recomputes (never garbage).
+* Decode only counts the ``kvb:reuse:`` notification; its blocks belong to the lease.
 """
 
 from __future__ import annotations
@@ -38,7 +48,17 @@ from typing import TYPE_CHECKING, Any
 from .control import ControlThread, geometry_fields, role_of
 from .descriptors import plan_transfer
 from .geometry import KvLayout
-from .metadata import MODE_PUSH, NOTIF_DONE, NOTIF_PUSH, KvbatonMeta, KvbatonSettings, LoadSpec, SendSpec
+from .metadata import (
+    MODE_PUSH,
+    MODE_REUSE,
+    NOTIF_DONE,
+    NOTIF_PUSH,
+    NOTIF_REUSE,
+    KvbatonMeta,
+    KvbatonSettings,
+    LoadSpec,
+    SendSpec,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -48,7 +68,9 @@ if TYPE_CHECKING:  # pragma: no cover
 log = logging.getLogger("kvbaton.connector.worker")
 
 _BUSY_POLL_S = 0.001
-_IDLE_POLL_S = 0.05
+# Idle poll: also what progresses UCX when a peer READs our retained blocks (no NIXL
+# progress thread), so it bounds a reuse READ's latency. 100 cheap wakeups/s.
+_IDLE_POLL_S = 0.01
 
 
 def agent_name(engine_id: str, tp_rank: int) -> str:
@@ -66,6 +88,10 @@ class _Load:
     nbytes: int = 0
     num_descs: int = 0
     peer: str = ""
+    pin_future: concurrent.futures.Future[Any] | None = None
+    pin_id: str = ""
+    pin_sent: float = 0.0
+    read_deadline: float = 0.0
 
 
 @dataclasses.dataclass
@@ -85,9 +111,9 @@ class _Held:
 class StatsLog:
     """Per-transfer JSON lines in ``stats_dir`` (tests and operators read them) + counters."""
 
-    def __init__(self, stats_dir: str, engine_id: str) -> None:
+    def __init__(self, stats_dir: str, engine_id: str, part: str = "worker") -> None:
         self.counters: dict[str, int] = {}
-        self._path = Path(stats_dir) / f"{engine_id}.worker.jsonl" if stats_dir else None
+        self._path = Path(stats_dir) / f"{engine_id}.{part}.jsonl" if stats_dir else None
         if self._path is not None:
             self._path.parent.mkdir(parents=True, exist_ok=True)
 
@@ -152,6 +178,7 @@ class TransferThread:
             ep.register_layout(self.layout)
             ep.on_notif(NOTIF_DONE, self._on_done)
             ep.on_notif(NOTIF_PUSH, self._on_push)
+            ep.on_notif(NOTIF_REUSE, self._on_reuse_served)
             self.metadata = ep.metadata()
             self._ep = ep
         except BaseException as exc:  # noqa: BLE001 - surfaced by start()
@@ -219,6 +246,10 @@ class TransferThread:
         tid, _, nbytes = msg[len(NOTIF_PUSH):].decode(errors="replace").partition(":")
         self.stats.record("notif", transfer_id=tid, peer=peer, kind="push")
         self._push_arrived[tid] = (time.monotonic(), int(nbytes or 0))
+
+    def _on_reuse_served(self, peer: str, msg: bytes) -> None:
+        conv, _, nbytes = msg[len(NOTIF_REUSE):].decode(errors="replace").rpartition(":")
+        self.stats.record("reuse_served", conversation_id=conv, peer=peer, served_nbytes=int(nbytes or 0))
 
     def _on_event(self, tid: str, ev: Any) -> None:
         """A rendezvous event for this engine (from the control thread's subscription)."""
@@ -371,6 +402,8 @@ class TransferThread:
         assert self._ep is not None
         eid = ld.spec.remote_engine_id
         tid_s = ld.spec.transfer_id
+        if ld.spec.mode == MODE_REUSE:
+            return self._step_reuse(ld, now)
         if ld.spec.mode == MODE_PUSH:
             arrived = self._push_arrived.pop(tid_s, None)
             if arrived is not None:
@@ -415,6 +448,74 @@ class TransferThread:
             raise TimeoutError(f"NIXL READ from {ld.peer} not done after {self.settings.timeout_s}s")
         return False
 
+    def _step_reuse(self, ld: _Load, now: float) -> bool:
+        """Pin → READ → (unpin in _finish_load). True when finished."""
+        from kvbaton.v1 import lease_pb2 as lpb
+
+        assert self._ep is not None and ld.spec.reuse is not None
+        src = ld.spec.reuse
+        if not ld.pin_id:
+            if ld.pin_future is None:
+                ld.pin_sent = now
+                req = lpb.PinRequest(conversation_id=src.conversation_id, lease_id=src.lease_id,
+                                     reader=self.name, ttl_ms=int(self.settings.pin_ttl_s * 1000))
+                ld.pin_future = self.control.submit(lambda c: c.call(c.lease.Pin, req, retries=1))
+            if not ld.pin_future.done():
+                if now >= ld.deadline:
+                    ld.pin_future.cancel()
+                    raise TimeoutError("Lease.Pin did not answer")
+                return False
+            fut, ld.pin_future = ld.pin_future, None
+            try:
+                resp = fut.result()
+            except Exception as exc:  # noqa: BLE001 - refused or unreachable: either way, do not read
+                detail = exc.details() if hasattr(exc, "details") else repr(exc)
+                raise RuntimeError(f"pin refused: {detail}") from None
+            ld.pin_id = resp.pin.pin_id
+            ld.read_deadline = ld.pin_sent + self.settings.pin_ttl_s * 0.5
+            if resp.lease.retention_id != src.retention_id or resp.lease.engine_id != src.engine_id:
+                raise RuntimeError(f"lease {src.lease_id} now protects retention {resp.lease.retention_id!r}, "
+                                   f"not {src.retention_id!r}")
+        if now >= ld.read_deadline:
+            raise TimeoutError(f"reuse READ from {src.engine_id} not done within half the pin TTL")
+        if ld.xfer is None:
+            got = self._peer(src.engine_id, ld, now)
+            if got is None:
+                return False
+            peer, remote_layout = got
+            ld.peer = peer
+            plan = plan_transfer(self.layout, ld.spec.local_block_ids, remote_layout,
+                                 ld.spec.remote_block_ids, op="READ", coalesce=True)
+            ld.nbytes, ld.num_descs = plan.nbytes, plan.num_descs
+            msg = NOTIF_REUSE + f"{src.conversation_id}:{plan.nbytes}".encode()
+            try:
+                ld.xfer = self._ep.read(plan, peer, msg)
+            except Exception:
+                self._forget_peer(src.engine_id)
+                raise
+        st = self._ep.state(ld.xfer)
+        if st == "DONE":
+            self._ep.release(ld.xfer)
+            self._finish_load(ld, ok=True)
+            return True
+        if st == "ERR":
+            self._forget_peer(src.engine_id)
+            raise RuntimeError(f"NIXL READ from {ld.peer} failed")
+        return False
+
+    def _unpin(self, ld: _Load) -> None:
+        """Release our pin (fire-and-forget: a lost Unpin only delays expiry by the pin TTL)."""
+        from kvbaton.v1 import lease_pb2 as lpb
+
+        src = ld.spec.reuse
+        if src is None or not ld.pin_id:
+            return
+        req = lpb.UnpinRequest(conversation_id=src.conversation_id, lease_id=src.lease_id, pin_id=ld.pin_id)
+        ld.pin_id = ""
+        fut = self.control.submit(lambda c: c.call(c.lease.Unpin, req, retries=2))
+        fut.add_done_callback(lambda f: f.cancelled() or f.exception() is None or log.warning(
+            "kvbaton: Unpin failed (the pin lapses by itself): %r", f.exception()))
+
     def _forget_peer(self, eid: str) -> None:
         got = self._peers.pop(eid, None)
         if got is not None and self._ep is not None:
@@ -425,6 +526,18 @@ class TransferThread:
 
     def _finish_load(self, ld: _Load, *, ok: bool, reason: str = "") -> None:
         dur = time.monotonic() - ld.t0
+        if ld.spec.mode == MODE_REUSE:
+            self._unpin(ld)
+            src = ld.spec.reuse
+            if ok:
+                self.stats.record("reuse_read", conversation_id=src.conversation_id if src else "",
+                                  req_id=ld.req_id, nbytes=ld.nbytes, num_descs=ld.num_descs,
+                                  num_blocks=len(ld.spec.local_block_ids), duration_s=round(dur, 6))
+            else:
+                self.stats.record("reuse_failed", conversation_id=src.conversation_id if src else "",
+                                  req_id=ld.req_id, reason=reason, duration_s=round(dur, 6))
+            self.results.put(("recv", ld.req_id, ok, ld.spec.local_block_ids))
+            return
         if ok and ld.spec.local_block_ids:
             self.stats.record("recv_done", transfer_id=ld.spec.transfer_id, req_id=ld.req_id,
                               nbytes=ld.nbytes, num_descs=ld.num_descs,

@@ -134,6 +134,9 @@ class Router:
         except (json.JSONDecodeError, UnicodeDecodeError):
             return web.json_response({"error": {"message": "body is not JSON", "type": "BadRequestError",
                                                 "code": 400}}, status=400)
+        if not isinstance(body, dict):
+            return web.json_response({"error": {"message": f"body must be a JSON object, not {type(body).__name__}",
+                                                "type": "BadRequestError", "code": 400}}, status=400)
         transfer_id = uuid.uuid4().hex  # fresh per dispatch: a retry is a new transfer
         conv = body.pop("conversation_id", None) or request.headers.get("X-Conversation-Id")
         conv = str(conv) if conv else ""

@@ -94,7 +94,8 @@ def test_staged_write_and_read_cuda(kernel: bool) -> None:
 
     def same(src: np.ndarray, dst: np.ndarray) -> bool:
         s, d = torch.from_numpy(src).cuda(), torch.from_numpy(dst).cuda()
-        return all(torch.equal(x.index_select(0, s), y.index_select(0, d)) for x, y in zip(va, vb))
+        return all(torch.equal(x.index_select(0, s).view(torch.uint8), y.index_select(0, d).view(torch.uint8))
+                   for x, y in zip(va, vb))
 
     try:
         rng = np.random.default_rng(3)
