@@ -280,7 +280,7 @@ class KvbatonScheduler:
             "remote_block_ids": [int(b) for b in block_ids],
             "remote_num_tokens": int(request.num_computed_tokens),
             "transfer_id": tid,
-            "transfer_mode": self.settings.mode,
+            "transfer_mode": MODE_PULL,  # this branch is pull whatever the engine default
         }
 
     # ------------------------------------------------------------------ per step

@@ -32,7 +32,6 @@ The stack is started with ``tests/harness/pd_stack.py`` (shared with the e2e tes
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys

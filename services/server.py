@@ -126,7 +126,8 @@ class ControlPlane:
             await self.rendezvous.start(run_sweeper=True)
             rendezvous_pb2_grpc.add_RendezvousServicer_to_server(RendezvousServicer(self.rendezvous), self.server)
         if "lease" in self.config.services:
-            self.lease = LeaseService(store, clock=self.clock, config=self.config.lease, metrics=self.metrics)
+            self.lease = LeaseService(store, clock=self.clock, config=self.config.lease, metrics=self.metrics,
+                                      engine_alive=self.registrar.engine_exists)
             await self.lease.start(run_expiry=True)
             lease_pb2_grpc.add_LeaseServicer_to_server(LeaseServicer(self.lease), self.server)
         await self._elect(store)

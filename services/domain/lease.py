@@ -122,11 +122,15 @@ class LeaseService:
         config: LeaseConfig | None = None,
         prefix: bytes = b"kvb/lease/",
         metrics: ServiceMetrics | None = None,
+        engine_alive=None,
     ) -> None:
         self.store = store
         self.metrics = metrics or ServiceMetrics()
         self.clock = clock or WallClock()
         self.config = config or LeaseConfig()
+        # Optional async predicate (the registrar's): pins are refused on a lease whose
+        # decode engine's liveness lapsed, because that engine may free on its hard cap.
+        self.engine_alive = engine_alive
         self.prefix = prefix
         self.hub: PrefixHub[pb.LeaseInfo, pb.LeaseEvent] = PrefixHub(
             store, prefix + b"l/", parse=_parse, derive=derive_events, name="leases",
@@ -476,6 +480,11 @@ class LeaseService:
         for _ in range(_CAS_RETRIES):
             kv, info = await self._lease_of(conversation_id, lease_id)
             now = self.clock.now_ms()
+            if self.engine_alive is not None and not await self.engine_alive(info.engine_id):
+                # Its liveness lapsed: it may be cut off from us and free the blocks on its
+                # local hard cap at any moment, so nobody may start a read now.
+                self.metrics.lease_pin_refusals.labels("engine_gone").inc()
+                raise precondition(f"lease {lease_id}: engine {info.engine_id} is not registered (liveness lapsed): not pinned")
             if info.state != ACTIVE:
                 self.metrics.lease_pin_refusals.labels("ended").inc()
                 raise precondition(f"lease {lease_id} is {pb.LeaseState.Name(info.state)} ({info.reason}): not pinned")

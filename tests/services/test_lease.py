@@ -10,8 +10,26 @@ import pytest
 
 from kvbaton.client import LeaseKeeper
 from kvbaton.v1 import lease_pb2 as pb
+from kvbaton.v1 import registrar_pb2
 
 E = pb.LeaseEvent
+
+
+@pytest.fixture(autouse=True)
+async def decode_engines(kv):
+    """Pins need the lease's decode engine to be alive (registered)."""
+    from tests.services.helpers import register
+
+    for eid in ("dec", "dec-w", "e1", "e2"):
+        await register(kv, eid)
+
+
+async def test_pin_refused_when_the_decode_engine_is_gone(kv):
+    g = await grant(kv, "c-gone", ttl_ms=60_000)
+    await kv.call(kv.registrar.DeregisterEngine, registrar_pb2.DeregisterEngineRequest(engine_id="dec"))
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await kv.call(kv.lease.Pin, pb.PinRequest(conversation_id="c-gone", lease_id=g.lease.lease_id, reader="p"))
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "liveness lapsed" in err.value.details()
 
 
 async def grant(kv, conv, ttl_ms=600, engine="dec"):
@@ -88,9 +106,9 @@ async def test_pin_holds_off_expiry_and_unpin_releases(kv):
 
 
 async def test_pin_expires_by_itself(kv):
-    g = await grant(kv, "c-pin2", ttl_ms=200)
-    await kv.call(kv.lease.Pin, pb.PinRequest(conversation_id="c-pin2", lease_id=g.lease.lease_id, reader="r", ttl_ms=600))
-    await asyncio.sleep(0.4)
+    g = await grant(kv, "c-pin2", ttl_ms=300)
+    await kv.call(kv.lease.Pin, pb.PinRequest(conversation_id="c-pin2", lease_id=g.lease.lease_id, reader="r", ttl_ms=2000))
+    await asyncio.sleep(0.6)  # past the TTL, well inside the pin
     assert (await get(kv, "c-pin2")).state == pb.LEASE_STATE_ACTIVE
     await wait_state(kv, "c-pin2", pb.LEASE_STATE_EXPIRED, timeout=3)
 

@@ -169,6 +169,7 @@ async def test_metrics_follow_lease_traffic(mplane, mkv):
         return await kv.call(kv.lease.Grant, lp.GrantRequest(conversation_id=conv, engine_id="dec", ttl_ms=ttl_ms,
                                                              num_blocks=blocks))
 
+    await register(kv, "dec", common_pb2.ENGINE_ROLE_DECODE)  # pins need a live decode engine
     short = (await grant("c-short", 300, blocks=3)).lease
     long = (await grant("c-long", 5_000, blocks=5)).lease
     await grant("c-repl", 5_000, blocks=2)

@@ -108,6 +108,9 @@ async def test_lease_soak_keeps_invariants(kv, plane):
                 assert with_revoke.state in (pb.LEASE_STATE_REVOKED, pb.LEASE_STATE_DRAINING, pb.LEASE_STATE_EXPIRED)
                 await grant(conv)
 
+    from tests.services.helpers import register
+
+    await register(kv, "soak-dec")  # pins need a live decode engine
     watcher = asyncio.ensure_future(watch())
     await grant("soak-warmup")
     await asyncio.wait_for(ready.wait(), 10)
