@@ -172,7 +172,7 @@ async def store_revision(url: str) -> int | None:
 async def run(args) -> dict:
     port = free_port()
     env = dict(os.environ, KVBATON_LOG_LEVEL="WARNING")
-    server = subprocess.Popen([sys.executable, "-m", "kvbaton.cli", "serve", "--listen", f"127.0.0.1:{port}",
+    server = subprocess.Popen([sys.executable, "-m", "kvbaton.cli", "serve", "--insecure", "--listen", f"127.0.0.1:{port}",
                                "--store", args.store], env=env, start_new_session=True)
     results: dict = {"store": args.store, "machine": f"{os.cpu_count()} cores", "rendezvous": [], "renewals": None}
     try:

@@ -108,7 +108,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         cport = free_port()
         cp = subprocess.Popen(
-            [str(Path(PY).parent / "kvbaton"), "serve", "--listen", f"127.0.0.1:{cport}"],
+            [str(Path(PY).parent / "kvbaton"), "serve", "--insecure", "--listen", f"127.0.0.1:{cport}"],
             stdout=open(work / "cp.log", "wb"), stderr=subprocess.STDOUT, start_new_session=True)
         procs.append(cp)
         wait_port(cport, cp)

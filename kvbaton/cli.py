@@ -147,7 +147,7 @@ def _serve(args) -> int:
     services = args.services or list(ALL_SERVICES)
     config = ServerConfig(address=args.listen, store_url=args.store, services=services,
                           tls_cert=args.tls_cert or "", tls_key=args.tls_key or "", tls_client_ca=args.tls_client_ca or "",
-                          tokens_file=args.tokens or "", rate_limit=args.rate_limit,
+                          insecure=args.insecure, tokens_file=args.tokens or "", rate_limit=args.rate_limit,
                           max_streams_per_client=args.max_streams_per_client)
     config.lease.default_ttl_ms = args.default_lease_ttl_ms
     # /metrics and the status page listen on the gRPC address's host: loopback by
@@ -161,6 +161,9 @@ def _serve(args) -> int:
         asyncio.run(serve(config))
     except KeyboardInterrupt:
         pass
+    except (ValueError, OSError) as exc:  # bad configuration: say what, not a traceback
+        print(f"kvbaton serve: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -29,7 +29,7 @@ def _rank(engine_id: str, role: int) -> registrar_pb2.EngineRank:
 
 
 async def run(address: str, serve: bool) -> None:
-    plane = ControlPlane(ServerConfig(address=address))
+    plane = ControlPlane(ServerConfig(address=address, insecure=True))  # loopback demo
     await plane.start()
     print(f"control plane on {plane.address} (in-memory store)")
     async with KvbatonClient(plane.address) as kv:

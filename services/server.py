@@ -61,7 +61,7 @@ class ServerConfig:
     tls_cert: str = ""
     tls_key: str = ""
     tls_client_ca: str = ""
-    insecure: bool = True
+    insecure: bool = False
     tokens_file: str = ""
     rate_limit: float = 0.0
     max_streams_per_client: int = 256
@@ -99,6 +99,7 @@ class ControlPlane:
         return f"{host}:{self.port}"
 
     async def start(self) -> None:
+        self._check_transport()
         if self.store is None:
             self.store = await open_store(self.config.store_url)
         # The domains see the store through a timing wrapper; ``self.store`` stays the
@@ -212,6 +213,13 @@ class ControlPlane:
             rank_counts.setdefault((role,), 0.0)
         self._engine_counts = ({k: float(len(v)) for k, v in engines.items()}, rank_counts)
 
+    def _check_transport(self) -> None:
+        """Refuse to start plaintext unless asked to, before anything is opened."""
+        cfg = self.config
+        if not (cfg.tls_cert or cfg.tls_key) and not cfg.insecure:
+            raise ValueError("no TLS certificate configured: pass --tls-cert/--tls-key (and --tls-client-ca for "
+                             "mutual TLS), or --insecure to serve plaintext")
+
     def _bind(self) -> int:
         cfg = self.config
         if cfg.tls_cert or cfg.tls_key:
@@ -224,9 +232,6 @@ class ControlPlane:
                 require_client_auth=bool(cfg.tls_client_ca))
             log.info("kvbaton.tls", mutual=bool(cfg.tls_client_ca))
             return self.server.add_secure_port(cfg.address, creds)
-        if not cfg.insecure:
-            raise ValueError("no TLS certificate configured: pass --tls-cert/--tls-key (and --tls-client-ca for "
-                             "mutual TLS), or --insecure to serve plaintext")
         log.warning("kvbaton.PLAINTEXT", address=cfg.address,
                     message="serving WITHOUT TLS: anyone who can reach this port can read and change KV hand-offs")
         return self.server.add_insecure_port(cfg.address)

@@ -126,7 +126,7 @@ def control_plane() -> Iterator[str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([str(Path(sys.executable).parent / "kvbaton"), "serve", "--listen",
+    proc = subprocess.Popen([str(Path(sys.executable).parent / "kvbaton"), "serve", "--insecure", "--listen",
                              f"127.0.0.1:{port}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     try:

@@ -178,7 +178,7 @@ def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
     model = ensure_tiny_model(Path(os.environ.get("KVBATON_TINY_MODEL", "/tmp/kvbaton-tiny-model")))
     stats = work / "stats"
     cp_port = free_port()
-    cp = subprocess.Popen([str(Path(PY).parent / "kvbaton"), "serve", "--listen", f"127.0.0.1:{cp_port}"],
+    cp = subprocess.Popen([str(Path(PY).parent / "kvbaton"), "serve", "--insecure", "--listen", f"127.0.0.1:{cp_port}"],
                           stdout=open(work / "cp.log", "wb"), stderr=subprocess.STDOUT, start_new_session=True)
     procs: list[subprocess.Popen[bytes]] = [cp]
     servers: list[VllmServer] = []

@@ -35,7 +35,7 @@ class Replica:
         self.address = f"127.0.0.1:{self.port}"
         env = dict(os.environ, KVBATON_LOG_LEVEL="WARNING")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvbaton.cli", "serve", "--listen", self.address, "--store", store_url],
+            [sys.executable, "-m", "kvbaton.cli", "serve", "--insecure", "--listen", self.address, "--store", store_url],
             env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     async def ready(self, timeout_s: float = 60) -> None:

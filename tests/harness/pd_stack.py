@@ -250,7 +250,7 @@ class PdStack:
         envs: list[dict[str, str]] = [{"VLLM_CPU_OMP_THREADS_BIND": "0"}, {"VLLM_CPU_OMP_THREADS_BIND": "1"}]
         if self.connector == "kvbaton":
             port = free_port()
-            cp = self._spawn("cp", [str(Path(PY).parent / "kvbaton"), "serve", "--listen", f"127.0.0.1:{port}"])
+            cp = self._spawn("cp", [str(Path(PY).parent / "kvbaton"), "serve", "--insecure", "--listen", f"127.0.0.1:{port}"])
             wait_port(port, cp)
             self.cp_address = f"127.0.0.1:{port}"
             configs = [kvbaton_kv_config(self.cp_address, eid, self.stats_dir, timeout_s=self.timeout_s)

@@ -51,7 +51,7 @@ async def store(store_kind, request):
 
 
 def fast_config(**over) -> ServerConfig:
-    cfg = ServerConfig(address="127.0.0.1:0", grace_s=0.5)
+    cfg = ServerConfig(address="127.0.0.1:0", grace_s=0.5, insecure=True)
     cfg.lease = LeaseConfig(default_ttl_ms=2_000, expiry_tick_s=0.02)
     cfg.rendezvous = RendezvousConfig(sweep_tick_s=0.02, match_timeout_ms=2_000)
     for k, v in over.items():
