@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 from collections.abc import Callable
 
@@ -9,6 +10,7 @@ import grpc
 import structlog
 
 from ..domain.errors import Code, DomainError
+from ..domain.hub import SubscriberOverflow
 from ..store import StoreError
 
 log = structlog.get_logger(__name__)
@@ -64,10 +66,6 @@ async def with_heartbeats(events, heartbeat: Callable[[], object], every_s: floa
     """Yields from ``events``, and ``heartbeat()`` whenever it stays silent for ``every_s``,
     so that clients (and proxies) can tell a quiet stream from a dead one. Ends quietly
     when the source ends or falls behind (the client resumes with its last revision)."""
-    import asyncio
-
-    from ..domain.hub import SubscriberOverflow
-
     it = events.__aiter__()
     pending = asyncio.ensure_future(it.__anext__())
     try:
