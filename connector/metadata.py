@@ -100,6 +100,7 @@ class LoadSpec:
     report_recv: bool = True  # False: nobody waits for finished_recving (release only)
     mode: str = MODE_PULL  # push: wait for prefill's WRITE notification instead of reading
     reuse: ReuseSource | None = None  # mode == reuse: the lease to pin while reading
+    traceparent: str = ""  # the request's W3C trace context (router), sent on this load's gRPC calls
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,6 +130,7 @@ class SendSpec:
     mode: str = MODE_PULL
     block_ids: tuple[int, ...] = ()  # push: the blocks to write
     num_tokens: int = 0  # push: computed tokens those blocks hold
+    traceparent: str = ""  # the request's W3C trace context (router), sent on this send's gRPC calls
 
 
 @dataclasses.dataclass

@@ -40,6 +40,8 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.v1.request import RequestStatus
 
+from kvbaton.services.tracing import TRACEPARENT, grpc_metadata
+
 from .metadata import (
     MODE_PULL,
     MODE_PUSH,
@@ -79,6 +81,12 @@ class KvbatonScheduler:
 
     def _mode(self, params: dict[str, Any]) -> str:
         return str(params.get("transfer_mode") or self.settings.mode)
+
+    @staticmethod
+    def _tp(params: dict[str, Any] | None) -> str:
+        """The router's ``traceparent`` for this request ("" without tracing): passed on,
+        as gRPC metadata, with every control-plane call made for the request."""
+        return str((params or {}).get(TRACEPARENT) or "")
 
     def _control_thread(self) -> Any:
         if self._control is None:
@@ -146,6 +154,10 @@ class KvbatonScheduler:
         if ext < max(1, self.settings.kv_recompute_threshold):
             params.pop("reuse", None)
             self.reuse_stats["reuse_below_threshold" if k else "reuse_no_match"] += 1
+            if ext > 0:  # reusable tokens beyond the local hit, too few to be worth a READ
+                from kvbaton.services.metrics import connector_metrics
+
+                connector_metrics().recomputes.labels("below_threshold").inc()
             log.info("kvbaton: %s: %d reusable tokens beyond the local hit (%d): recomputing",
                      request.request_id, max(ext, 0), num_computed_tokens)
             return 0, False
@@ -169,7 +181,7 @@ class KvbatonScheduler:
                           str(reuse["retention_id"]), last * self.block_size)
         tid = f"reuse-{uuid.uuid4().hex[:12]}"
         self._loads[request.request_id] = LoadSpec(tid, src.engine_id, remote, local, True,
-                                                   mode=MODE_REUSE, reuse=src)
+                                                   mode=MODE_REUSE, reuse=src, traceparent=self._tp(params))
         self.reuse_stats["reuse_claimed"] += 1
         self.reuse_stats["reuse_claimed_tokens"] += num_external_tokens
 
@@ -198,10 +210,12 @@ class KvbatonScheduler:
             last = min(-(-n_tokens // self.block_size), len(local_all), len(remote_ids))
             local = tuple(int(b) for b in local_all[first:last])
             remote = tuple(remote_ids[first:last])
-            self._loads[request.request_id] = LoadSpec(tid, remote_engine, remote, local, True)
+            self._loads[request.request_id] = LoadSpec(tid, remote_engine, remote, local, True,
+                                                       traceparent=self._tp(params))
         else:
             # Nothing to read (all cached locally): still let prefill free its blocks now.
-            self._loads[request.request_id] = LoadSpec(tid, remote_engine, (), (), False)
+            self._loads[request.request_id] = LoadSpec(tid, remote_engine, (), (), False,
+                                                       traceparent=self._tp(params))
 
     def _offer(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int,
                hit: int, tid: str) -> None:
@@ -210,21 +224,24 @@ class KvbatonScheduler:
         if not tid:
             log.warning("kvbaton: push request %s has no transfer_id; computing locally", request.request_id)
             return
+        tp = self._tp(request.kv_transfer_params)
+        md = grpc_metadata(tp)
         if num_external_tokens <= 0:
             # All of it is cached here: cancel so prefill frees its blocks.
             self._rpc("Cancel", lambda c: c.call(c.rendezvous.Cancel, rpb.CancelRequest(
-                transfer_id=tid, engine_id=self.settings.engine_id, reason="decode has the prefix cached")))
+                transfer_id=tid, engine_id=self.settings.engine_id, reason="decode has the prefix cached"),
+                metadata=md))
             return
         local_all = [int(b) for b in blocks.get_block_ids()[0]]
         last = min(-(-(hit + num_external_tokens) // self.block_size), len(local_all))
         first = hit // self.block_size
         self._loads[request.request_id] = LoadSpec(tid, "", (), tuple(local_all[first:last]), True,
-                                                   mode=MODE_PUSH)
+                                                   mode=MODE_PUSH, traceparent=tp)
         offer = rpb.OfferRequest(transfer_id=tid, decode_engine_id=self.settings.engine_id,
                                  block_ids=local_all[:last], num_tokens=num_external_tokens,
                                  timeout_ms=int(self.settings.timeout_s * 1000),
                                  request_id=request.request_id)
-        self._rpc("Offer", lambda c: c.call(c.rendezvous.Offer, offer))
+        self._rpc("Offer", lambda c: c.call(c.rendezvous.Offer, offer, metadata=md))
 
     # ------------------------------------------------------------------ prefill side
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -233,6 +250,8 @@ class KvbatonScheduler:
             return False, None
         self._local_hit.pop(request.request_id, None)
         self._reuse_pending.pop(request.request_id, None)
+        tp = self._tp(params)
+        md = grpc_metadata(tp)
         if params.get("do_remote_prefill"):
             # Decode request finished (aborted) before it was ever allocated: tell the
             # prefill engine to free its held blocks instead of waiting for its timeout.
@@ -242,10 +261,11 @@ class KvbatonScheduler:
 
                 cancel = rpb.CancelRequest(transfer_id=str(params["transfer_id"]),
                                            engine_id=self.settings.engine_id, reason="decode request aborted")
-                self._rpc("Cancel", lambda c: c.call(c.rendezvous.Cancel, cancel))
+                self._rpc("Cancel", lambda c: c.call(c.rendezvous.Cancel, cancel, metadata=md))
             elif params.get("remote_engine_id"):
                 self._loads[request.request_id] = LoadSpec(
-                    str(params.get("transfer_id") or ""), str(params["remote_engine_id"]), (), (), False)
+                    str(params.get("transfer_id") or ""), str(params["remote_engine_id"]), (), (), False,
+                    traceparent=tp)
             return False, None
         if not params.get("do_remote_decode"):
             if params.get("conversation_id") and self._retention is not None and request.status in (
@@ -265,14 +285,14 @@ class KvbatonScheduler:
             n_tokens = min(int(request.num_computed_tokens), int(request.num_prompt_tokens))
             ids = tuple(int(b) for b in block_ids[: -(-n_tokens // self.block_size)])
             self._sends[request.request_id] = SendSpec(tid, len(ids), self.settings.timeout_s, MODE_PUSH,
-                                                       ids, n_tokens)
+                                                       ids, n_tokens, traceparent=tp)
             complete = rpb.CompleteRequest(transfer_id=tid, prefill_engine_id=self.settings.engine_id,
                                            block_ids=ids, num_tokens=n_tokens,
                                            timeout_ms=int(self.settings.timeout_s * 1000),
                                            request_id=request.request_id, writers=1)
-            self._rpc("Complete", lambda c: c.call(c.rendezvous.Complete, complete))
+            self._rpc("Complete", lambda c: c.call(c.rendezvous.Complete, complete, metadata=md))
             return True, {"transfer_id": tid, "transfer_mode": MODE_PUSH, "remote_engine_id": self.settings.engine_id}
-        self._sends[request.request_id] = SendSpec(tid, len(block_ids), self.settings.timeout_s)
+        self._sends[request.request_id] = SendSpec(tid, len(block_ids), self.settings.timeout_s, traceparent=tp)
         return True, {
             "do_remote_prefill": True,
             "do_remote_decode": False,

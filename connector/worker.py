@@ -45,10 +45,14 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvbaton.services.metrics import connector_metrics
+from kvbaton.services.tracing import grpc_metadata
+
 from .control import ControlThread, geometry_fields, role_of
 from .descriptors import plan_transfer
 from .geometry import KvLayout
 from .metadata import (
+    MODE_PULL,
     MODE_PUSH,
     MODE_REUSE,
     NOTIF_DONE,
@@ -77,6 +81,22 @@ def agent_name(engine_id: str, tp_rank: int) -> str:
     return f"kvb-{engine_id}-r{tp_rank}"
 
 
+def _outcome(ok: bool, reason: str = "") -> str:
+    """``kvbaton_connector_transfers_total`` outcome label from a result and its reason."""
+    return "ok" if ok else "timeout" if reason.startswith("TimeoutError") else "failed"
+
+
+def _recompute_reason(reason: str) -> str:
+    """``kvbaton_connector_recomputes_total`` reason label for a failed load."""
+    if reason.startswith("TimeoutError"):
+        return "timeout"
+    if "pin refused" in reason:
+        return "pin_refused"
+    if "now protects retention" in reason:  # the lease moved on: the blocks we looked up are gone
+        return "lease_ended"
+    return "load_failed"
+
+
 @dataclasses.dataclass
 class _Load:
     req_id: str
@@ -92,6 +112,7 @@ class _Load:
     pin_id: str = ""
     pin_sent: float = 0.0
     read_deadline: float = 0.0
+    t_post: float = 0.0  # when the NIXL READ was posted (kvbaton_connector_transfer_seconds)
 
 
 @dataclasses.dataclass
@@ -106,6 +127,7 @@ class _Held:
     peer: str = ""
     nbytes: int = 0
     num_descs: int = 0
+    t_post: float = 0.0  # when the NIXL WRITE was posted
 
 
 class StatsLog:
@@ -133,6 +155,7 @@ class TransferThread:
 
     def __init__(self, settings: KvbatonSettings, tp_rank: int, layout: KvLayout,
                  control: ControlThread, stats: StatsLog) -> None:
+        self.metrics = connector_metrics()  # counted next to each stats record below
         self.settings = settings
         self.layout = layout
         self.control = control
@@ -227,6 +250,7 @@ class TransferThread:
             elif tid in self._early_acks:
                 self._early_acks.pop(tid)
                 self.stats.record("send_done", transfer_id=tid, req_id=req_id, notif=True, early=True)
+                self.metrics.transfers.labels(MODE_PULL, "prefill", "ok").inc()
                 self.results.put(("sent", req_id, True, ()))
             else:
                 self._held[tid] = _Held(req_id, spec, now + spec.timeout_s, now)
@@ -240,6 +264,7 @@ class TransferThread:
             return
         self.stats.record("send_done", transfer_id=tid, req_id=held.req_id, notif=True,
                           held_s=round(time.monotonic() - held.t0, 6))
+        self.metrics.transfers.labels(held.spec.mode, "prefill", "ok").inc()
         self.results.put(("sent", held.req_id, True, ()))
 
     def _on_push(self, peer: str, msg: bytes) -> None:
@@ -270,6 +295,8 @@ class TransferThread:
                 del self._held[tid]
                 self.stats.record("send_cancelled", transfer_id=tid, req_id=held.req_id,
                                   reason=state.reason or rpb.TransferPhase.Name(state.phase))
+                self.metrics.transfers.labels(held.spec.mode, "prefill",
+                                              "timeout" if ev.type == T.TYPE_EXPIRED else "failed").inc()
                 self.results.put(("sent", held.req_id, False, ()))
             if state.offer.engine_id == self.settings.engine_id:
                 self._push_failed[tid] = (time.monotonic(), state.reason or "expired/cancelled")
@@ -283,6 +310,7 @@ class TransferThread:
             if now >= held.deadline and held.xfer is None:
                 del self._held[tid]
                 self.stats.record("send_expired", transfer_id=tid, req_id=held.req_id)
+                self.metrics.transfers.labels(held.spec.mode, "prefill", "timeout").inc()
                 self.results.put(("sent", held.req_id, False, ()))
         for box in (self._early_acks, self._push_arrived, self._push_failed, self._early_matches):
             for tid, v in list(box.items()):
@@ -327,6 +355,7 @@ class TransferThread:
             plan = plan_transfer(self.layout, local[skip:], remote_layout, remote[skip:], op="WRITE")
             held.nbytes, held.num_descs = plan.nbytes, plan.num_descs
             msg = NOTIF_PUSH + f"{tid}:{plan.nbytes}".encode()
+            held.t_post = time.monotonic()
             try:
                 held.xfer = self._ep.write(plan, peer, msg)
             except Exception:
@@ -349,12 +378,18 @@ class TransferThread:
         self.stats.record("send_done" if ok else "send_failed", transfer_id=held.spec.transfer_id,
                           req_id=held.req_id, mode=MODE_PUSH, write_nbytes=held.nbytes,
                           num_descs=held.num_descs, error=error, held_s=round(dur, 6))
+        self.metrics.transfers.labels(MODE_PUSH, "prefill", _outcome(ok, error)).inc()
+        if ok:
+            self.metrics.transfer_bytes.labels(MODE_PUSH, "write").inc(held.nbytes)
+            if held.t_post:
+                self.metrics.transfer_seconds.labels(MODE_PUSH, "write").observe(time.monotonic() - held.t_post)
         req = rpb.ReportOutcomeRequest(
             transfer_id=held.spec.transfer_id, attempt=held.match.attempt,
             outcome=rpb.Outcome(engine_id=self.settings.engine_id, tp_rank=0, success=ok,
                                 bytes=held.nbytes if ok else 0, error=error[:500],
                                 duration_us=int(dur * 1e6)))
-        fut = self.control.submit(lambda c: c.call(c.rendezvous.ReportOutcome, req))
+        md = grpc_metadata(held.spec.traceparent)
+        fut = self.control.submit(lambda c: c.call(c.rendezvous.ReportOutcome, req, metadata=md))
         fut.add_done_callback(lambda f: f.cancelled() or f.exception() is None or log.warning(
             "kvbaton: ReportOutcome failed: %r", f.exception()))
 
@@ -430,6 +465,7 @@ class TransferThread:
             plan = plan_transfer(self.layout, ld.spec.local_block_ids, remote_layout,
                                  ld.spec.remote_block_ids, op="READ", coalesce=True)
             ld.nbytes, ld.num_descs = plan.nbytes, plan.num_descs
+            ld.t_post = time.monotonic()
             try:
                 ld.xfer = self._ep.read(plan, peer, NOTIF_DONE + tid)
             except Exception:
@@ -459,7 +495,8 @@ class TransferThread:
                 ld.pin_sent = now
                 req = lpb.PinRequest(conversation_id=src.conversation_id, lease_id=src.lease_id,
                                      reader=self.name, ttl_ms=int(self.settings.pin_ttl_s * 1000))
-                ld.pin_future = self.control.submit(lambda c: c.call(c.lease.Pin, req, retries=1))
+                md = grpc_metadata(ld.spec.traceparent)
+                ld.pin_future = self.control.submit(lambda c: c.call(c.lease.Pin, req, retries=1, metadata=md))
             if not ld.pin_future.done():
                 if now >= ld.deadline:
                     ld.pin_future.cancel()
@@ -488,6 +525,7 @@ class TransferThread:
                                  ld.spec.remote_block_ids, op="READ", coalesce=True)
             ld.nbytes, ld.num_descs = plan.nbytes, plan.num_descs
             msg = NOTIF_REUSE + f"{src.conversation_id}:{plan.nbytes}".encode()
+            ld.t_post = time.monotonic()
             try:
                 ld.xfer = self._ep.read(plan, peer, msg)
             except Exception:
@@ -512,7 +550,8 @@ class TransferThread:
             return
         req = lpb.UnpinRequest(conversation_id=src.conversation_id, lease_id=src.lease_id, pin_id=ld.pin_id)
         ld.pin_id = ""
-        fut = self.control.submit(lambda c: c.call(c.lease.Unpin, req, retries=2))
+        md = grpc_metadata(ld.spec.traceparent)
+        fut = self.control.submit(lambda c: c.call(c.lease.Unpin, req, retries=2, metadata=md))
         fut.add_done_callback(lambda f: f.cancelled() or f.exception() is None or log.warning(
             "kvbaton: Unpin failed (the pin lapses by itself): %r", f.exception()))
 
@@ -524,8 +563,27 @@ class TransferThread:
             except Exception:  # noqa: BLE001
                 log.debug("remove_peer failed", exc_info=True)
 
+    def _count_load(self, ld: _Load, *, ok: bool, reason: str, now: float) -> None:
+        """Connector metrics for a finished load (decode's pull/push receive, prefill's reuse READ)."""
+        mode = ld.spec.mode
+        if not ld.spec.local_block_ids:
+            return  # release only: nothing to receive, nothing moved
+        m = self.metrics
+        m.transfers.labels(mode, "prefill" if mode == MODE_REUSE else "decode", _outcome(ok, reason)).inc()
+        if not ok:
+            m.recomputes.labels(_recompute_reason(reason)).inc()
+            return
+        if mode != MODE_PUSH:  # a push was written by prefill, which counts its bytes
+            m.transfer_bytes.labels(mode, "read").inc(ld.nbytes)
+            if ld.t_post:
+                m.transfer_seconds.labels(mode, "read").observe(now - ld.t_post)
+        if mode == MODE_REUSE:
+            m.reused_tokens.inc(len(ld.spec.local_block_ids) * self.layout.tokens_per_block)
+
     def _finish_load(self, ld: _Load, *, ok: bool, reason: str = "") -> None:
-        dur = time.monotonic() - ld.t0
+        now = time.monotonic()
+        dur = now - ld.t0
+        self._count_load(ld, ok=ok, reason=reason, now=now)
         if ld.spec.mode == MODE_REUSE:
             self._unpin(ld)
             src = ld.spec.reuse
@@ -554,7 +612,8 @@ class TransferThread:
 
                 cancel = rpb.CancelRequest(transfer_id=ld.spec.transfer_id, engine_id=self.settings.engine_id,
                                            reason=f"decode gave up: {reason}"[:200])
-                self.control.submit(lambda c: c.call(c.rendezvous.Cancel, cancel, retries=1))
+                md = grpc_metadata(ld.spec.traceparent)
+                self.control.submit(lambda c: c.call(c.rendezvous.Cancel, cancel, retries=1, metadata=md))
             # Let prefill free now rather than at its timeout (best effort).
             if ld.peer and self._ep is not None and ld.spec.remote_engine_id in self._peers:
                 try:

@@ -148,7 +148,7 @@ def _serve(args) -> int:
     config = ServerConfig(address=args.listen, store_url=args.store, services=services,
                           tls_cert=args.tls_cert or "", tls_key=args.tls_key or "", tls_client_ca=args.tls_client_ca or "",
                           insecure=args.insecure, tokens_file=args.tokens or "", rate_limit=args.rate_limit,
-                          max_streams_per_client=args.max_streams_per_client)
+                          max_streams_per_client=args.max_streams_per_client, otlp_endpoint=args.otlp_endpoint)
     config.lease.default_ttl_ms = args.default_lease_ttl_ms
     # /metrics and the status page listen on the gRPC address's host: loopback by
     # default, every interface when --listen is 0.0.0.0 (containers).
@@ -189,6 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve /metrics (and the status page, /api/state) on this port (default: off; 9464 is usual)")
     s.add_argument("--web-port", type=int, default=None,
                    help="serve the status page and /api/state on a separate port (default: with /metrics)")
+    s.add_argument("--otlp-endpoint", default=None,
+                   help="send OpenTelemetry traces to this OTLP/gRPC collector, e.g. http://otel:4317 "
+                        "(default: $KVBATON_OTLP_ENDPOINT; unset: tracing off)")
     s.set_defaults(func=_serve)
 
     def client_args(sp: argparse.ArgumentParser) -> None:

@@ -102,7 +102,12 @@ class KvbatonClient:
             ("grpc.keepalive_timeout_ms", 5_000),
             ("grpc.keepalive_permit_without_calls", 1),
         ]
-        interceptors = _BearerToken.all(self.token) if self.token else None
+        interceptors = _BearerToken.all(self.token) if self.token else []
+        from kvbaton.services import tracing
+
+        # Only while tracing is on: otherwise the channel has no interceptor at all.
+        interceptors += tracing.client_interceptors()
+        interceptors = interceptors or None
         if self.tls is not None:
             if self.tls.server_name:
                 options.append(("grpc.ssl_target_name_override", self.tls.server_name))
@@ -137,16 +142,18 @@ class KvbatonClient:
         await self.close()
 
     # -- conveniences --------------------------------------------------------
-    async def call(self, method, request, *, retries: int = 3):
+    async def call(self, method, request, *, retries: int = 3, metadata: Sequence[tuple[str, str]] | None = None):
         """A unary call with a deadline, retried on transport errors across replicas.
 
-        Safe because every kvbaton mutation is idempotent for the same message."""
+        Safe because every kvbaton mutation is idempotent for the same message.
+        ``metadata``: extra call metadata, e.g. a request's ``traceparent``
+        (``kvbaton.services.tracing.grpc_metadata``)."""
         delay = 0.05
         service, name = self._route(method)
         for attempt in range(retries + 1):
             try:
                 # Resolved on every attempt: a reconnect replaces the stubs.
-                return await getattr(getattr(self, service), name)(request, timeout=self.timeout_s)
+                return await getattr(getattr(self, service), name)(request, timeout=self.timeout_s, metadata=metadata)
             except grpc.aio.AioRpcError as exc:
                 if exc.code() not in _RETRYABLE or attempt == retries:
                     raise

@@ -34,6 +34,7 @@ from .domain.lease import DRAINING as LEASE_DRAINING
 from .domain.registrar import role_name
 from .metrics import InstrumentedStore, ServiceMetrics
 from .store import Store, open_store
+from . import tracing
 
 log = structlog.get_logger(__name__)
 
@@ -69,6 +70,9 @@ class ServerConfig:
     metrics_address: str | None = None
     # A separate host:port for the status page and /api/state; None: served with /metrics.
     web_address: str | None = None
+    # OpenTelemetry collector (OTLP/gRPC) for traces; None: $KVBATON_OTLP_ENDPOINT; "": off.
+    # Tracing already configured in this process (tests: an in-memory exporter) is kept.
+    otlp_endpoint: str | None = None
 
 
 class ControlPlane:
@@ -114,7 +118,11 @@ class ControlPlane:
         tokens = TokenBook.load(self.config.tokens_file) if self.config.tokens_file else None
         self.guard = Guard(GuardConfig(tokens=tokens, rate_limit=self.config.rate_limit,
                                        max_streams_per_client=self.config.max_streams_per_client))
-        self.server = grpc.aio.server(options=opts, interceptors=[self.guard])
+        if not tracing.enabled():
+            tracing.configure(self.config.otlp_endpoint, service_name="kvbaton" if set(self.config.services) == set(ALL_SERVICES)
+                              else "kvbaton-" + "-".join(self.config.services))
+        # Tracing first, so calls the guard refuses are traced too; nothing when tracing is off.
+        self.server = grpc.aio.server(options=opts, interceptors=[*tracing.server_interceptors(), self.guard])
         health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         names = [reflection.SERVICE_NAME, health.SERVICE_NAME]
         # The registrar domain is also what rendezvous asks "is this engine known?".
@@ -309,3 +317,4 @@ async def serve(config: ServerConfig) -> None:
     await stop.wait()
     log.info("kvbaton.stopping", grace_s=config.grace_s)
     await plane.stop()
+    tracing.shutdown()  # flush the last spans

@@ -16,6 +16,13 @@ and looks up the retained blocks (``Lease.Renew`` + ``Registrar.LookupRetained``
 bounded by ``lookup_timeout_s``); when the lease is live and protects that registration it
 hands them to prefill as ``kv_transfer_params.reuse`` (prefill decides whether to READ).
 A control plane that is slow or down only costs the reuse: the request goes on without it.
+
+Observability: ``/metrics`` (Prometheus text) exports ``kvbaton_router_*``
+(``kvbaton.services.metrics.RouterMetrics``): requests by mode and status returned, leg
+latencies, upstream errors, pull dispatches without ``kv_transfer_params``. With tracing
+on (``kvbaton.services.tracing``) each request is a ``kvbaton.router.request`` span with
+a child per engine leg, whose ``traceparent`` goes to the engine as an HTTP header and as
+``kv_transfer_params["traceparent"]`` (the connector forwards it on its gRPC calls).
 """
 
 from __future__ import annotations
@@ -25,22 +32,38 @@ import copy
 import json
 import logging
 import os
+import time
 import uuid
 from typing import Any
 
 import aiohttp
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+
+from kvbaton.services import tracing
+from kvbaton.services.metrics import RouterMetrics, router_metrics
 
 log = logging.getLogger("kvbaton.router")
 
 _HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "content-encoding", "keep-alive"}
+_UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
+# Status label of a streamed response cut short after its headers went out (the client
+# saw the upstream's status, then a broken stream), and of a client that went away.
+STATUS_ABORTED = "aborted"
+STATUS_CLIENT_GONE = "499"
+
+
+class _StreamBroken(Exception):
+    """The upstream failed after the response headers were sent: only dropping the
+    connection (what aiohttp does with a handler's exception) can tell the client."""
 
 
 class Router:
     """Holds the upstream URLs and one shared HTTP session."""
 
     def __init__(self, prefill_url: str, decode_url: str, mode: str = "pull", *,
-                 timeout_s: float = 300.0, control_plane: str = "", lookup_timeout_s: float = 1.0) -> None:
+                 timeout_s: float = 300.0, control_plane: str = "", lookup_timeout_s: float = 1.0,
+                 metrics: RouterMetrics | None = None) -> None:
         if mode not in ("pull", "push"):
             raise ValueError(f"mode must be pull or push, got {mode!r}")
         self.prefill_url = prefill_url.rstrip("/")
@@ -52,6 +75,12 @@ class Router:
         self.lookup_timeout_s = lookup_timeout_s
         self._kv: Any = None  # KvbatonClient, made on the app's loop
         self.stats: dict[str, int] = {"conversation_turns": 0, "reuse_offered": 0, "reuse_unavailable": 0}
+        self.metrics = metrics or router_metrics()
+        # Series that exist from the first scrape (rate() sees 0 rather than "no data").
+        for leg in ("prefill", "decode"):
+            self.metrics.upstream_errors.labels(leg)
+        for leg in ("prefill", "decode", "total"):
+            self.metrics.request_seconds.labels(mode, leg)
 
     async def start(self, app: web.Application) -> None:
         self._session = aiohttp.ClientSession(timeout=self.timeout)
@@ -128,7 +157,51 @@ class Router:
     async def chat(self, request: web.Request) -> web.StreamResponse:
         return await self._dispatch(request, "/v1/chat/completions")
 
+    async def metrics_endpoint(self, request: web.Request) -> web.Response:
+        """Prometheus text format: the router's metrics (and the process's defaults)."""
+        return web.Response(body=generate_latest(REGISTRY), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
     async def _dispatch(self, request: web.Request, path: str) -> web.StreamResponse:
+        """One client request: counted by the status returned and timed end to end."""
+        start = time.perf_counter()
+        status = "500"
+        with tracing.span("kvbaton.router.request", kind="server",
+                          attributes={tracing.ATTR_MODE: self.mode, "http.request.method": request.method,
+                                      "url.path": path}) as sp:
+            try:
+                resp = await self._dispatch_body(request, path, sp)
+                status = str(resp.status)
+                tracing.set_attributes(sp, **{"http.response.status_code": resp.status})
+                return resp
+            except _StreamBroken:
+                status = STATUS_ABORTED
+                raise  # aiohttp drops the connection
+            except (asyncio.CancelledError, ConnectionResetError):  # the client went away
+                status = STATUS_CLIENT_GONE
+                raise
+            finally:
+                self.metrics.requests.labels(self.mode, status).inc()
+                self.metrics.request_seconds.labels(self.mode, "total").observe(time.perf_counter() - start)
+
+    def _upstream_failed(self, leg: str, transfer_id: str, exc: BaseException) -> web.Response:
+        """A transport error or timeout talking to an engine: 502 with the reason."""
+        self.metrics.upstream_errors.labels(leg).inc()
+        log.warning("%s leg for %s failed: %r", leg, transfer_id, exc)
+        return web.json_response({"error": {"message": f"{leg} engine unreachable: {type(exc).__name__}: {exc}",
+                                            "type": "BadGateway", "code": 502}}, status=502)
+
+    @staticmethod
+    def _trace_leg(body: dict[str, Any]) -> dict[str, str] | None:
+        """The current (leg) span's ``traceparent``: into the body's ``kv_transfer_params``
+        (when it has them) and as headers for the engine. None when tracing is off."""
+        tp = tracing.current_traceparent()
+        if not tp:
+            return None
+        if isinstance(body.get("kv_transfer_params"), dict):
+            body["kv_transfer_params"]["traceparent"] = tp
+        return {tracing.TRACEPARENT: tp}
+
+    async def _dispatch_body(self, request: web.Request, path: str, sp: Any) -> web.StreamResponse:
         try:
             body: dict[str, Any] = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError):
@@ -140,11 +213,13 @@ class Router:
         transfer_id = uuid.uuid4().hex  # fresh per dispatch: a retry is a new transfer
         conv = body.pop("conversation_id", None) or request.headers.get("X-Conversation-Id")
         conv = str(conv) if conv else ""
+        tracing.set_attributes(sp, **{tracing.ATTR_TRANSFER_ID: transfer_id, tracing.ATTR_CONVERSATION_ID: conv})
         reuse = None
         if conv:
             self.stats["conversation_turns"] += 1
             reuse = await self._reuse_for(conv)
             self.stats["reuse_offered" if reuse else "reuse_unavailable"] += 1
+            tracing.set_attributes(sp, **{"kvbaton.reuse_offered": bool(reuse)})
         if self.mode == "pull":
             return await self._pull(request, path, body, transfer_id, conv, reuse)
         return await self._push(request, path, body, transfer_id, conv, reuse)
@@ -162,12 +237,26 @@ class Router:
                                     "transfer_id": transfer_id, **extra}
         return pb
 
+    def _leg_span(self, leg: str, transfer_id: str, url: str):
+        return tracing.span(f"kvbaton.router.{leg}", kind="client", attributes={
+            tracing.ATTR_TRANSFER_ID: transfer_id, tracing.ATTR_MODE: self.mode, "url.full": url})
+
     async def _pull(self, request: web.Request, path: str, body: dict[str, Any],
                     transfer_id: str, conv: str = "", reuse: dict[str, Any] | None = None) -> web.StreamResponse:
-        async with self.session.post(f"{self.prefill_url}{path}",
-                                     json=self._prefill_body(body, transfer_id, {}, reuse)) as r:
-            raw = await r.read()
+        url = f"{self.prefill_url}{path}"
+        t0 = time.perf_counter()
+        with self._leg_span("prefill", transfer_id, url) as sp:
+            pb = self._prefill_body(body, transfer_id, {}, reuse)
+            try:
+                async with self.session.post(url, json=pb, headers=self._trace_leg(pb)) as r:
+                    raw = await r.read()
+            except _UPSTREAM_ERRORS as exc:
+                return self._upstream_failed("prefill", transfer_id, exc)
+            finally:
+                self.metrics.request_seconds.labels(self.mode, "prefill").observe(time.perf_counter() - t0)
+            tracing.set_attributes(sp, **{"http.response.status_code": r.status})
             if r.status != 200:
+                self.metrics.upstream_errors.labels("prefill").inc()
                 return web.Response(status=r.status, body=raw,
                                     content_type=r.content_type or "application/json")
         try:
@@ -180,10 +269,11 @@ class Router:
         else:
             # Prefill held nothing (e.g. an empty prompt): decode computes it all itself.
             log.warning("prefill returned no kv_transfer_params for %s; decode recomputes", transfer_id)
+            self.metrics.missing_transfer_params.inc()
             db.pop("kv_transfer_params", None)
         if conv:
             db["kv_transfer_params"] = {**(db.get("kv_transfer_params") or {}), "conversation_id": conv}
-        return await self._relay(request, f"{self.decode_url}{path}", db)
+        return await self._relay(request, f"{self.decode_url}{path}", db, transfer_id)
 
     async def _push(self, request: web.Request, path: str, body: dict[str, Any],
                     transfer_id: str, conv: str = "", reuse: dict[str, Any] | None = None) -> web.StreamResponse:
@@ -195,33 +285,68 @@ class Router:
             db["kv_transfer_params"]["conversation_id"] = conv
 
         async def prefill() -> tuple[int, bytes]:
-            async with self.session.post(f"{self.prefill_url}{path}", json=pb) as r:
-                return r.status, await r.read()
+            url = f"{self.prefill_url}{path}"
+            t0 = time.perf_counter()
+            # A task copies the current context: this span is a child of the request's.
+            with self._leg_span("prefill", transfer_id, url) as sp:
+                try:
+                    async with self.session.post(url, json=pb, headers=self._trace_leg(pb)) as r:
+                        tracing.set_attributes(sp, **{"http.response.status_code": r.status})
+                        return r.status, await r.read()
+                finally:
+                    self.metrics.request_seconds.labels(self.mode, "prefill").observe(time.perf_counter() - t0)
 
         ptask = asyncio.create_task(prefill())
         try:
-            return await self._relay(request, f"{self.decode_url}{path}", db)
+            return await self._relay(request, f"{self.decode_url}{path}", db, transfer_id)
         finally:
             try:
                 status, raw = await asyncio.wait_for(ptask, self.timeout.total or 300)
                 if status != 200:
+                    self.metrics.upstream_errors.labels("prefill").inc()
                     log.warning("push prefill leg for %s failed: %d %s", transfer_id, status, raw[:500])
-            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            except _UPSTREAM_ERRORS as exc:
+                self.metrics.upstream_errors.labels("prefill").inc()
                 log.warning("push prefill leg for %s failed: %r", transfer_id, exc)
 
-    async def _relay(self, request: web.Request, url: str, body: dict[str, Any]) -> web.StreamResponse:
-        """POST to ``url`` and pass status, headers and body (streamed chunk by chunk) back."""
-        async with self.session.post(url, json=body) as r:
-            if not body.get("stream"):
-                return web.Response(status=r.status, body=await r.read(),
-                                    content_type=r.content_type or "application/json")
-            resp = web.StreamResponse(status=r.status, headers={
-                k: v for k, v in r.headers.items() if k.lower() not in _HOP_HEADERS})
-            await resp.prepare(request)
-            async for chunk in r.content.iter_any():
-                await resp.write(chunk)
-            await resp.write_eof()
-            return resp
+    async def _relay(self, request: web.Request, url: str, body: dict[str, Any],
+                     transfer_id: str = "") -> web.StreamResponse:
+        """POST to ``url`` (the decode leg) and pass status, headers and body (streamed
+        chunk by chunk) back."""
+        t0 = time.perf_counter()
+        resp: web.StreamResponse | None = None
+        with self._leg_span("decode", transfer_id, url) as sp:
+            try:
+                async with self.session.post(url, json=body, headers=self._trace_leg(body)) as r:
+                    tracing.set_attributes(sp, **{"http.response.status_code": r.status})
+                    if r.status != 200:
+                        self.metrics.upstream_errors.labels("decode").inc()
+                    if not body.get("stream"):
+                        return web.Response(status=r.status, body=await r.read(),
+                                            content_type=r.content_type or "application/json")
+                    resp = web.StreamResponse(status=r.status, headers={
+                        k: v for k, v in r.headers.items() if k.lower() not in _HOP_HEADERS})
+                    await resp.prepare(request)
+                    chunks = r.content.iter_any().__aiter__()
+                    while True:
+                        try:
+                            chunk = await chunks.__anext__()
+                        except StopAsyncIteration:
+                            break
+                        except _UPSTREAM_ERRORS as exc:
+                            # Headers are out: only a dropped connection tells the client.
+                            self.metrics.upstream_errors.labels("decode").inc()
+                            log.warning("decode leg for %s broke mid-stream: %r", transfer_id, exc)
+                            raise _StreamBroken(f"decode stream for {transfer_id} broke: {exc!r}") from exc
+                        await resp.write(chunk)  # a client that went away raises here: not upstream's fault
+                    await resp.write_eof()
+                    return resp
+            except _UPSTREAM_ERRORS as exc:
+                if resp is not None:
+                    raise  # writing to the client failed after the headers: nothing to answer
+                return self._upstream_failed("decode", transfer_id, exc)
+            finally:
+                self.metrics.request_seconds.labels(self.mode, "decode").observe(time.perf_counter() - t0)
 
 
 def build_app(prefill_url: str, decode_url: str, mode: str = "pull", *,
@@ -236,6 +361,7 @@ def build_app(prefill_url: str, decode_url: str, mode: str = "pull", *,
     app.router.add_get("/health", router.health)
     app.router.add_get("/v1/models", router.models)
     app.router.add_get("/kvbaton/stats", lambda r: web.json_response(router.stats))
+    app.router.add_get("/metrics", router.metrics_endpoint)
     app.router.add_post("/v1/completions", router.completions)
     app.router.add_post("/v1/chat/completions", router.chat)
     app["router"] = router
