@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Callable
 from typing import Protocol
 
 
@@ -11,10 +13,36 @@ class Clock(Protocol):
 
 
 class WallClock:
-    """Milliseconds since the epoch, so that replicas sharing a store agree (NTP-synced)."""
+    """Milliseconds since the epoch, so that replicas sharing a store agree (NTP-synced),
+    guarded against steps of the system clock:
+
+    - it never runs faster than the monotonic clock: a forward step (an operator, a bad NTP
+      step) cannot make leases on this replica end early — after such a step this clock
+      keeps counting real elapsed time from where it was;
+    - it never goes backward: after a backward step it holds still until the system clock
+      catches up, so deadlines only ever move later (the safe direction).
+
+    Across replicas the usual bound applies: leases are safe within the clock skew between
+    replicas, which NTP keeps to milliseconds.
+    """
+
+    def __init__(self, wall_ms: Callable[[], int] | None = None, mono_ms: Callable[[], int] | None = None) -> None:
+        self._wall = wall_ms or (lambda: time.time_ns() // 1_000_000)
+        self._mono = mono_ms or (lambda: time.monotonic_ns() // 1_000_000)
+        self._lock = threading.Lock()
+        self._last_out = self._wall()
+        self._last_mono = self._mono()
+        self.steps_ignored_ms = 0  # how far the system clock ran ahead of real time, in total
 
     def now_ms(self) -> int:
-        return time.time_ns() // 1_000_000
+        with self._lock:
+            wall, mono = self._wall(), self._mono()
+            ceiling = self._last_out + max(0, mono - self._last_mono)  # real time elapsed since last read
+            out = max(self._last_out, min(wall, ceiling))
+            if wall > ceiling:
+                self.steps_ignored_ms += wall - ceiling
+            self._last_out, self._last_mono = out, mono
+            return out
 
 
 class ManualClock:
