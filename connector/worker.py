@@ -361,15 +361,21 @@ class TransferThread:
             except Exception:
                 self._forget_peer(offer.engine_id)
                 raise
-        st = self._ep.state(held.xfer)
+        return self._poll(held.xfer, "WRITE to", held.peer, held.match.offer.engine_id, now, held.deadline)
+
+    def _poll(self, xfer: Any, what: str, peer: str, engine_id: str, now: float, deadline: float | None) -> bool:
+        """One non-blocking look at a posted NIXL transfer: True when done (handle released);
+        raises on failure (forgetting the peer's metadata, which may be stale) or past the
+        deadline."""
+        st = self._ep.state(xfer)
         if st == "DONE":
-            self._ep.release(held.xfer)
+            self._ep.release(xfer)
             return True
         if st == "ERR":
-            self._forget_peer(held.match.offer.engine_id)
-            raise RuntimeError(f"NIXL WRITE to {held.peer} failed")
-        if now >= held.deadline:
-            raise TimeoutError(f"NIXL WRITE to {held.peer} not done after {self.settings.timeout_s}s")
+            self._forget_peer(engine_id)
+            raise RuntimeError(f"NIXL {what} {peer} failed")
+        if deadline is not None and now >= deadline:
+            raise TimeoutError(f"NIXL {what} {peer} not done after {self.settings.timeout_s}s")
         return False
 
     def _report_outcome(self, held: _Held, *, ok: bool, error: str, dur: float) -> None:
@@ -472,17 +478,10 @@ class TransferThread:
                 # Metadata may be stale (prefill restarted): look it up again next time.
                 self._forget_peer(eid)
                 raise
-        st = self._ep.state(ld.xfer)
-        if st == "DONE":
-            self._ep.release(ld.xfer)
-            self._finish_load(ld, ok=True)
-            return True
-        if st == "ERR":
-            self._forget_peer(eid)
-            raise RuntimeError(f"NIXL READ from {ld.peer} failed")
-        if now >= ld.deadline:
-            raise TimeoutError(f"NIXL READ from {ld.peer} not done after {self.settings.timeout_s}s")
-        return False
+        if not self._poll(ld.xfer, "READ from", ld.peer, eid, now, ld.deadline):
+            return False
+        self._finish_load(ld, ok=True)
+        return True
 
     def _step_reuse(self, ld: _Load, now: float) -> bool:
         """Pin → READ → (unpin in _finish_load). True when finished."""
@@ -531,15 +530,11 @@ class TransferThread:
             except Exception:
                 self._forget_peer(src.engine_id)
                 raise
-        st = self._ep.state(ld.xfer)
-        if st == "DONE":
-            self._ep.release(ld.xfer)
-            self._finish_load(ld, ok=True)
-            return True
-        if st == "ERR":
-            self._forget_peer(src.engine_id)
-            raise RuntimeError(f"NIXL READ from {ld.peer} failed")
-        return False
+        # No deadline here: the read deadline (half the pin TTL) was checked above.
+        if not self._poll(ld.xfer, "READ from", ld.peer, src.engine_id, now, None):
+            return False
+        self._finish_load(ld, ok=True)
+        return True
 
     def _unpin(self, ld: _Load) -> None:
         """Release our pin (fire-and-forget: a lost Unpin only delays expiry by the pin TTL)."""
