@@ -537,7 +537,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-busy", type=float, default=0.25,
                     help="...and for the machine to be below this busy fraction at 2 polls in a row")
     ap.add_argument("--out-dir", type=Path, default=None)
+    ap.add_argument("--baselines-only", action="store_true",
+                    help="run only vLLM's NixlPushConnector and bidirectional_kv_xfer baselines (one request "
+                    "at a time, strict timeouts; benchmarks/vllm_baselines.py) -> results/sweep/vllm_baselines.json")
+    ap.add_argument("--baseline-lengths", type=int, nargs="+", default=[256, 1024], help="push input lengths")
+    ap.add_argument("--baseline-n", type=int, default=8, help="push requests per length")
+    ap.add_argument("--baseline-timeout", type=float, default=30.0, help="per push request (both legs), s")
+    ap.add_argument("--bidir-length", type=int, default=1024, help="first-turn prompt tokens")
+    ap.add_argument("--bidir-turns", type=int, default=3)
+    ap.add_argument("--bidir-timeout", type=float, default=60.0, help="per conversation turn, s")
     args = ap.parse_args(argv)
+    if args.baselines_only:
+        return _baselines_main(args, argv)
     if args.quick:
         args.lengths, args.rates, args.duration, args.min_requests, args.warmup = [256, 1024], [2.0], 5.0, 6, 1
         args.nixl_lengths = args.nixl_lengths or [256]
@@ -584,6 +595,28 @@ def main(argv: list[str] | None = None) -> int:
          "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(cfg).items()},
          "runs": len(docs)}, indent=1) + "\n")
     print(f"\n{runtime:.0f}s; {len(docs)} JSON files in {out_dir}; logs and stats in {work}")
+    return 0
+
+
+def _baselines_main(args: argparse.Namespace, argv: list[str]) -> int:
+    """``--baselines-only``: its own step, not part of the default sweep, because both
+    connectors hung or froze here before and must not put the sweep's budget at risk."""
+    from benchmarks.vllm_baselines import print_baselines, run_baselines
+    from kvbaton.tinymodel import ensure_tiny_model
+
+    out = (args.out_dir or RESULTS) / "vllm_baselines.json"
+    free = wait_machine_free(args.wait_free, args.max_busy)
+    meta = {"cpus": os.cpu_count(), "platform": platform.platform(), "model": MODEL_NOTE,
+            "engine_args_extra": ["--no-enable-prefix-caching"], "machine_free": free,
+            "command": " ".join([Path(sys.argv[0]).name, *argv]), "started": time.strftime("%Y%m%dT%H%M%S")}
+    model = ensure_tiny_model(Path(os.environ.get("KVBATON_TINY_MODEL", ROOT / ".cache/tiny-model")))
+    work = Path(tempfile.mkdtemp(prefix="kvbaton-baselines-"))
+    doc = run_baselines(model, work, out, meta, push_lengths=args.baseline_lengths, push_n=args.baseline_n,
+                        push_timeout_s=args.baseline_timeout, bidir_length=args.bidir_length,
+                        bidir_turns=args.bidir_turns, bidir_timeout_s=args.bidir_timeout,
+                        output_tokens=args.output_tokens)
+    print_baselines(doc)
+    print(f"\n{doc['runtime_s']:.0f}s; {out}; logs in {work}")
     return 0
 
 

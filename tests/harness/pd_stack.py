@@ -14,9 +14,13 @@ the details are easy to get subtly wrong on a 2-core box:
 - The connectors' stats files (``<engine>.worker.jsonl``) are the only place that says
   KV really moved (bytes, notifications): :meth:`PdStack.events` reads them.
 
-Two connectors are supported: ``"kvbaton"`` (needs the control plane, which is started
-too) and ``"nixl"`` (vLLM's own ``NixlConnector``, pull, for comparisons; it uses its
-ZMQ side channel, so each engine gets its own ``VLLM_NIXL_SIDE_CHANNEL_PORT``).
+Connectors: ``"kvbaton"`` (needs the control plane, which is started too) and three
+of vLLM's own, for comparisons: ``"nixl"`` (``NixlConnector``, pull), ``"nixl-push"``
+(``NixlPushConnector``, P WRITEs into blocks D registered) and ``"nixl-bidir"``
+(``NixlConnector`` with ``bidirectional_kv_xfer``: D keeps a finished request's blocks and
+P reads them back on the next turn). They use NIXL's ZMQ side channel, so each engine gets
+its own ``VLLM_NIXL_SIDE_CHANNEL_PORT`` (:attr:`PdStack.side_channel_ports`). vLLM's
+connectors have no router here: :mod:`benchmarks.sweep` talks to the engines directly.
 """
 
 from __future__ import annotations
@@ -40,8 +44,8 @@ from typing import Any, IO
 from tests.harness.vllm_server import VllmServer, free_port, small_engine_args
 
 __all__ = [
-    "PdStack", "StreamResult", "kvbaton_kv_config", "nixl_kv_config", "post_json", "stop_group",
-    "stream_request", "usage_back_to_zero", "wait_port",
+    "NIXL_VARIANTS", "PdStack", "StreamResult", "kvbaton_kv_config", "nixl_kv_config", "post_json",
+    "stop_group", "stream_request", "usage_back_to_zero", "wait_port",
 ]
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -68,10 +72,27 @@ def kvbaton_kv_config(cp: str, engine_id: str, stats_dir: Path | str, *, mode: s
     })
 
 
-def nixl_kv_config() -> str:
-    """``--kv-transfer-config`` for vLLM's own ``NixlConnector`` with host (CPU) buffers."""
-    return json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu",
-                       "kv_load_failure_policy": "recompute"})
+#: PdStack ``connector`` value -> (vLLM connector class, ``kv_connector_extra_config``).
+NIXL_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "nixl": ("NixlConnector", {}),
+    "nixl-push": ("NixlPushConnector", {}),
+    "nixl-bidir": ("NixlConnector", {"bidirectional_kv_xfer": True}),
+}
+
+
+def nixl_kv_config(variant: str = "nixl", engine_id: str | None = None) -> str:
+    """``--kv-transfer-config`` for one of vLLM's own NIXL connectors with host (CPU) buffers.
+
+    ``engine_id`` is fixed for push: D's ``kv_transfer_params`` must name P's engine
+    before P has answered (both legs are sent at once), so the proxy has to know it."""
+    name, extra = NIXL_VARIANTS[variant]
+    cfg: dict[str, Any] = {"kv_connector": name, "kv_role": "kv_both", "kv_buffer_device": "cpu",
+                           "kv_load_failure_policy": "recompute"}
+    if extra:
+        cfg["kv_connector_extra_config"] = dict(extra)
+    if engine_id is not None:
+        cfg["engine_id"] = engine_id
+    return json.dumps(cfg)
 
 
 def _nixl_env(side_channel_port: int) -> dict[str, str]:
@@ -193,7 +214,8 @@ class PdStack:
     Args:
         model: model directory (``kvbaton.tinymodel.ensure_tiny_model``).
         workdir: logs and connector stats go here.
-        connector: ``"kvbaton"`` or ``"nixl"`` (vLLM's NixlConnector, pull only).
+        connector: ``"kvbaton"``, or one of vLLM's :data:`NIXL_VARIANTS` (``"nixl"`` pull,
+            ``"nixl-push"``, ``"nixl-bidir"``); the latter three get no routers.
         router_modes: a router subprocess is started for each (``"pull"``, ``"push"``).
         timeout_s: the kvbaton connector's hold/wait bound (``timeout_s`` extra config).
         engine_args: extra vLLM arguments (after :func:`small_engine_args`).
@@ -207,8 +229,8 @@ class PdStack:
                  router_modes: Sequence[str] = ("pull", "push"), timeout_s: float = 20.0,
                  engine_args: Sequence[str] = (), startup_timeout_s: float = 600.0,
                  prefill_id: str = "p0", decode_id: str = "d0") -> None:
-        if connector not in ("kvbaton", "nixl"):
-            raise ValueError(f"connector must be kvbaton or nixl, got {connector!r}")
+        if connector != "kvbaton" and connector not in NIXL_VARIANTS:
+            raise ValueError(f"connector must be kvbaton or one of {list(NIXL_VARIANTS)}, got {connector!r}")
         self.model = Path(model)
         self.workdir = Path(workdir)
         self.connector = connector
@@ -222,6 +244,7 @@ class PdStack:
         self.p: VllmServer | None = None
         self.d: VllmServer | None = None
         self.routers: dict[str, str] = {}  # mode -> base URL
+        self.side_channel_ports: dict[str, int] = {}  # engine id -> NIXL side-channel port (nixl*)
         self._procs: list[subprocess.Popen[bytes]] = []
         self._logs: list[IO[bytes]] = []
         self._servers: list[VllmServer] = []
@@ -256,9 +279,12 @@ class PdStack:
             configs = [kvbaton_kv_config(self.cp_address, eid, self.stats_dir, timeout_s=self.timeout_s)
                        for eid in (self.prefill_id, self.decode_id)]
         else:
-            configs = [nixl_kv_config()] * 2
-            for env in envs:
-                env.update(_nixl_env(free_port()))
+            ids = (self.prefill_id, self.decode_id)
+            configs = ([nixl_kv_config()] * 2 if self.connector == "nixl"
+                       else [nixl_kv_config(self.connector, eid) for eid in ids])
+            for eid, env in zip(ids, envs):
+                self.side_channel_ports[eid] = free_port()
+                env.update(_nixl_env(self.side_channel_ports[eid]))
         self.p, self.d = (
             VllmServer(self.model, extra_args=[*small_engine_args(), *self.engine_args, "--kv-transfer-config", c],
                        env=env, log_path=self.workdir / f"{name}.log", served_model_name="tiny",
