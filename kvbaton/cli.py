@@ -244,6 +244,10 @@ def build_parser() -> argparse.ArgumentParser:
     tp.add_argument("--interval", type=float, default=1.0, help="seconds between frames (default %(default)s)")
     tp.add_argument("--once", action="store_true", help="print one frame and exit (rates over one interval)")
     tp.add_argument("--timeout", type=float, default=5.0, help="seconds per call")
+    tp.add_argument("--token", help="bearer token (default: $KVBATON_TOKEN)")
+    tp.add_argument("--tls-ca", help="CA certificate that signed the server's (turns TLS on)")
+    tp.add_argument("--tls-cert", help="client certificate, for mutual TLS")
+    tp.add_argument("--tls-key", help="client key, for mutual TLS")
     tp.set_defaults(func=_top)
     return p
 
@@ -252,8 +256,10 @@ def _top(args) -> int:
     from kvbaton import top
 
     try:
-        return asyncio.run(top.run(args.addr, [u for u in args.metrics.split(",") if u], interval_s=args.interval,
-                                   once=args.once, timeout_s=args.timeout))
+        async def go() -> int:
+            return await top.run(args.addr, [u for u in args.metrics.split(",") if u], interval_s=args.interval,
+                                 once=args.once, timeout_s=args.timeout, client=_client(args))
+        return asyncio.run(go())
     except KeyboardInterrupt:
         return 0
 

@@ -137,12 +137,13 @@ def render(addr: str, snap: dict[str, Any], r: dict[str, float] | None, *, width
 
 
 async def run(addr: str, metrics: Sequence[str], *, interval_s: float = 1.0, once: bool = False,
-              timeout_s: float = 5.0, frames: int = 0) -> int:
+              timeout_s: float = 5.0, frames: int = 0, client: Any = None) -> int:
     """Redraws every ``interval_s`` until interrupted (or ``frames`` frames); ``once``:
-    one frame (rates from two scrapes ``interval_s`` apart), no escapes."""
+    one frame (rates from two scrapes ``interval_s`` apart), no escapes. ``client``: a
+    ready KvbatonClient (TLS, token) to use instead of a plaintext one to ``addr``."""
     from kvbaton.client import KvbatonClient
 
-    async with KvbatonClient(addr, timeout_s=timeout_s) as kv:
+    async with client or KvbatonClient(addr, timeout_s=timeout_s) as kv:
         prev = (time.monotonic(), s) if (s := await scrape(metrics)) is not None else None
         drawn = 0
         while True:
