@@ -192,6 +192,7 @@ class InstrumentedStore(Store):
         self.inner = inner
         self.metrics = metrics
         self.backend = type(inner).__name__.removesuffix("Store").lower() or "unknown"
+        self._observe: dict[str, Any] = {}  # op -> bound Histogram child's observe (labels() per call is costly)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -209,7 +210,10 @@ class InstrumentedStore(Store):
                 self.metrics.store_errors.labels(op, self.backend, type(exc).__name__).inc()
             raise
         finally:
-            self.metrics.store_op.labels(op, self.backend).observe(time.perf_counter() - start)
+            observe = self._observe.get(op)
+            if observe is None:
+                observe = self._observe[op] = self.metrics.store_op.labels(op, self.backend).observe
+            observe(time.perf_counter() - start)
 
     async def get(self, key: bytes) -> KeyValue | None:
         return await self._timed("get", self.inner.get(key))

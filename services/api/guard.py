@@ -64,6 +64,8 @@ class Guard(grpc.aio.ServerInterceptor):
         method = details.method
         if handler is None or method.startswith(PUBLIC_PREFIXES):
             return handler
+        if self.config.tokens is None and self.limiter is None and handler.unary_unary:
+            return handler  # nothing to check on a unary call: no per-call cost at all
         who = self._principal(details.invocation_metadata or ())
         make, inner = _handler_factory(handler)
         guard = self
