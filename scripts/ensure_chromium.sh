@@ -9,4 +9,4 @@ if ! command -v chromium >/dev/null 2>&1; then
   $SUDO apt-get update -qq || echo "ensure_chromium: apt-get update failed; trying the install anyway" >&2
   $SUDO apt-get install -y -qq chromium >/dev/null || echo "ensure_chromium: chromium not installed; the page test will skip" >&2
 fi
-command -v chromium >/dev/null 2>&1 && chromium --version 2>/dev/null | head -1 || true
+command -v chromium >/dev/null 2>&1 && { v="$(chromium --version 2>/dev/null || true)"; printf '%s\n' "${v%%$'\n'*}"; } || true

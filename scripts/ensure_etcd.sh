@@ -13,4 +13,7 @@ if ! command -v etcd >/dev/null 2>&1 && [ ! -x /usr/bin/etcd ]; then
 fi
 
 ETCD="$(command -v etcd || echo /usr/bin/etcd)"
-"$ETCD" --version | head -1
+# Read the whole output before printing its first line: `| head -1` under pipefail dies of
+# SIGPIPE (exit 141) whenever etcd writes its second line after head has exited.
+version="$("$ETCD" --version 2>&1 || true)"
+printf '%s\n' "${version%%$'\n'*}"
