@@ -384,6 +384,7 @@ class SweepConfig:
     nixl_rates: list[float]
     out_dir: Path
     sweep_id: str
+    kvbaton_config: dict[str, Any] = dataclasses.field(default_factory=dict)  # extra_config keys
 
 
 def run_stack(connector: str, modes: list[str], cfg: SweepConfig, model: Path, work: Path,
@@ -400,7 +401,8 @@ def run_stack(connector: str, modes: list[str], cfg: SweepConfig, model: Path, w
     stack_info: dict[str, Any] = {"connector": connector}
     try:
         with PdStack(model, work / connector, connector=connector, router_modes=modes, timeout_s=20.0,
-                     engine_args=["--no-enable-prefix-caching"], startup_timeout_s=600.0) as stack:
+                     engine_args=["--no-enable-prefix-caching"], startup_timeout_s=600.0,
+                     extra_config=cfg.kvbaton_config if connector == "kvbaton" else None) as stack:
             stack_info["startup_s"] = round(time.monotonic() - t0, 1)
             stack_info["workdir"] = str(work / connector)
             print(f"{connector} stack up in {stack_info['startup_s']:.0f}s (logs: {work / connector})", flush=True)
@@ -537,6 +539,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-busy", type=float, default=0.25,
                     help="...and for the machine to be below this busy fraction at 2 polls in a row")
     ap.add_argument("--out-dir", type=Path, default=None)
+    ap.add_argument("--kvbaton-config", type=json.loads, default={},
+                    help='more kv_connector_extra_config keys for the kvbaton engines, as JSON '
+                         '(e.g. \'{"idle_step_wait_ms": 0}\')')
     ap.add_argument("--baselines-only", action="store_true",
                     help="run only vLLM's NixlPushConnector and bidirectional_kv_xfer baselines (one request "
                     "at a time, strict timeouts; benchmarks/vllm_baselines.py) -> results/sweep/vllm_baselines.json")
@@ -567,7 +572,8 @@ def main(argv: list[str] | None = None) -> int:
                       request_timeout_s=args.request_timeout,
                       nixl_lengths=args.lengths if args.nixl_lengths is None else args.nixl_lengths,
                       nixl_rates=args.rates if args.nixl_rates is None else args.nixl_rates,
-                      out_dir=out_dir, sweep_id=time.strftime("%Y%m%dT%H%M%S"))
+                      out_dir=out_dir, sweep_id=time.strftime("%Y%m%dT%H%M%S"),
+                      kvbaton_config=dict(args.kvbaton_config))
     t0 = time.monotonic()
     free = wait_machine_free(args.wait_free, args.max_busy)
     meta = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(),

@@ -52,6 +52,11 @@ class KvbatonSettings:
     kv_recompute_threshold: int = 64  # fewer reusable tokens than this: recompute instead
     pin_ttl_s: float = 10.0  # prefill's pin while it READs retained blocks
     retain: bool = True  # decode keeps blocks of turns that carry a conversation_id
+    # Empty engine steps (nothing scheduled, only transfers pending): sleep this long in
+    # the scheduler hook instead of spinning; see KvbatonScheduler.build_connector_meta.
+    idle_step_wait_ms: float = 2.0
+    # sys.setswitchinterval for the engine processes (ms); 0 leaves Python's 5 ms.
+    gil_switch_interval_ms: float = 0.0
 
     @property
     def hard_cap_s(self) -> float:
@@ -82,7 +87,9 @@ class KvbatonSettings:
                    retain_hard_cap_s=float(get("retain_hard_cap_s", 0.0)),
                    kv_recompute_threshold=int(get("kv_recompute_threshold", 64)),
                    pin_ttl_s=float(get("pin_ttl_s", 10.0)),
-                   retain=bool(get("retain", True)))
+                   retain=bool(get("retain", True)),
+                   idle_step_wait_ms=float(get("idle_step_wait_ms", 2.0)),
+                   gil_switch_interval_ms=float(get("gil_switch_interval_ms", 0.0)))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -35,6 +35,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import sys
+import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
@@ -78,6 +80,14 @@ class KvbatonScheduler:
         self._reuse_pending: dict[str, tuple[int, dict[str, Any]]] = {}  # req -> (blocks, reuse)
         self.reuse_stats: dict[str, int] = {"reuse_claimed": 0, "reuse_below_threshold": 0,
                                             "reuse_no_match": 0, "reuse_claimed_tokens": 0}
+        # Requests whose transfer the worker has not reported finished yet -> monotonic
+        # deadline after which we stop counting them (the worker's own timeout is shorter).
+        self._in_flight: dict[str, float] = {}
+        self.idle_stats: dict[str, float] = {"idle_steps": 0, "idle_wait_s": 0.0}
+        if settings.gil_switch_interval_ms > 0:
+            # The control thread's gRPC calls need the GIL many times per call; with the
+            # engine loop busy, every hand-off can cost a whole switch interval (5 ms).
+            sys.setswitchinterval(settings.gil_switch_interval_ms / 1000.0)
 
     def _mode(self, params: dict[str, Any]) -> str:
         return str(params.get("transfer_mode") or self.settings.mode)
@@ -307,6 +317,47 @@ class KvbatonScheduler:
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvbatonMeta:
         if self._retention is not None:
             self._retention.drain()
+        if self._loads or self._sends:
+            deadline = time.monotonic() + self.settings.timeout_s + 5.0
+            for rid, load in self._loads.items():
+                if load.report_recv:
+                    self._in_flight[rid] = deadline
+            for rid in self._sends:
+                self._in_flight[rid] = deadline
+        elif scheduler_output is not None and not scheduler_output.total_num_scheduled_tokens:
+            self._idle_wait()
         meta = KvbatonMeta(loads=self._loads, sends=self._sends)
         self._loads, self._sends = {}, {}
         return meta
+
+    def _idle_wait(self) -> None:
+        """Sleep briefly on an empty step that exists only because transfers are pending.
+
+        While a request waits for its KV (decode) or holds blocks for a transfer
+        (prefill), vLLM steps continuously with empty batches (~1.5 ms each, API notes
+        §0.4): the engine loop then holds the GIL almost all the time, and this process's
+        control thread — the one sending Offer/Complete — waits up to a switch interval
+        for every GIL hand-off of a gRPC call (measured: Complete reaching the rendezvous
+        up to 230 ms after prefill finished). A short sleep here releases the GIL and the
+        core; the cost is at most ``idle_step_wait_ms`` of delay for a request arriving
+        during the sleep or a transfer finishing during it. Never sleeps when anything is
+        scheduled, nor when no transfer of ours is pending (vLLM's own empty steps)."""
+        wait_s = self.settings.idle_step_wait_ms / 1000.0
+        if wait_s <= 0 or not self._in_flight:
+            return
+        now = time.monotonic()
+        stale = [rid for rid, dl in self._in_flight.items() if dl < now]
+        for rid in stale:
+            del self._in_flight[rid]
+        if not self._in_flight:
+            return
+        time.sleep(wait_s)
+        self.idle_stats["idle_steps"] += 1
+        self.idle_stats["idle_wait_s"] += time.monotonic() - now
+
+    def update_connector_output(self, finished_sending: set[str] | None,
+                                finished_recving: set[str] | None) -> None:
+        """The worker's per-step report: these transfers are over (ok or failed)."""
+        for ids in (finished_sending, finished_recving):
+            for rid in ids or ():
+                self._in_flight.pop(rid, None)

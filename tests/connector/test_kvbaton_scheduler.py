@@ -7,6 +7,7 @@ blocks (§0.6), hold blocks only for finished P requests (§7).
 
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import pytest
@@ -76,3 +77,35 @@ def test_decode_aborted_before_alloc_releases_prefill(sched: KvbatonScheduler) -
     assert sched.request_finished(r, []) == (False, None)
     spec = sched.build_connector_meta(None).loads["r3"]
     assert spec.local_block_ids == () and not spec.report_recv and spec.transfer_id == "t3"
+
+
+def _out(tokens: int):
+    return types.SimpleNamespace(total_num_scheduled_tokens=tokens)
+
+
+def test_idle_step_sleeps_only_while_own_transfers_pend() -> None:
+    s = KvbatonScheduler(KvbatonSettings(control_plane="127.0.0.1:1", engine_id="p0", idle_step_wait_ms=20), BS)
+    s.build_connector_meta(_out(0))  # nothing of ours pending: vLLM's own empty step, no sleep
+    assert s.idle_stats["idle_steps"] == 0
+    r = _req("p1", 200, {"do_remote_decode": True, "transfer_id": "t2"},
+             status=RequestStatus.FINISHED_LENGTH_CAPPED, computed=200)
+    assert s.request_finished(r, [3, 4])[0]
+    s.build_connector_meta(_out(0))  # the step that hands the send to the worker: no sleep
+    assert s.idle_stats["idle_steps"] == 0
+    s.build_connector_meta(_out(5))  # something scheduled: never sleep
+    assert s.idle_stats["idle_steps"] == 0
+    s.build_connector_meta(_out(0))  # empty step while our hold pends: sleep
+    assert s.idle_stats["idle_steps"] == 1 and s.idle_stats["idle_wait_s"] >= 0.015
+    s.update_connector_output({"p1"}, None)  # worker reports the send done
+    s.build_connector_meta(_out(0))
+    assert s.idle_stats["idle_steps"] == 1
+
+
+def test_idle_wait_disabled_and_stale_entries_dropped() -> None:
+    s = KvbatonScheduler(KvbatonSettings(control_plane="127.0.0.1:1", engine_id="p0", idle_step_wait_ms=0), BS)
+    s._in_flight["x"] = 0.0
+    s.build_connector_meta(_out(0))
+    assert s.idle_stats["idle_steps"] == 0
+    s.settings = dataclasses.replace(s.settings, idle_step_wait_ms=5)
+    s.build_connector_meta(_out(0))  # "x" is past its deadline: forgotten, no sleep
+    assert s.idle_stats["idle_steps"] == 0 and not s._in_flight

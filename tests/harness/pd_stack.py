@@ -55,7 +55,8 @@ PY = sys.executable
 # ---------------------------------------------------------------------- configs
 
 def kvbaton_kv_config(cp: str, engine_id: str, stats_dir: Path | str, *, mode: str = "pull",
-                      timeout_s: float = 20.0, kv_role: str = "kv_both") -> str:
+                      timeout_s: float = 20.0, kv_role: str = "kv_both",
+                      extra: dict[str, Any] | None = None) -> str:
     """``--kv-transfer-config`` for the kvbaton connector on loopback.
 
     ``recompute`` (not vLLM's default ``fail``) so a transfer that did not happen costs a
@@ -68,6 +69,7 @@ def kvbaton_kv_config(cp: str, engine_id: str, stats_dir: Path | str, *, mode: s
         "kv_connector_extra_config": {
             "control_plane": cp, "mode": mode, "engine_id": engine_id, "timeout_s": timeout_s,
             "stats_dir": str(stats_dir), "ucx_net_devices": "lo", "ucx_tls": "tcp,self,sm",
+            **(extra or {}),
         },
     })
 
@@ -228,7 +230,8 @@ class PdStack:
     def __init__(self, model: Path | str, workdir: Path | str, *, connector: str = "kvbaton",
                  router_modes: Sequence[str] = ("pull", "push"), timeout_s: float = 20.0,
                  engine_args: Sequence[str] = (), startup_timeout_s: float = 600.0,
-                 prefill_id: str = "p0", decode_id: str = "d0") -> None:
+                 prefill_id: str = "p0", decode_id: str = "d0",
+                 extra_config: dict[str, Any] | None = None) -> None:
         if connector != "kvbaton" and connector not in NIXL_VARIANTS:
             raise ValueError(f"connector must be kvbaton or one of {list(NIXL_VARIANTS)}, got {connector!r}")
         self.model = Path(model)
@@ -239,6 +242,7 @@ class PdStack:
         self.engine_args = list(engine_args)
         self.startup_timeout_s = startup_timeout_s
         self.prefill_id, self.decode_id = prefill_id, decode_id
+        self.extra_config = dict(extra_config or {})  # more kvbaton kv_connector_extra_config keys
         self.stats_dir = self.workdir / "stats"
         self.cp_address = ""
         self.p: VllmServer | None = None
@@ -276,7 +280,8 @@ class PdStack:
             cp = self._spawn("cp", [str(Path(PY).parent / "kvbaton"), "serve", "--insecure", "--listen", f"127.0.0.1:{port}"])
             wait_port(port, cp)
             self.cp_address = f"127.0.0.1:{port}"
-            configs = [kvbaton_kv_config(self.cp_address, eid, self.stats_dir, timeout_s=self.timeout_s)
+            configs = [kvbaton_kv_config(self.cp_address, eid, self.stats_dir, timeout_s=self.timeout_s,
+                                         extra=self.extra_config)
                        for eid in (self.prefill_id, self.decode_id)]
         else:
             ids = (self.prefill_id, self.decode_id)
