@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import dataclasses
 import random
+import time
 from collections.abc import AsyncIterator, Sequence
 
 import grpc
@@ -270,8 +271,10 @@ class _RenewalBatcher:
         generation = 0
         while True:
             inflight: dict[int, list[tuple[lease_pb2.RenewRequest, asyncio.Future]]] = {}
+            sent_at: dict[int, float] = {}
             seq = 0
             generation += 1
+            stuck = False
 
             async def requests(mine: int = generation):
                 nonlocal seq
@@ -287,21 +290,46 @@ class _RenewalBatcher:
                             continue
                         seq += 1
                         inflight[seq] = batch
+                        sent_at[seq] = time.monotonic()
                         yield lease_pb2.KeepAliveRequest(seq=seq, renewals=[r for r, _ in batch])
 
             call = self.client.lease.KeepAlive(requests())
+
+            async def watchdog() -> None:
+                """A stream that leaves a batch unanswered for the client's timeout is
+                treated as broken: a replica that hangs (or a half-open connection) must
+                not hold renewals until the leases they protect have expired."""
+                nonlocal stuck
+                while True:
+                    await asyncio.sleep(min(0.25, self.client.timeout_s / 4))
+                    pending = [sent_at[k] for k in inflight if k in sent_at]
+                    if pending and time.monotonic() - min(pending) > self.client.timeout_s:
+                        stuck = True
+                        call.cancel()
+                        return
+
+            dog = asyncio.get_running_loop().create_task(watchdog())
             try:
                 async for resp in call:
                     backoff = 0.05
+                    sent_at.pop(resp.seq, None)
                     for (_, fut), result in zip(inflight.pop(resp.seq, []), resp.results):
                         if not fut.done():
                             fut.set_result(result)
             except asyncio.CancelledError:
-                call.cancel()
-                raise
+                task = asyncio.current_task()
+                if not stuck or (task is not None and task.cancelling()):
+                    call.cancel()
+                    raise
             except Exception as exc:  # the stream broke; whatever the cause, open another
                 call.cancel()
                 log.info("client.keepalive_reconnect", error=repr(exc)[:200])
+                if len(self.client.addresses) > 1:
+                    await self.client.reconnect()
+            finally:
+                dog.cancel()
+            if stuck:
+                log.warning("client.keepalive_stuck", timeout_s=self.client.timeout_s, address=self.client.address)
                 if len(self.client.addresses) > 1:
                     await self.client.reconnect()
             # Unanswered renewals go out again on the new stream.
@@ -337,6 +365,7 @@ class LeaseKeeper:
         self.failures = 0
         self._task: asyncio.Task | None = None
         self._stopped = asyncio.Event()
+        self._attempt_s = 1.0  # per-renewal bound, set from the TTL on entry
 
     async def __aenter__(self) -> "LeaseKeeper":
         first = await self.renew_once()
@@ -344,6 +373,8 @@ class LeaseKeeper:
             # A third of the TTL: two renewals can be lost before the lease is at risk.
             self.interval_s = max(first.lease.ttl_ms / 3000, 0.05)
         self.interval_s = self.interval_s or 1.0
+        ttl_s = (first.lease.ttl_ms or self.ttl_ms or 0) / 1000
+        self._attempt_s = max(self.interval_s, ttl_s / 3) if ttl_s else max(self.interval_s, 1.0)
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"lease-keeper-{self.conversation_id}")
         return self
 
@@ -362,7 +393,9 @@ class LeaseKeeper:
                 await asyncio.wait_for(self._stopped.wait(), self.interval_s)
                 return
             try:
-                result = await self.renew_once()
+                # Bounded well inside the TTL: one renewal stuck behind a failing replica
+                # must not keep the next ones from going out before the lease lapses.
+                result = await asyncio.wait_for(self.renew_once(), self._attempt_s)
                 if result.status in (lease_pb2.RENEW_STATUS_ENDED, lease_pb2.RENEW_STATUS_SUPERSEDED):
                     # A newer turn's lease replaces this one; keep renewing whatever is current.
                     if result.status == lease_pb2.RENEW_STATUS_ENDED:

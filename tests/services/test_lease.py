@@ -72,12 +72,12 @@ async def test_renewal_keeps_lease_alive_past_several_ttls(kv):
 async def test_keepalive_stream_renews_many_conversations(kv):
     convs = [f"k{i}" for i in range(50)]
     for c in convs:
-        await grant(kv, c, ttl_ms=500)
+        await grant(kv, c, ttl_ms=1000)
 
     async def requests():
-        for seq in range(8):  # 1.6 s, over three TTLs
+        for seq in range(8):  # 3.2 s, over three TTLs (1 s: etcd under a loaded CI box stays inside it)
             yield pb.KeepAliveRequest(seq=seq, renewals=[pb.RenewRequest(conversation_id=c) for c in convs + ["nope"]])
-            await asyncio.sleep(0.2)
+            await asyncio.sleep(0.4)
 
     seqs = []
     async for resp in kv.lease.KeepAlive(requests()):
@@ -238,3 +238,46 @@ async def test_live_leases_are_bounded(kv, plane):
     assert again.replaced.conversation_id == "m1"
     await kv.call(kv.lease.Revoke, pb.RevokeRequest(conversation_id="m2"))
     assert (await grant(kv, "m3", ttl_ms=60_000)).lease.state == pb.LEASE_STATE_ACTIVE
+
+
+class _SilentLease:
+    """A replica that accepts KeepAlive streams and reads them but never answers (hung
+    process, half-open connection): what a client must route around."""
+
+    def __init__(self) -> None:
+        self.batches = 0
+
+    async def KeepAlive(self, request_iterator, context):
+        async for _ in request_iterator:
+            self.batches += 1
+        await asyncio.sleep(3600)
+
+
+async def test_keepalive_routes_around_a_replica_that_never_answers(kv, plane):
+    from kvbaton.client import KvbatonClient
+    from kvbaton.v1 import lease_pb2_grpc
+
+    silent = _SilentLease()
+    server = grpc.aio.server()
+    handler = lease_pb2_grpc.add_LeaseServicer_to_server  # generic registration of one method
+    servicer = type("S", (lease_pb2_grpc.LeaseServicer,), {"KeepAlive": silent.KeepAlive})()
+    handler(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    client = KvbatonClient([f"127.0.0.1:{port}", plane.address], timeout_s=0.5)
+    try:
+        await grant(kv, "hung-1", ttl_ms=1500)
+        # The LeaseKeeper starts on the silent replica; with a 1.5 s TTL the lease survives
+        # only if the stuck stream is abandoned and renewals reach the real replica in time.
+        first = asyncio.ensure_future(client.renew("hung-1"))
+        result = await asyncio.wait_for(first, 3.0)
+        assert result.status == pb.RENEW_STATUS_OK
+        assert silent.batches >= 1  # it really went to the silent replica first
+        assert client.address == plane.address
+        async with LeaseKeeper(client, "hung-1", interval_s=0.3) as keeper:
+            await asyncio.sleep(3.0)  # two TTLs
+            assert (await get(kv, "hung-1")).state == pb.LEASE_STATE_ACTIVE
+        assert keeper.renewals >= 5
+    finally:
+        await client.close()
+        await server.stop(0)
