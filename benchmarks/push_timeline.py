@@ -35,8 +35,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.pd_compare import VOCAB_HI, VOCAB_LO  # noqa: E402
-from tests.harness.pd_stack import PdStack, stream_request  # noqa: E402
+from benchmarks.pd_compare import VOCAB_HI, VOCAB_LO
+from tests.harness.pd_stack import PdStack, stream_request
 
 
 def _median(rows: list[dict[str, Any]], key: str) -> float | None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
+from kvbaton.services.metrics import connector_metrics
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -29,11 +30,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from .metadata import KvbatonMeta, KvbatonSettings
 from .scheduler import KvbatonScheduler
+from .stats import CounterDeltas, KvbatonConnectorStats, KvbatonPromMetrics
 from .worker import KvbatonWorker
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorPromMetrics,
+        KVConnectorStats,
+    )
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -57,6 +63,8 @@ class KvbatonConnector(KVConnectorBase_V1):
         self.block_size = int(vllm_config.cache_config.block_size)
         self._sched: KvbatonScheduler | None = None
         self._worker: KvbatonWorker | None = None
+        # Increases of this process's connector counters, shipped to vLLM's /metrics.
+        self._deltas = CounterDeltas(connector_metrics())
         if role == KVConnectorRole.SCHEDULER:
             self._sched = KvbatonScheduler(self.settings, self.block_size)
         else:
@@ -92,6 +100,22 @@ class KvbatonConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.get_block_ids_with_load_errors() if self._worker is not None else set()
+
+    # ================================================================== both sides: stats
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """Counter increases since the last step (worker and scheduler processes alike)."""
+        return self._deltas.take()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return KvbatonConnectorStats(data=dict(data)) if data is not None else KvbatonConnectorStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[type, type],
+                           labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KVConnectorPromMetrics | None:
+        """The API server's ``/metrics`` gets the ``kvbaton_connector_*`` counters (see stats.py)."""
+        return KvbatonPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self._worker is not None:

@@ -40,9 +40,8 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
-from vllm.v1.request import RequestStatus
-
 from kvbaton.services.tracing import TRACEPARENT, grpc_metadata
+from vllm.v1.request import RequestStatus
 
 from .metadata import (
     MODE_PULL,

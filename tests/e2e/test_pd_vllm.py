@@ -12,6 +12,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -142,8 +143,16 @@ PUSH_PROMPTS = [
 ]
 
 
+def _ok_pushes(srv) -> float:
+    """vLLM's own /metrics: push transfers this engine finished ok (kvbaton's counters,
+    shipped from the worker/scheduler processes, connector/stats.py)."""
+    return sum(v for k, v in srv.metrics().items()
+               if k.startswith("kvbaton_connector_transfers_total{") and 'mode="push"' in k and 'outcome="ok"' in k)
+
+
 def test_push_outputs_match_single_engine(pd: PD) -> None:
     recv_before = len(pd.events("d0", "recv_done"))
+    d_pushes_before, p_pushes_before = _ok_pushes(pd.d), _ok_pushes(pd.p)
     for prompt in PUSH_PROMPTS:
         single = pd.p.post_json("/v1/completions", pd.body(prompt))["choices"][0]["text"]
         status, raw = _post(f"{pd.push_router_url}/v1/completions", pd.body(prompt))
@@ -158,6 +167,13 @@ def test_push_outputs_match_single_engine(pd: PD) -> None:
     assert not pd.events("p0", "send_failed")
     assert _usage_back_to_zero(pd.p) == 0.0
     assert _usage_back_to_zero(pd.d) == 0.0
+    # The same transfers, counted on each engine's vLLM /metrics (stats reach the API
+    # server with the next engine output; the usage polls above let that happen).
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and _ok_pushes(pd.d) - d_pushes_before < len(PUSH_PROMPTS):
+        time.sleep(0.2)
+    assert _ok_pushes(pd.d) - d_pushes_before == len(PUSH_PROMPTS)
+    assert _ok_pushes(pd.p) - p_pushes_before >= len(PUSH_PROMPTS)
     single_ttft, push_ttft = _ttft_medians(pd, pd.push_router_url, "push")
     print(f"\nTTFT median of 5: single engine {single_ttft * 1000:.1f} ms, "
           f"through router (push) {push_ttft * 1000:.1f} ms")
