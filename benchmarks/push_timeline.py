@@ -36,6 +36,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.pd_compare import VOCAB_HI, VOCAB_LO
+from benchmarks.sweep import CpuMeter, stack_components
 from tests.harness.pd_stack import PdStack, stream_request
 
 
@@ -52,6 +53,7 @@ def run_config(model: Path, work: Path, extra: dict[str, Any], *, requests: int,
     rows: list[dict[str, Any]] = []
     with PdStack(model, work, connector="kvbaton", router_modes=["push", "pull"],
                  engine_args=["--no-enable-prefix-caching"], startup_timeout_s=600, extra_config=extra) as st:
+        comps = stack_components(st)
         for i in range(requests + 2):  # the first two (one per mode) warm the connections up
             mode = "push" if i % 2 == 0 else "pull"
             time.sleep(1.5)
@@ -59,8 +61,10 @@ def run_config(model: Path, work: Path, extra: dict[str, Any], *, requests: int,
                     "max_tokens": output_tokens, "temperature": 0.0, "ignore_eos": True,
                     "request_id": f"tl{i}-{mode}"}
             n0 = {e: st.event_count(e) for e in ("p0", "d0")}
+            meter = CpuMeter(comps)
             t0 = time.time()
             r = stream_request(st.routers[mode] + "/v1/completions", body, timeout_s=30)
+            cpu = meter.stop()  # from send to the last token: where the cores went
             time.sleep(0.3)
             ev = {f"{e}:{x['event']}": x for e in ("p0", "d0") for x in st.events(e, since=n0[e])}
 
@@ -68,7 +72,10 @@ def run_config(model: Path, work: Path, extra: dict[str, Any], *, requests: int,
                 return round((t - t0) * 1000, 1)
 
             row: dict[str, Any] = {"config": extra, "mode": mode, "i": i, "warmup": i < 2,
-                                   "ttft": round(r.ttft_s * 1000, 1), "e2e": round(r.total_s * 1000, 1)}
+                                   "ttft": round(r.ttft_s * 1000, 1), "e2e": round(r.total_s * 1000, 1),
+                                   "busy": cpu["machine_busy_frac"],
+                                   "cpu_ms": {k: round(v * 1000) for k, v in cpu["cpu_s"].items()
+                                              if v and not k.startswith("client")}}
             if "p0:send_done" in ev:
                 s = ev["p0:send_done"]
                 row["P_hold_start"] = rel(s["t"] - s.get("held_s", 0))
@@ -94,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--length", type=int, default=1024)
     ap.add_argument("--output-tokens", type=int, default=32)
     ap.add_argument("--configs", type=json.loads, nargs="+", default=[{"idle_step_wait_ms": 0}, {}])
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run the configs in turn this many times (A B A B ...: drift hits all alike)")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "push_timeline.json")
     args = ap.parse_args(argv)
 
@@ -102,9 +111,10 @@ def main(argv: list[str] | None = None) -> int:
     model = ensure_tiny_model(Path(os.environ.get("KVBATON_TINY_MODEL", ROOT / ".cache/tiny-model")))
     work = Path(tempfile.mkdtemp(prefix="kvbaton-timeline-"))
     rows: list[dict[str, Any]] = []
-    for k, extra in enumerate(args.configs):
-        rows += run_config(model, work / f"c{k}", extra, requests=args.requests, length=args.length,
-                           output_tokens=args.output_tokens, seed=7)
+    for rnd in range(args.rounds):
+        for k, extra in enumerate(args.configs):
+            rows += run_config(model, work / f"r{rnd}c{k}", extra, requests=args.requests, length=args.length,
+                               output_tokens=args.output_tokens, seed=7 + rnd)
     summary = []
     print(f"\nmedians over the timed requests ({args.length} tokens, {args.output_tokens} out), ms after send:")
     print(f"{'config':32} {'mode':5} {'ttft':>7} {'P_hold':>7} {'D_load':>7} {'matched':>8} {'lag':>6} {'D_kv':>7}")
@@ -112,11 +122,14 @@ def main(argv: list[str] | None = None) -> int:
         for mode in ("push", "pull"):
             sel = [r for r in rows if r["config"] == extra and r["mode"] == mode and not r["warmup"]]
             s = {"config": extra, "mode": mode, "n": len(sel)}
-            for key in ("ttft", "P_hold_start", "D_load_start", "matched", "complete_lag", "D_kv_ready"):
+            for key in ("ttft", "P_hold_start", "D_load_start", "matched", "complete_lag", "D_kv_ready", "busy"):
                 s[key] = _median(sel, key)
+            comps = sorted({c for r in sel for c in r["cpu_ms"]})
+            s["cpu_ms_median"] = {c: _median([{"v": r["cpu_ms"].get(c, 0)} for r in sel], "v") for c in comps}
             summary.append(s)
             print(f"{json.dumps(extra):32} {mode:5} {s['ttft']!s:>7} {s['P_hold_start']!s:>7} "
                   f"{s['D_load_start']!s:>7} {s['matched']!s:>8} {s['complete_lag']!s:>6} {s['D_kv_ready']!s:>7}")
+            print("    cpu ms per request: " + ", ".join(f"{c} {v}" for c, v in s["cpu_ms_median"].items()))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"length": args.length, "output_tokens": args.output_tokens,
                                     "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
