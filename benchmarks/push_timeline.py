@@ -90,6 +90,13 @@ def run_config(model: Path, work: Path, extra: dict[str, Any], *, requests: int,
                 row["matched"] = rel(ts.matched_at_ms / 1000)
                 if "P_hold_start" in row:
                     row["complete_lag"] = round(row["matched"] - row["P_hold_start"], 1)
+                for eng, rpc, key in (("p0", "Complete", "complete_rpc_ms"), ("d0", "Offer", "offer_rpc_ms")):
+                    path = st.stats_dir / f"{eng}.scheduler.jsonl"
+                    if path.exists():
+                        for line in path.read_text().splitlines():
+                            x = json.loads(line)
+                            if x.get("rpc") == rpc and x.get("transfer_id") == tid:
+                                row[key] = x["latency_ms"]
             print(json.dumps(row), flush=True)
             rows.append(row)
     return rows
@@ -122,13 +129,15 @@ def main(argv: list[str] | None = None) -> int:
         for mode in ("push", "pull"):
             sel = [r for r in rows if r["config"] == extra and r["mode"] == mode and not r["warmup"]]
             s = {"config": extra, "mode": mode, "n": len(sel)}
-            for key in ("ttft", "P_hold_start", "D_load_start", "matched", "complete_lag", "D_kv_ready", "busy"):
+            for key in ("ttft", "P_hold_start", "D_load_start", "matched", "complete_lag", "D_kv_ready", "busy",
+                        "complete_rpc_ms", "offer_rpc_ms"):
                 s[key] = _median(sel, key)
             comps = sorted({c for r in sel for c in r["cpu_ms"]})
             s["cpu_ms_median"] = {c: _median([{"v": r["cpu_ms"].get(c, 0)} for r in sel], "v") for c in comps}
             summary.append(s)
             print(f"{json.dumps(extra):32} {mode:5} {s['ttft']!s:>7} {s['P_hold_start']!s:>7} "
                   f"{s['D_load_start']!s:>7} {s['matched']!s:>8} {s['complete_lag']!s:>6} {s['D_kv_ready']!s:>7}")
+            print(f"    Complete rpc {s['complete_rpc_ms']} ms, Offer rpc {s['offer_rpc_ms']} ms, machine busy {s['busy']}")
             print("    cpu ms per request: " + ", ".join(f"{c} {v}" for c, v in s["cpu_ms_median"].items()))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"length": args.length, "output_tokens": args.output_tokens,

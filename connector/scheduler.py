@@ -83,6 +83,9 @@ class KvbatonScheduler:
         # deadline after which we stop counting them (the worker's own timeout is shorter).
         self._in_flight: dict[str, float] = {}
         self.idle_stats: dict[str, float] = {"idle_steps": 0, "idle_wait_s": 0.0}
+        from .worker import StatsLog  # the worker's JSON-lines format
+
+        self._stats = StatsLog(settings.stats_dir, settings.engine_id, part="scheduler")
         if settings.gil_switch_interval_ms > 0:
             # The control thread's gRPC calls need the GIL many times per call; with the
             # engine loop busy, every hand-off can cost a whole switch interval (5 ms).
@@ -111,13 +114,20 @@ class KvbatonScheduler:
         self._retention = RetentionManager(self.settings, self.block_size, self._control_thread())
         self._retention.bind(block_pool)
 
-    def _rpc(self, what: str, fn: Any) -> None:
-        """Fire-and-forget a control-plane call from the engine loop (never blocks it)."""
+    def _rpc(self, what: str, fn: Any, transfer_id: str = "") -> None:
+        """Fire-and-forget a control-plane call from the engine loop (never blocks it).
+
+        Each call's submit→answer time goes to the ``scheduler`` stats file: how long the
+        engine process took to get a message out is part of push's critical path."""
+        t0 = time.monotonic()
         fut = self._control_thread().submit(fn)
 
         def _done(f: concurrent.futures.Future[Any]) -> None:
-            if f.cancelled() or f.exception() is not None:
-                log.warning("kvbaton: %s failed: %r", what, None if f.cancelled() else f.exception())
+            err = "cancelled" if f.cancelled() else repr(f.exception()) if f.exception() is not None else ""
+            if err:
+                log.warning("kvbaton: %s failed: %s", what, err)
+            self._stats.record("rpc", rpc=what, transfer_id=transfer_id, error=err,
+                               latency_ms=round((time.monotonic() - t0) * 1000, 2))
         fut.add_done_callback(_done)
 
     def shutdown(self) -> None:
@@ -239,7 +249,7 @@ class KvbatonScheduler:
             # All of it is cached here: cancel so prefill frees its blocks.
             self._rpc("Cancel", lambda c: c.call(c.rendezvous.Cancel, rpb.CancelRequest(
                 transfer_id=tid, engine_id=self.settings.engine_id, reason="decode has the prefix cached"),
-                metadata=md))
+                metadata=md), tid)
             return
         local_all = [int(b) for b in blocks.get_block_ids()[0]]
         last = min(-(-(hit + num_external_tokens) // self.block_size), len(local_all))
@@ -250,7 +260,7 @@ class KvbatonScheduler:
                                  block_ids=local_all[:last], num_tokens=num_external_tokens,
                                  timeout_ms=int(self.settings.timeout_s * 1000),
                                  request_id=request.request_id)
-        self._rpc("Offer", lambda c: c.call(c.rendezvous.Offer, offer, metadata=md))
+        self._rpc("Offer", lambda c: c.call(c.rendezvous.Offer, offer, metadata=md), tid)
 
     # ------------------------------------------------------------------ prefill side
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -270,7 +280,7 @@ class KvbatonScheduler:
 
                 cancel = rpb.CancelRequest(transfer_id=str(params["transfer_id"]),
                                            engine_id=self.settings.engine_id, reason="decode request aborted")
-                self._rpc("Cancel", lambda c: c.call(c.rendezvous.Cancel, cancel, metadata=md))
+                self._rpc("Cancel", lambda c: c.call(c.rendezvous.Cancel, cancel, metadata=md), cancel.transfer_id)
             elif params.get("remote_engine_id"):
                 self._loads[request.request_id] = LoadSpec(
                     str(params.get("transfer_id") or ""), str(params["remote_engine_id"]), (), (), False,
@@ -299,7 +309,7 @@ class KvbatonScheduler:
                                            block_ids=ids, num_tokens=n_tokens,
                                            timeout_ms=int(self.settings.timeout_s * 1000),
                                            request_id=request.request_id, writers=1)
-            self._rpc("Complete", lambda c: c.call(c.rendezvous.Complete, complete, metadata=md))
+            self._rpc("Complete", lambda c: c.call(c.rendezvous.Complete, complete, metadata=md), tid)
             return True, {"transfer_id": tid, "transfer_mode": MODE_PUSH, "remote_engine_id": self.settings.engine_id}
         self._sends[request.request_id] = SendSpec(tid, len(block_ids), self.settings.timeout_s, traceparent=tp)
         return True, {
