@@ -19,6 +19,7 @@ gRPC on background threads). See ``connector/VLLM_API_NOTES.md`` for the contrac
 from __future__ import annotations
 
 import logging
+import sys
 from typing import TYPE_CHECKING, Any
 
 from kvbaton.services.metrics import connector_metrics
@@ -61,6 +62,12 @@ class KvbatonConnector(KVConnectorBase_V1):
         assert ktc is not None
         self.settings = KvbatonSettings.from_vllm(ktc)
         self.block_size = int(vllm_config.cache_config.block_size)
+        if self.settings.gil_switch_interval_ms > 0:
+            # Our background threads (gRPC, NIXL) need the GIL several times per call;
+            # while the engine loop runs Python, each hand-off waits up to one switch
+            # interval (5 ms by default). Measured with a busy main thread: a unary call
+            # from the control thread took 25.7 ms (median) at 5 ms, 2.3 ms at 0.5 ms.
+            sys.setswitchinterval(self.settings.gil_switch_interval_ms / 1000.0)
         self._sched: KvbatonScheduler | None = None
         self._worker: KvbatonWorker | None = None
         # Increases of this process's connector counters, shipped to vLLM's /metrics.

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import sys
 import time
 import uuid
 from typing import TYPE_CHECKING, Any
@@ -86,10 +85,6 @@ class KvbatonScheduler:
         from .worker import StatsLog  # the worker's JSON-lines format
 
         self._stats = StatsLog(settings.stats_dir, settings.engine_id, part="scheduler")
-        if settings.gil_switch_interval_ms > 0:
-            # The control thread's gRPC calls need the GIL many times per call; with the
-            # engine loop busy, every hand-off can cost a whole switch interval (5 ms).
-            sys.setswitchinterval(settings.gil_switch_interval_ms / 1000.0)
 
     def _mode(self, params: dict[str, Any]) -> str:
         return str(params.get("transfer_mode") or self.settings.mode)
