@@ -761,6 +761,7 @@ class TransferThread:
                                   answer="ok" if not text.startswith("!") else text[1:])
             except Exception as exc:  # noqa: BLE001 - the reader fails its load at its own deadline
                 log.warning("kvbaton: fingerprint answer to %s for %s failed: %r", ans.reader, ans.key, exc)
+                self._forget_peer(ans.reader)  # its metadata may be stale (restarted): look it up again
         self._fp_answers = keep
 
     def _on_fp_answer(self, peer: str, msg: bytes) -> None:
