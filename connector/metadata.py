@@ -165,5 +165,6 @@ class KvbatonMeta(KVConnectorMetadata):
     loads: dict[str, LoadSpec] = dataclasses.field(default_factory=dict)
     sends: dict[str, SendSpec] = dataclasses.field(default_factory=dict)
     #: Decode with ``verify_kv``: blocks retained this step, for the worker to fingerprint
-    #: (the scheduler process cannot read KV): hold_id -> (conversation_id, block ids).
+    #: (the scheduler process cannot read KV): hold_id -> (conversation_id, block ids);
+    #: empty block ids = that hold was freed (the worker drops its fingerprints).
     retains: dict[str, tuple[str, tuple[int, ...]]] = dataclasses.field(default_factory=dict)

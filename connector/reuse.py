@@ -209,9 +209,10 @@ class RetentionManager:
 
     def take_retains(self) -> dict[str, tuple[str, tuple[int, ...]]]:
         """Engine loop (``build_connector_meta``): holds retained since the last step, for
-        the worker to fingerprint (``verify_kv``). vLLM runs one more step after a request
-        finishes (to tell the workers), so this reaches the worker right after the turn,
-        while the blocks are already held by this manager and no longer written."""
+        the worker to fingerprint (``verify_kv``), and holds freed since (empty block ids:
+        the worker forgets their fingerprints). vLLM runs one more step after a request
+        finishes (to tell the workers), so a retention reaches the worker right after the
+        turn, while the blocks are already held by this manager and no longer written."""
         out, self._to_fingerprint = self._to_fingerprint, {}
         return out
 
@@ -245,6 +246,8 @@ class RetentionManager:
                 continue
             # Tail blocks first: they are the least likely to be hit as a prefix again.
             self.block_pool.free_blocks([self.block_pool.blocks[i] for i in reversed(h.block_ids)])
+            if self.settings.verify_kv:  # the worker drops its fingerprints of them
+                self._to_fingerprint[h.hold_id] = (h.conversation_id, ())
             freed += 1
             self.stats["freed"] += 1
             self.events.record("retention_freed", conversation_id=h.conversation_id, lease_id=h.lease_id,

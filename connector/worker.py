@@ -219,6 +219,12 @@ class _FpRecord:
     block_ids: tuple[int, ...]
     future: concurrent.futures.Future[Fingerprints]
     t: float
+    hold_id: str = ""  # retained blocks: the scheduler's hold (dropped when it is freed)
+
+
+#: Upper bound on retained-block fingerprint records kept by one worker (oldest dropped):
+#: a safety net only, holds are normally forgotten when the scheduler frees them.
+_MAX_RETAINED_RECORDS = 4096
 
 
 @dataclasses.dataclass
@@ -264,6 +270,7 @@ class TransferThread:
         self._fp_records: dict[str, list[_FpRecord]] = {}  # owner: key -> records, newest first
         self._fp_answers: list[_FpAnswer] = []  # owner: questions not answered yet
         self._fp_replies: dict[str, tuple[float, str]] = {}  # reader: key -> (t, answer)
+        self._retained_records = 0  # owner: records under "r:" keys (approximate, for the cap)
         self.settings = settings
         self.layout = layout
         self.control = control
@@ -354,7 +361,15 @@ class TransferThread:
             self.stats.record("kv_fingerprint", key=req_id, **spec)
         elif kind == "retain":  # verify_kv, decode: fingerprint a finished turn's retained blocks
             conv, ids = spec
-            self._fingerprint_exposed(f"r:{conv}", ids, mode=MODE_REUSE, hold_id=req_id)
+            if ids:
+                self._fingerprint_exposed(f"r:{conv}", ids, mode=MODE_REUSE, hold_id=req_id)
+            else:  # the hold was freed: its blocks are not ours to vouch for any more
+                recs = self._fp_records.get(f"r:{conv}", [])
+                n = len(recs)
+                recs[:] = [r for r in recs if r.hold_id != req_id]
+                self._retained_records -= n - len(recs)
+                if not recs:
+                    self._fp_records.pop(f"r:{conv}", None)
         elif kind == "send":
             tid = spec.transfer_id
             if self.fp is not None and spec.block_ids:
@@ -438,10 +453,12 @@ class TransferThread:
                 if now - t > 2 * self.settings.timeout_s:
                     del box[tid]
         # Owner fingerprint records: a transfer's live as long as its hold can; a retained
-        # turn's as long as decode may hold it (the lease plus pins, bounded by the hard cap).
+        # turn's until the scheduler says its hold was freed (a renewed lease can last far
+        # longer than any fixed age), with a count cap as a safety net.
         for key, recs in list(self._fp_records.items()):
-            keep_s = self.settings.hard_cap_s if key.startswith("r:") else 2 * self.settings.timeout_s
-            recs[:] = [r for r in recs if now - r.t <= keep_s]
+            if key.startswith("r:"):
+                continue
+            recs[:] = [r for r in recs if now - r.t <= 2 * self.settings.timeout_s]
             if not recs:
                 del self._fp_records[key]
 
@@ -695,8 +712,18 @@ class TransferThread:
         t0 = time.monotonic()
         fut = self.fp.submit(ids)
         recs = self._fp_records.setdefault(key, [])
-        recs.insert(0, _FpRecord(ids, fut, t0))
-        del recs[4:]  # a conversation's last few retentions are plenty
+        recs.insert(0, _FpRecord(ids, fut, t0, str(fields.get("hold_id", ""))))
+        del recs[8:]  # a conversation's last few retentions are plenty
+        if key.startswith("r:"):
+            self._retained_records += 1
+            if self._retained_records > _MAX_RETAINED_RECORDS:  # safety net: drop the oldest
+                ordered = sorted((r.t, k) for k, rs in self._fp_records.items() if k.startswith("r:") for r in rs)
+                cut = ordered[len(ordered) - _MAX_RETAINED_RECORDS][0]
+                for k in {k for _, k in ordered}:
+                    self._fp_records[k] = [r for r in self._fp_records[k] if r.t >= cut]
+                    if not self._fp_records[k]:
+                        del self._fp_records[k]
+                self._retained_records = sum(len(rs) for k, rs in self._fp_records.items() if k.startswith("r:"))
 
         def _done(f: concurrent.futures.Future[Fingerprints]) -> None:
             if f.cancelled() or f.exception() is not None:
@@ -970,7 +997,7 @@ class KvbatonWorker:
             self._expect_send.add(req_id)
             self._xfer.inbox.put(("send", req_id, sspec))
         if self._xfer.fp is not None:
-            for hold_id, retained in getattr(meta, "retains", {}).items():
+            for hold_id, retained in getattr(meta, "retains", {}).items():  # or freed: empty ids
                 self._xfer.inbox.put(("retain", hold_id, retained))
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
