@@ -27,7 +27,8 @@ NOTIF_REUSE = b"kvb:reuse:"
 #: ``verify_kv`` (connector/integrity.py): a reader asks the owner of blocks it READs for
 #: their fingerprints: ``kvb:fpq:<key>|<reader engine id>|<first>|<block ids, comma-separated>``,
 #: key ``t:<transfer_id>`` (pull) or ``r:<conversation_id>`` (reuse); ``first`` is the
-#: position of the first block id in the owner's record (reuse reads a slice of it).
+#: position of the first block id in the owner's record if the reader knows it (reuse reads
+#: a slice of it), else -1 (pull after a local prefix hit: the owner finds the run).
 NOTIF_FPQ = b"kvb:fpq:"
 #: The owner's answer: ``kvb:fpa:<key>|<alg>=<hex,...>`` or ``kvb:fpa:<key>|!<why>``.
 NOTIF_FPA = b"kvb:fpa:"

@@ -236,6 +236,7 @@ class _FpAnswer:
     first: int
     block_ids: tuple[int, ...]
     deadline: float
+    t0: float = 0.0
     peer_future: concurrent.futures.Future[Any] | None = None
 
 
@@ -498,9 +499,10 @@ class TransferThread:
             skip = max(0, (held.spec.num_tokens - int(offer.num_tokens)) // self.layout.tokens_per_block)
             fps = ""
             if self.fp is not None:  # verify_kv: our fingerprints travel with the data
-                rec = self._fp_record(f"t:{tid}", 0, tuple(local))
-                if rec is None:
+                found = self._fp_record(f"t:{tid}", 0, tuple(local))
+                if found is None:
                     raise KvIntegrityError("no fingerprints of the blocks to push")
+                rec = found[0]
                 if not rec.future.done():
                     return False  # computing (µs to ms); the WRITE waits for them
                 mine = rec.future.result()
@@ -636,7 +638,7 @@ class TransferThread:
                 # Metadata may be stale (prefill restarted): look it up again next time.
                 self._forget_peer(eid)
                 raise
-            self._ask_fingerprints(ld, f"t:{ld.spec.transfer_id}", 0)
+            self._ask_fingerprints(ld, f"t:{ld.spec.transfer_id}", -1)  # the owner finds the run
         if not self._poll(ld.xfer, "READ from", ld.peer, eid, now, ld.deadline):
             return False
         return self._landed(ld, now)
@@ -735,20 +737,29 @@ class TransferThread:
                                              "duration_s": round(time.monotonic() - t0, 6), **fields}))
         fut.add_done_callback(_done)
 
-    def _fp_record(self, key: str, first: int, ids: tuple[int, ...]) -> _FpRecord | None:
-        """Owner: the newest record under ``key`` whose blocks at ``first`` are ``ids``."""
+    def _fp_record(self, key: str, first: int, ids: tuple[int, ...]) -> tuple[_FpRecord, int] | None:
+        """Owner: the newest record under ``key`` holding ``ids`` as a run, and where it
+        starts. ``first`` is the reader's hint; a reader that skipped leading blocks it
+        had cached locally (pull after a prefix hit) reads a later run, found by the
+        position of its first id (block ids are unique within one record)."""
         for rec in self._fp_records.get(key, ()):
-            if rec.block_ids[first:first + len(ids)] == ids:
-                return rec
+            if not ids:
+                return rec, 0
+            starts = [first] if 0 <= first < len(rec.block_ids) else []
+            if ids[0] in rec.block_ids:
+                starts.append(rec.block_ids.index(ids[0]))
+            for a in starts:
+                if rec.block_ids[a:a + len(ids)] == ids:
+                    return rec, a
         return None
 
     def _on_fp_question(self, peer: str, msg: bytes) -> None:
         """Owner: a reader wants our fingerprints of blocks it READ (answered from the loop)."""
         try:
-            key, reader, first, ids = msg[len(NOTIF_FPQ):].decode().split("|")
+            key, reader, first, ids = msg[len(NOTIF_FPQ):].decode().rsplit("|", 3)
             block_ids = tuple(int(b) for b in ids.split(",")) if ids else ()
-            ans = _FpAnswer(key, reader, int(first), block_ids,
-                            time.monotonic() + min(self.settings.timeout_s, 10.0))
+            now = time.monotonic()
+            ans = _FpAnswer(key, reader, int(first), block_ids, now + min(self.settings.timeout_s, 10.0), now)
         except ValueError:
             log.warning("kvbaton: malformed fingerprint question from %s: %r", peer, msg[:200])
             return
@@ -766,18 +777,20 @@ class TransferThread:
                 if self.fp is None:
                     text = "!verify_kv is off on the owner"
                 else:
-                    rec = self._fp_record(ans.key, ans.first, ans.block_ids)
-                    if rec is None and ans.key.startswith("r:"):
-                        text = "!no fingerprints of those retained blocks"
-                    elif rec is None or not rec.future.done():
-                        # A pull question may beat its SendSpec to this thread: wait a little.
-                        if now < ans.deadline:
+                    found = self._fp_record(ans.key, ans.first, ans.block_ids)
+                    rec, a = found if found is not None else (None, 0)
+                    # A question may beat the SendSpec / retained hold it is about to this
+                    # thread (they come with the engine's next step): wait a little, not
+                    # long for retained blocks (their hold came a whole turn earlier).
+                    limit = min(ans.deadline, ans.t0 + (5.0 if ans.key.startswith("t:") else 1.0))
+                    if rec is None or not rec.future.done():
+                        if now < limit:
                             keep.append(ans)
                             continue
-                        text = "!fingerprints not available"
+                        text = "!no fingerprints of those blocks" if rec is None else "!fingerprints not ready"
                     else:
                         fps = rec.future.result()
-                        a, n = ans.first, len(ans.block_ids)
+                        n = len(ans.block_ids)
                         text = Fingerprints(fps.alg, fps.block_ids[a:a + n], fps.values[a:a + n]).encode()
                 got = self._peer(ans.reader, ans, now)
                 if got is None:
@@ -792,7 +805,7 @@ class TransferThread:
         self._fp_answers = keep
 
     def _on_fp_answer(self, peer: str, msg: bytes) -> None:
-        key, _, text = msg[len(NOTIF_FPA):].decode(errors="replace").partition("|")
+        key, _, text = msg[len(NOTIF_FPA):].decode(errors="replace").rpartition("|")
         self._fp_replies[key] = (time.monotonic(), text)
 
     def _ask_fingerprints(self, ld: _Load, key: str, first: int) -> None:

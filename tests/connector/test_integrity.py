@@ -179,3 +179,23 @@ def test_torch64_on_cuda_matches_host() -> None:
     assert fp.compute(ids).values == Fingerprinter(layout, tensors, ALG_TORCH64).compute(ids).values
     with pytest.raises(KvIntegrityError):
         fp.compute(ids, ALG_CRC32)
+
+
+def test_owner_finds_the_run_a_reader_asks_about() -> None:
+    """The owner answers for exactly the blocks read: a reader that skipped leading blocks
+    (its own prefix hit) reads a later run of the owner's record; newest record first."""
+    import concurrent.futures
+
+    from kvbaton.connector.worker import TransferThread, _FpRecord
+
+    t = TransferThread.__new__(TransferThread)  # only the record bookkeeping is exercised
+    done: concurrent.futures.Future[Fingerprints] = concurrent.futures.Future()
+    t._fp_records = {"t:x": [_FpRecord((7, 3, 9, 4), done, 0.0)],
+                     "r:c": [_FpRecord((1, 2, 5), done, 2.0, "new"), _FpRecord((1, 2), done, 1.0, "old")]}
+    assert t._fp_record("t:x", -1, (9, 4)) == (t._fp_records["t:x"][0], 2)
+    assert t._fp_record("t:x", 0, (7, 3, 9, 4))[1] == 0
+    assert t._fp_record("t:x", -1, (3, 4)) is None  # not a run of the record
+    assert t._fp_record("t:x", -1, (8,)) is None
+    assert t._fp_record("r:c", 1, (2, 5)) == (t._fp_records["r:c"][0], 1)
+    assert t._fp_record("r:c", 0, (1, 2))[0].hold_id == "new"
+    assert t._fp_record("r:missing", 0, (1,)) is None
