@@ -39,7 +39,7 @@ reach the reader:
 
 * **push**: appended to the WRITE's notification (``kvb:push:<tid>:<bytes>:<alg>=<fp,...>``),
   so they arrive with the data and cost no round trip.
-* **pull and reuse**: the reader sends ``kvb:fpq:`` to the owner right after posting its
+* **pull and reuse**: the reader sends ``kvb:fpq:`` to the owner just before posting its
   READ and the owner answers ``kvb:fpa:`` (it looks the reader up in the registrar like any
   peer). Why not the registrar's retained-blocks record or the pin answer: the scheduler
   process that registers retentions and takes leases cannot read KV, and the worker that
@@ -631,6 +631,9 @@ class TransferThread:
             plan = plan_transfer(self.layout, ld.spec.local_block_ids, remote_layout,
                                  ld.spec.remote_block_ids, op="READ", coalesce=True)
             ld.nbytes, ld.num_descs = plan.nbytes, plan.num_descs
+            # verify_kv: ask first, so the owner answers in the same poll that serves the READ
+            # (while it still holds the blocks and polls fast), not one idle poll later.
+            self._ask_fingerprints(ld, f"t:{ld.spec.transfer_id}", -1)  # the owner finds the run
             ld.t_post = time.monotonic()
             try:
                 ld.xfer = self._ep.read(plan, peer, NOTIF_DONE + tid)
@@ -638,7 +641,6 @@ class TransferThread:
                 # Metadata may be stale (prefill restarted): look it up again next time.
                 self._forget_peer(eid)
                 raise
-            self._ask_fingerprints(ld, f"t:{ld.spec.transfer_id}", -1)  # the owner finds the run
         if not self._poll(ld.xfer, "READ from", ld.peer, eid, now, ld.deadline):
             return False
         return self._landed(ld, now)
@@ -692,14 +694,14 @@ class TransferThread:
                                  ld.spec.remote_block_ids, op="READ", coalesce=True)
             ld.nbytes, ld.num_descs = plan.nbytes, plan.num_descs
             msg = NOTIF_REUSE + f"{src.conversation_id}:{plan.nbytes}".encode()
+            first = src.num_tokens // self.layout.tokens_per_block - len(ld.spec.remote_block_ids)
+            self._ask_fingerprints(ld, f"r:{src.conversation_id}", first)  # verify_kv (before the READ)
             ld.t_post = time.monotonic()
             try:
                 ld.xfer = self._ep.read(plan, peer, msg)
             except Exception:
                 self._forget_peer(src.engine_id)
                 raise
-            first = src.num_tokens // self.layout.tokens_per_block - len(ld.spec.remote_block_ids)
-            self._ask_fingerprints(ld, f"r:{src.conversation_id}", first)
         # No deadline here: the read deadline (half the pin TTL) was checked above.
         if not self._poll(ld.xfer, "READ from", ld.peer, src.engine_id, now, None):
             return False
@@ -809,7 +811,7 @@ class TransferThread:
         self._fp_replies[key] = (time.monotonic(), text)
 
     def _ask_fingerprints(self, ld: _Load, key: str, first: int) -> None:
-        """Reader: right after posting a READ, ask the owner for its fingerprints (the
+        """Reader: just before posting a READ, ask the owner for its fingerprints (the
         answer travels while the data does)."""
         if self.fp is None:
             return
