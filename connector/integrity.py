@@ -22,7 +22,7 @@ halves for ``kv_split``) of that block, in region order. Two algorithms:
   one int64 per block crosses to the host (nothing copies the cache). Any change of one
   word changes the sum (odd weights are invertible mod 2**64); it is not a cryptographic
   hash, it guards against bugs (wrong/freed blocks, torn copies), not adversaries. On CPU
-  it runs at ~0.6 GB/s (measured; crc32 is the host default), on GPUs at memory speed.
+  it runs at ~0.6 GB/s (measured; crc32 is the host default); not measured on a GPU here.
 
 Both sides must use the same algorithm: the owner names it with its fingerprints and the
 reader computes the same one (``crc32`` needs host memory on the reader too).
