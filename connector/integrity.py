@@ -52,6 +52,8 @@ ALGORITHMS = (ALG_CRC32, ALG_TORCH64)
 
 _REGION_MULT = 0x9E3779B97F4A7C15  # odd: combines per-region sums order-sensitively
 _MASK64 = (1 << 64) - 1
+#: torch64: temporaries per chunk of blocks (the gathered int64 copy) stay under this.
+TORCH_CHUNK_BYTES = 64 << 20
 
 
 class KvIntegrityError(RuntimeError):
@@ -118,10 +120,14 @@ class TorchBlockViews:
         if int(ids.min()) < 0 or int(ids.max()) >= self.layout.num_blocks:
             raise KvIntegrityError(f"block ids outside 0..{self.layout.num_blocks - 1}")
         total = torch.zeros(len(block_ids), dtype=torch.int64, device=self.weights.device)
+        # Chunks of blocks bound the temporaries (gathered int64 copies) to ~64 MiB.
+        step = max(1, TORCH_CHUNK_BYTES // (8 * self.weights.numel()))
         for v in self.views:
-            # int64 arithmetic wraps mod 2**64 (two's complement), which is what we want.
-            s = (v.index_select(0, ids).to(torch.int64) * self.weights).sum(dim=1)
-            total = total * _signed64(_REGION_MULT) + s
+            parts = []
+            for i in range(0, len(block_ids), step):
+                # int64 arithmetic wraps mod 2**64 (two's complement), which is what we want.
+                parts.append((v.index_select(0, ids[i:i + step]).to(torch.int64) * self.weights).sum(dim=1))
+            total = total * _signed64(_REGION_MULT) + torch.cat(parts)
         return [int(x) & _MASK64 for x in total.cpu().tolist()]
 
 

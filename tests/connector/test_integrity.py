@@ -199,3 +199,13 @@ def test_owner_finds_the_run_a_reader_asks_about() -> None:
     assert t._fp_record("r:c", 1, (2, 5)) == (t._fp_records["r:c"][0], 1)
     assert t._fp_record("r:c", 0, (1, 2))[0].hold_id == "new"
     assert t._fp_record("r:missing", 0, (1,)) is None
+
+
+def test_torch64_chunking_does_not_change_fingerprints(monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvbaton.connector.integrity as integrity
+
+    layout, tensors, _ = _random_cache(random.Random(17))
+    ids = list(range(layout.num_blocks))
+    whole = TorchBlockViews(layout, tensors).fingerprints(ids)
+    monkeypatch.setattr(integrity, "TORCH_CHUNK_BYTES", 1)  # one block per chunk
+    assert TorchBlockViews(layout, tensors).fingerprints(ids) == whole
