@@ -24,6 +24,15 @@ NOTIF_PUSH = b"kvb:push:"
 #: owned by the lease, not by the reader).
 NOTIF_REUSE = b"kvb:reuse:"
 
+#: ``verify_kv`` (connector/integrity.py): a reader asks the owner of blocks it READs for
+#: their fingerprints: ``kvb:fpq:<key>|<reader engine id>|<first>|<block ids, comma-separated>``,
+#: key ``t:<transfer_id>`` (pull) or ``r:<conversation_id>`` (reuse); ``first`` is the
+#: position of the first block id in the owner's record if the reader knows it (reuse reads
+#: a slice of it), else -1 (pull after a local prefix hit: the owner finds the run).
+NOTIF_FPQ = b"kvb:fpq:"
+#: The owner's answer: ``kvb:fpa:<key>|<alg>=<hex,...>`` or ``kvb:fpa:<key>|!<why>``.
+NOTIF_FPA = b"kvb:fpa:"
+
 MODE_PULL = "pull"
 MODE_PUSH = "push"
 MODE_REUSE = "reuse"  # a LoadSpec that READs a decode engine's retained blocks (D→P)
@@ -57,6 +66,13 @@ class KvbatonSettings:
     idle_step_wait_ms: float = 2.0
     # sys.setswitchinterval for the engine processes (ms); 0 leaves Python's 5 ms.
     gil_switch_interval_ms: float = 0.0
+    # KV integrity (connector/integrity.py): owners fingerprint the blocks they expose,
+    # readers verify what landed before reporting a load finished; a mismatch recomputes.
+    verify_kv: bool = False
+    verify_kv_alg: str = ""  # "" = crc32 on host memory, torch64 on GPUs
+    #: Test-only fault injection: a JSON file the worker re-reads (see worker.Faults).
+    #: Never set in production.
+    fault_file: str = ""
 
     @property
     def hard_cap_s(self) -> float:
@@ -89,7 +105,17 @@ class KvbatonSettings:
                    pin_ttl_s=float(get("pin_ttl_s", 10.0)),
                    retain=bool(get("retain", True)),
                    idle_step_wait_ms=float(get("idle_step_wait_ms", 2.0)),
-                   gil_switch_interval_ms=float(get("gil_switch_interval_ms", 0.0)))
+                   gil_switch_interval_ms=float(get("gil_switch_interval_ms", 0.0)),
+                   verify_kv=_flag(get("verify_kv", False)),
+                   verify_kv_alg=str(get("verify_kv_alg", "") or ""),
+                   fault_file=str(get("fault_file", "") or ""))
+
+
+def _flag(v: Any) -> bool:
+    """A boolean extra-config value (JSON true/false, or "true"/"1"/"yes" strings)."""
+    if isinstance(v, str):
+        return v.strip().lower() in ("1", "true", "yes", "on")
+    return bool(v)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,7 +161,7 @@ class SendSpec:
     num_blocks: int
     timeout_s: float
     mode: str = MODE_PULL
-    block_ids: tuple[int, ...] = ()  # push: the blocks to write
+    block_ids: tuple[int, ...] = ()  # push: the blocks to write; pull: the held blocks (verify_kv)
     num_tokens: int = 0  # push: computed tokens those blocks hold
     traceparent: str = ""  # the request's W3C trace context (router), sent on this send's gRPC calls
 
@@ -146,3 +172,7 @@ class KvbatonMeta(KVConnectorMetadata):
 
     loads: dict[str, LoadSpec] = dataclasses.field(default_factory=dict)
     sends: dict[str, SendSpec] = dataclasses.field(default_factory=dict)
+    #: Decode with ``verify_kv``: blocks retained this step, for the worker to fingerprint
+    #: (the scheduler process cannot read KV): hold_id -> (conversation_id, block ids);
+    #: empty block ids = that hold was freed (the worker drops its fingerprints).
+    retains: dict[str, tuple[str, tuple[int, ...]]] = dataclasses.field(default_factory=dict)

@@ -122,6 +122,8 @@ class RetentionManager:
         self._by_lease: dict[str, str] = {}  # lease_id -> hold_id
         self._ended_early: dict[str, float] = {}  # lease ended before its Grant answer came
         self._to_free: queue.SimpleQueue[tuple[str, str]] = queue.SimpleQueue()
+        #: verify_kv: holds retained since the last step, for the worker to fingerprint.
+        self._to_fingerprint: dict[str, tuple[str, tuple[int, ...]]] = {}
         self.stats: dict[str, int] = {"retained": 0, "freed": 0, "hard_cap_freed": 0, "grant_failed": 0,
                                       "revoked_for_pressure": 0, "blocks_held": 0}
         self._started = False
@@ -198,10 +200,21 @@ class RetentionManager:
             held = self._held_blocks()
         self.stats["retained"] += 1
         self.stats["blocks_held"] = held
+        if self.settings.verify_kv:
+            self._to_fingerprint[hold.hold_id] = (conversation_id, ids)
         self.control.submit(lambda c: self._register(c, hold))
         return {"conversation_id": conversation_id, "engine_id": self.settings.engine_id,
                 "hold_id": hold.hold_id, "block_ids": list(ids), "num_tokens": hold.num_tokens,
                 "tokens_per_block": self.block_size, "lease": "pending"}
+
+    def take_retains(self) -> dict[str, tuple[str, tuple[int, ...]]]:
+        """Engine loop (``build_connector_meta``): holds retained since the last step, for
+        the worker to fingerprint (``verify_kv``), and holds freed since (empty block ids:
+        the worker forgets their fingerprints). vLLM runs one more step after a request
+        finishes (to tell the workers), so a retention reaches the worker right after the
+        turn, while the blocks are already held by this manager and no longer written."""
+        out, self._to_fingerprint = self._to_fingerprint, {}
+        return out
 
     def _held_blocks(self) -> int:
         return len({b for h in self._holds.values() if h.state != "freed" for b in h.block_ids})
@@ -233,6 +246,8 @@ class RetentionManager:
                 continue
             # Tail blocks first: they are the least likely to be hit as a prefix again.
             self.block_pool.free_blocks([self.block_pool.blocks[i] for i in reversed(h.block_ids)])
+            if self.settings.verify_kv:  # the worker drops its fingerprints of them
+                self._to_fingerprint[h.hold_id] = (h.conversation_id, ())
             freed += 1
             self.stats["freed"] += 1
             self.events.record("retention_freed", conversation_id=h.conversation_id, lease_id=h.lease_id,

@@ -306,7 +306,8 @@ class KvbatonScheduler:
                                            request_id=request.request_id, writers=1)
             self._rpc("Complete", lambda c: c.call(c.rendezvous.Complete, complete, metadata=md), tid)
             return True, {"transfer_id": tid, "transfer_mode": MODE_PUSH, "remote_engine_id": self.settings.engine_id}
-        self._sends[request.request_id] = SendSpec(tid, len(block_ids), self.settings.timeout_s, traceparent=tp)
+        self._sends[request.request_id] = SendSpec(tid, len(block_ids), self.settings.timeout_s, traceparent=tp,
+                                                   block_ids=tuple(int(b) for b in block_ids))
         return True, {
             "do_remote_prefill": True,
             "do_remote_decode": False,
@@ -332,6 +333,8 @@ class KvbatonScheduler:
             self._idle_wait()
         meta = KvbatonMeta(loads=self._loads, sends=self._sends)
         self._loads, self._sends = {}, {}
+        if self._retention is not None:
+            meta.retains = self._retention.take_retains()  # verify_kv: the worker fingerprints them
         return meta
 
     def _idle_wait(self) -> None:

@@ -44,6 +44,9 @@ EXPORTED: dict[str, tuple[str, tuple[str, ...]]] = {
         "Times KV was recomputed instead of loaded, by reason: the 'no silent recompute' counter.", ("reason",)),
     "kvbaton_connector_reused_tokens": (
         "Prompt tokens whose KV was read back from a decode engine instead of recomputed.", ()),
+    "kvbaton_connector_kv_verifications": (
+        "Loads whose landed KV was checked against the owner's fingerprints (verify_kv), by mode "
+        "and result (ok, mismatch, unavailable).", ("mode", "result")),
 }
 
 _SAMPLE_TO_EXPORTED = {
@@ -53,6 +56,7 @@ _SAMPLE_TO_EXPORTED = {
     "kvbaton_connector_transfer_seconds_count": "kvbaton_connector_transfer_ops",
     "kvbaton_connector_recomputes_total": "kvbaton_connector_recomputes",
     "kvbaton_connector_reused_tokens_total": "kvbaton_connector_reused_tokens",
+    "kvbaton_connector_kv_verifications_total": "kvbaton_connector_kv_verifications",
 }
 
 
@@ -64,7 +68,7 @@ def _series(metrics: ConnectorMetrics) -> dict[str, float]:
     """Current value of every exported series of this process, by ``name|[label values]``."""
     out: dict[str, float] = {}
     for collector in (metrics.transfers, metrics.transfer_bytes, metrics.transfer_seconds,
-                      metrics.recomputes, metrics.reused_tokens):
+                      metrics.recomputes, metrics.reused_tokens, metrics.kv_verifications):
         for family in collector.collect():
             for sample in family.samples:
                 name = _SAMPLE_TO_EXPORTED.get(sample.name)

@@ -30,6 +30,31 @@ Reuse (prefill reads a conversation's history from decode's retained blocks):
   let the pin lapse, without comparing clocks); otherwise it is cancelled. A refused pin,
   a mismatch or a failed/late READ fails the load: vLLM recomputes (never garbage).
 * Decode only counts the ``kvb:reuse:`` notification; its blocks belong to the lease.
+
+KV integrity (``verify_kv``, :mod:`.integrity`): the owner of the bytes fingerprints the
+blocks it exposes, on the ``kvbaton-verify`` thread, as soon as it learns of them (prefill:
+the SendSpec of a push or pull; decode: the hold ids the scheduler passes in
+``KvbatonMeta.retains`` in the step after a turn finished). How the owner's fingerprints
+reach the reader:
+
+* **push**: appended to the WRITE's notification (``kvb:push:<tid>:<bytes>:<alg>=<fp,...>``),
+  so they arrive with the data and cost no round trip.
+* **pull and reuse**: the reader sends ``kvb:fpq:`` to the owner just before posting its
+  READ and the owner answers ``kvb:fpa:`` (it looks the reader up in the registrar like any
+  peer). Why not the registrar's retained-blocks record or the pin answer: the scheduler
+  process that registers retentions and takes leases cannot read KV, and the worker that
+  can computes the fingerprints only in the *next* step, so publishing them there means a
+  second, racing write to the registrar (a new RPC, its etcd path and auth) and a router
+  that must wait for it. The NIXL answer is owned end to end by the two workers that touch
+  the bytes, needs no control-plane change, and overlaps the READ (one notification each
+  way; the owner answers from fingerprints made when it exposed the blocks, so blocks freed
+  or rewritten since then cannot match).
+
+The reader fingerprints its own landed blocks with the owner's algorithm and compares
+before reporting the load finished. A mismatch, a missing answer (owner dead or without
+``verify_kv``) or an owner that no longer has the record fails the load exactly like a
+failed READ (recompute, blocks freed), with a ``kv_verify`` stats line (``ok``,
+``mismatched`` positions), ``kvbaton_connector_kv_verifications_total`` and a warning.
 """
 
 from __future__ import annotations
@@ -51,11 +76,14 @@ from kvbaton.services.tracing import grpc_metadata
 from .control import ControlThread, geometry_fields, role_of
 from .descriptors import plan_transfer
 from .geometry import KvLayout
+from .integrity import Fingerprinter, Fingerprints, KvIntegrityError, compare, corrupt_block
 from .metadata import (
     MODE_PULL,
     MODE_PUSH,
     MODE_REUSE,
     NOTIF_DONE,
+    NOTIF_FPA,
+    NOTIF_FPQ,
     NOTIF_PUSH,
     NOTIF_REUSE,
     KvbatonMeta,
@@ -94,7 +122,53 @@ def _recompute_reason(reason: str) -> str:
         return "pin_refused"
     if "now protects retention" in reason:  # the lease moved on: the blocks we looked up are gone
         return "lease_ended"
+    if reason.startswith("KvIntegrityError"):
+        return "verify_failed"
     return "load_failed"
+
+
+class Faults:
+    """Test-only fault injection, off unless ``fault_file`` is set in the extra config.
+
+    The file is JSON, re-read when its mtime changes, e.g.
+    ``{"corrupt_landed": {"reuse": 1, "pull": 1, "push": 1}, "delay_reuse_read_s": 2.5}``:
+    ``corrupt_landed[mode]`` = how many loads of that mode get their first landed block
+    corrupted after the owner fingerprinted it (before the reader verifies);
+    ``delay_reuse_read_s`` = how long a reuse READ waits, pin held, before it is posted.
+    Counts are consumed in this process only (the file is not rewritten).
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._mtime = -1.0
+        self._conf: dict[str, Any] = {}
+        self._used: dict[str, int] = {}
+
+    def _load(self) -> dict[str, Any]:
+        if not self.path:
+            return {}
+        try:
+            mt = os.stat(self.path).st_mtime
+        except OSError:
+            self._conf, self._mtime = {}, -1.0
+            return self._conf
+        if mt != self._mtime:
+            try:
+                self._conf = json.loads(Path(self.path).read_text() or "{}")
+            except (OSError, ValueError):
+                self._conf = {}
+            self._mtime, self._used = mt, {}
+        return self._conf
+
+    def take_corruption(self, mode: str) -> bool:
+        left = int((self._load().get("corrupt_landed") or {}).get(mode, 0)) - self._used.get(mode, 0)
+        if left > 0:
+            self._used[mode] = self._used.get(mode, 0) + 1
+            return True
+        return False
+
+    def value(self, key: str) -> float:
+        return float(self._load().get(key, 0.0) or 0.0)
 
 
 @dataclasses.dataclass
@@ -113,6 +187,14 @@ class _Load:
     pin_sent: float = 0.0
     read_deadline: float = 0.0
     t_post: float = 0.0  # when the NIXL READ was posted (kvbaton_connector_transfer_seconds)
+    delay_until: float = 0.0  # test-only fault: reuse READ held back until then
+    # verify_kv
+    landed: bool = False  # the data is in our blocks; verification (if on) still to do
+    t_landed: float = 0.0
+    fp_key: str = ""  # pull/reuse: the key of the owner's answer we wait for
+    fp_owner: Fingerprints | None = None
+    fp_local: concurrent.futures.Future[Any] | None = None
+    corrupted: bool = False
 
 
 @dataclasses.dataclass
@@ -128,6 +210,34 @@ class _Held:
     nbytes: int = 0
     num_descs: int = 0
     t_post: float = 0.0  # when the NIXL WRITE was posted
+
+
+@dataclasses.dataclass
+class _FpRecord:
+    """Owner side: fingerprints of blocks this engine exposes (being computed or done)."""
+
+    block_ids: tuple[int, ...]
+    future: concurrent.futures.Future[Fingerprints]
+    t: float
+    hold_id: str = ""  # retained blocks: the scheduler's hold (dropped when it is freed)
+
+
+#: Upper bound on retained-block fingerprint records kept by one worker (oldest dropped):
+#: a safety net only, holds are normally forgotten when the scheduler frees them.
+_MAX_RETAINED_RECORDS = 4096
+
+
+@dataclasses.dataclass
+class _FpAnswer:
+    """Owner side: a reader's fingerprint question waiting for its record or its peer."""
+
+    key: str
+    reader: str  # engine id
+    first: int
+    block_ids: tuple[int, ...]
+    deadline: float
+    t0: float = 0.0
+    peer_future: concurrent.futures.Future[Any] | None = None
 
 
 class StatsLog:
@@ -154,8 +264,14 @@ class TransferThread:
     """The NIXL owner thread (see module docstring)."""
 
     def __init__(self, settings: KvbatonSettings, tp_rank: int, layout: KvLayout,
-                 control: ControlThread, stats: StatsLog) -> None:
+                 control: ControlThread, stats: StatsLog, fingerprinter: Fingerprinter | None = None) -> None:
         self.metrics = connector_metrics()  # counted next to each stats record below
+        self.fp = fingerprinter  # verify_kv (None: off)
+        self.faults = Faults(settings.fault_file)
+        self._fp_records: dict[str, list[_FpRecord]] = {}  # owner: key -> records, newest first
+        self._fp_answers: list[_FpAnswer] = []  # owner: questions not answered yet
+        self._fp_replies: dict[str, tuple[float, str]] = {}  # reader: key -> (t, answer)
+        self._retained_records = 0  # owner: records under "r:" keys (approximate, for the cap)
         self.settings = settings
         self.layout = layout
         self.control = control
@@ -202,6 +318,8 @@ class TransferThread:
             ep.on_notif(NOTIF_DONE, self._on_done)
             ep.on_notif(NOTIF_PUSH, self._on_push)
             ep.on_notif(NOTIF_REUSE, self._on_reuse_served)
+            ep.on_notif(NOTIF_FPQ, self._on_fp_question)
+            ep.on_notif(NOTIF_FPA, self._on_fp_answer)
             self.metadata = ep.metadata()
             self._ep = ep
         except BaseException as exc:  # noqa: BLE001 - surfaced by start()
@@ -211,7 +329,7 @@ class TransferThread:
         self._ready.set()
         try:
             while not self._stop.is_set():
-                busy = bool(self._loads or self._held)
+                busy = bool(self._loads or self._held or self._fp_answers)
                 try:
                     cmd = self.inbox.get(timeout=_BUSY_POLL_S if busy else _IDLE_POLL_S)
                     self._handle(cmd)
@@ -225,6 +343,7 @@ class TransferThread:
                     log.exception("kvbaton: poll_notifs failed")
                 self._progress_loads()
                 self._progress_writes()
+                self._progress_fp_answers()
                 self._expire_held()
         finally:
             for ld in self._loads:
@@ -239,8 +358,23 @@ class TransferThread:
             self._loads.append(ld)
         elif kind == "event":
             self._on_event(req_id, spec)
+        elif kind == "fp_stat":
+            self.stats.record("kv_fingerprint", key=req_id, **spec)
+        elif kind == "retain":  # verify_kv, decode: fingerprint a finished turn's retained blocks
+            conv, ids = spec
+            if ids:
+                self._fingerprint_exposed(f"r:{conv}", ids, mode=MODE_REUSE, hold_id=req_id)
+            else:  # the hold was freed: its blocks are not ours to vouch for any more
+                recs = self._fp_records.get(f"r:{conv}", [])
+                n = len(recs)
+                recs[:] = [r for r in recs if r.hold_id != req_id]
+                self._retained_records -= n - len(recs)
+                if not recs:
+                    self._fp_records.pop(f"r:{conv}", None)
         elif kind == "send":
             tid = spec.transfer_id
+            if self.fp is not None and spec.block_ids:
+                self._fingerprint_exposed(f"t:{tid}", spec.block_ids, mode=spec.mode, req_id=req_id)
             if spec.mode == MODE_PUSH:
                 held = _Held(req_id, spec, now + spec.timeout_s, now)
                 early = self._early_matches.pop(tid, None)
@@ -268,9 +402,10 @@ class TransferThread:
         self.results.put(("sent", held.req_id, True, ()))
 
     def _on_push(self, peer: str, msg: bytes) -> None:
-        tid, _, nbytes = msg[len(NOTIF_PUSH):].decode(errors="replace").partition(":")
+        tid, _, rest = msg[len(NOTIF_PUSH):].decode(errors="replace").partition(":")
+        nbytes, _, fps = rest.partition(":")  # fps: the writer's fingerprints (verify_kv)
         self.stats.record("notif", transfer_id=tid, peer=peer, kind="push")
-        self._push_arrived[tid] = (time.monotonic(), int(nbytes or 0))
+        self._push_arrived[tid] = (time.monotonic(), int(nbytes or 0), fps)
 
     def _on_reuse_served(self, peer: str, msg: bytes) -> None:
         conv, _, nbytes = msg[len(NOTIF_REUSE):].decode(errors="replace").rpartition(":")
@@ -312,11 +447,21 @@ class TransferThread:
                 self.stats.record("send_expired", transfer_id=tid, req_id=held.req_id)
                 self.metrics.transfers.labels(held.spec.mode, "prefill", "timeout").inc()
                 self.results.put(("sent", held.req_id, False, ()))
-        for box in (self._early_acks, self._push_arrived, self._push_failed, self._early_matches):
+        for box in (self._early_acks, self._push_arrived, self._push_failed, self._early_matches,
+                    self._fp_replies):
             for tid, v in list(box.items()):
                 t = v if isinstance(v, float) else v[0]
                 if now - t > 2 * self.settings.timeout_s:
                     del box[tid]
+        # Owner fingerprint records: a transfer's live as long as its hold can; a retained
+        # turn's until the scheduler says its hold was freed (a renewed lease can last far
+        # longer than any fixed age), with a count cap as a safety net.
+        for key, recs in list(self._fp_records.items()):
+            if key.startswith("r:"):
+                continue
+            recs[:] = [r for r in recs if now - r.t <= 2 * self.settings.timeout_s]
+            if not recs:
+                del self._fp_records[key]
 
     # ------------------------------------------------------------------ push writes (prefill)
     def _progress_writes(self) -> None:
@@ -352,9 +497,19 @@ class TransferThread:
             # Decode needs only its last num_tokens tokens; the leading blocks are its own
             # prefix-cache hits (shared) and must not be written.
             skip = max(0, (held.spec.num_tokens - int(offer.num_tokens)) // self.layout.tokens_per_block)
+            fps = ""
+            if self.fp is not None:  # verify_kv: our fingerprints travel with the data
+                found = self._fp_record(f"t:{tid}", 0, tuple(local))
+                if found is None:
+                    raise KvIntegrityError("no fingerprints of the blocks to push")
+                rec = found[0]
+                if not rec.future.done():
+                    return False  # computing (µs to ms); the WRITE waits for them
+                mine = rec.future.result()
+                fps = ":" + Fingerprints(mine.alg, mine.block_ids[skip:], mine.values[skip:]).encode()
             plan = plan_transfer(self.layout, local[skip:], remote_layout, remote[skip:], op="WRITE")
             held.nbytes, held.num_descs = plan.nbytes, plan.num_descs
-            msg = NOTIF_PUSH + f"{tid}:{plan.nbytes}".encode()
+            msg = NOTIF_PUSH + f"{tid}:{plan.nbytes}{fps}".encode()
             held.t_post = time.monotonic()
             try:
                 held.xfer = self._ep.write(plan, peer, msg)
@@ -443,14 +598,19 @@ class TransferThread:
         assert self._ep is not None
         eid = ld.spec.remote_engine_id
         tid_s = ld.spec.transfer_id
+        if ld.landed:
+            return self._step_verify(ld, now)
         if ld.spec.mode == MODE_REUSE:
             return self._step_reuse(ld, now)
         if ld.spec.mode == MODE_PUSH:
             arrived = self._push_arrived.pop(tid_s, None)
             if arrived is not None:
                 ld.nbytes = arrived[1]
-                self._finish_load(ld, ok=True)
-                return True
+                if self.fp is not None:
+                    if not arrived[2]:
+                        raise KvIntegrityError("the writer sent no fingerprints (verify_kv off there?)")
+                    ld.fp_owner = Fingerprints.decode(arrived[2], ())
+                return self._landed(ld, now)
             failed = self._push_failed.pop(tid_s, None)
             if failed is not None:
                 raise RuntimeError(f"push transfer ended without data: {failed[1]}")
@@ -471,6 +631,9 @@ class TransferThread:
             plan = plan_transfer(self.layout, ld.spec.local_block_ids, remote_layout,
                                  ld.spec.remote_block_ids, op="READ", coalesce=True)
             ld.nbytes, ld.num_descs = plan.nbytes, plan.num_descs
+            # verify_kv: ask first, so the owner answers in the same poll that serves the READ
+            # (while it still holds the blocks and polls fast), not one idle poll later.
+            self._ask_fingerprints(ld, f"t:{ld.spec.transfer_id}", -1)  # the owner finds the run
             ld.t_post = time.monotonic()
             try:
                 ld.xfer = self._ep.read(plan, peer, NOTIF_DONE + tid)
@@ -480,8 +643,7 @@ class TransferThread:
                 raise
         if not self._poll(ld.xfer, "READ from", ld.peer, eid, now, ld.deadline):
             return False
-        self._finish_load(ld, ok=True)
-        return True
+        return self._landed(ld, now)
 
     def _step_reuse(self, ld: _Load, now: float) -> bool:
         """Pin → READ → (unpin in _finish_load). True when finished."""
@@ -514,6 +676,14 @@ class TransferThread:
                                    f"not {src.retention_id!r}")
         if now >= ld.read_deadline:
             raise TimeoutError(f"reuse READ from {src.engine_id} not done within half the pin TTL")
+        if ld.xfer is None and self.faults.path:  # test-only: widen the READ window, pin held
+            if not ld.delay_until:
+                ld.delay_until = now + self.faults.value("delay_reuse_read_s")
+                if ld.delay_until > now:
+                    self.stats.record("fault_delay", req_id=ld.req_id, conversation_id=src.conversation_id,
+                                      delay_s=ld.delay_until - now, pin_id=ld.pin_id)
+            if now < ld.delay_until:
+                return False
         if ld.xfer is None:
             got = self._peer(src.engine_id, ld, now)
             if got is None:
@@ -524,6 +694,8 @@ class TransferThread:
                                  ld.spec.remote_block_ids, op="READ", coalesce=True)
             ld.nbytes, ld.num_descs = plan.nbytes, plan.num_descs
             msg = NOTIF_REUSE + f"{src.conversation_id}:{plan.nbytes}".encode()
+            first = src.num_tokens // self.layout.tokens_per_block - len(ld.spec.remote_block_ids)
+            self._ask_fingerprints(ld, f"r:{src.conversation_id}", first)  # verify_kv (before the READ)
             ld.t_post = time.monotonic()
             try:
                 ld.xfer = self._ep.read(plan, peer, msg)
@@ -533,8 +705,179 @@ class TransferThread:
         # No deadline here: the read deadline (half the pin TTL) was checked above.
         if not self._poll(ld.xfer, "READ from", ld.peer, src.engine_id, now, None):
             return False
+        return self._landed(ld, now)
+
+    # ------------------------------------------------------------------ verify_kv
+    def _fingerprint_exposed(self, key: str, block_ids: Any, *, mode: str, **fields: Any) -> None:
+        """Owner: start fingerprinting blocks we expose under ``key`` (verify thread)."""
+        if self.fp is None or not block_ids:
+            return
+        ids = tuple(int(b) for b in block_ids)
+        t0 = time.monotonic()
+        fut = self.fp.submit(ids)
+        recs = self._fp_records.setdefault(key, [])
+        recs.insert(0, _FpRecord(ids, fut, t0, str(fields.get("hold_id", ""))))
+        del recs[8:]  # a conversation's last few retentions are plenty
+        if key.startswith("r:"):
+            self._retained_records += 1
+            if self._retained_records > _MAX_RETAINED_RECORDS:  # safety net: drop the oldest
+                ordered = sorted((r.t, k) for k, rs in self._fp_records.items() if k.startswith("r:") for r in rs)
+                cut = ordered[len(ordered) - _MAX_RETAINED_RECORDS][0]
+                for k in {k for _, k in ordered}:
+                    self._fp_records[k] = [r for r in self._fp_records[k] if r.t >= cut]
+                    if not self._fp_records[k]:
+                        del self._fp_records[k]
+                self._retained_records = sum(len(rs) for k, rs in self._fp_records.items() if k.startswith("r:"))
+
+        def _done(f: concurrent.futures.Future[Fingerprints]) -> None:
+            if f.cancelled() or f.exception() is not None:
+                log.warning("kvbaton: fingerprinting %s failed: %r", key, None if f.cancelled() else f.exception())
+                return
+            # Recorded by the transfer thread (the stats file has one writer).
+            self.inbox.put(("fp_stat", key, {"mode": mode, "role": "owner", "num_blocks": len(ids),
+                                             "alg": f.result().alg,
+                                             "duration_s": round(time.monotonic() - t0, 6), **fields}))
+        fut.add_done_callback(_done)
+
+    def _fp_record(self, key: str, first: int, ids: tuple[int, ...]) -> tuple[_FpRecord, int] | None:
+        """Owner: the newest record under ``key`` holding ``ids`` as a run, and where it
+        starts. ``first`` is the reader's hint; a reader that skipped leading blocks it
+        had cached locally (pull after a prefix hit) reads a later run, found by the
+        position of its first id (block ids are unique within one record)."""
+        for rec in self._fp_records.get(key, ()):
+            if not ids:
+                return rec, 0
+            starts = [first] if 0 <= first < len(rec.block_ids) else []
+            if ids[0] in rec.block_ids:
+                starts.append(rec.block_ids.index(ids[0]))
+            for a in starts:
+                if rec.block_ids[a:a + len(ids)] == ids:
+                    return rec, a
+        return None
+
+    def _on_fp_question(self, peer: str, msg: bytes) -> None:
+        """Owner: a reader wants our fingerprints of blocks it READ (answered from the loop)."""
+        try:
+            key, reader, first, ids = msg[len(NOTIF_FPQ):].decode().rsplit("|", 3)
+            block_ids = tuple(int(b) for b in ids.split(",")) if ids else ()
+            now = time.monotonic()
+            ans = _FpAnswer(key, reader, int(first), block_ids, now + min(self.settings.timeout_s, 10.0), now)
+        except ValueError:
+            log.warning("kvbaton: malformed fingerprint question from %s: %r", peer, msg[:200])
+            return
+        self._fp_answers.append(ans)
+
+    def _progress_fp_answers(self) -> None:
+        """Owner: answer questions whose record is ready (or say why not) once the reader's
+        NIXL metadata is known. Bounded: a question is dropped at its deadline."""
+        if not self._fp_answers or self._ep is None:
+            return
+        now = time.monotonic()
+        keep: list[_FpAnswer] = []
+        for ans in self._fp_answers:
+            try:
+                if self.fp is None:
+                    text = "!verify_kv is off on the owner"
+                else:
+                    found = self._fp_record(ans.key, ans.first, ans.block_ids)
+                    rec, a = found if found is not None else (None, 0)
+                    # A question may beat the SendSpec / retained hold it is about to this
+                    # thread (they come with the engine's next step): wait a little, not
+                    # long for retained blocks (their hold came a whole turn earlier).
+                    limit = min(ans.deadline, ans.t0 + (5.0 if ans.key.startswith("t:") else 1.0))
+                    if rec is None or not rec.future.done():
+                        if now < limit:
+                            keep.append(ans)
+                            continue
+                        text = "!no fingerprints of those blocks" if rec is None else "!fingerprints not ready"
+                    else:
+                        fps = rec.future.result()
+                        n = len(ans.block_ids)
+                        text = Fingerprints(fps.alg, fps.block_ids[a:a + n], fps.values[a:a + n]).encode()
+                got = self._peer(ans.reader, ans, now)
+                if got is None:
+                    keep.append(ans)
+                    continue
+                self._ep.send_notif(got[0], NOTIF_FPA + f"{ans.key}|{text}".encode())
+                self.stats.record("kv_fp_answer", key=ans.key, reader=ans.reader, num_blocks=len(ans.block_ids),
+                                  answer="ok" if not text.startswith("!") else text[1:])
+            except Exception as exc:  # noqa: BLE001 - the reader fails its load at its own deadline
+                log.warning("kvbaton: fingerprint answer to %s for %s failed: %r", ans.reader, ans.key, exc)
+                self._forget_peer(ans.reader)  # its metadata may be stale (restarted): look it up again
+        self._fp_answers = keep
+
+    def _on_fp_answer(self, peer: str, msg: bytes) -> None:
+        key, _, text = msg[len(NOTIF_FPA):].decode(errors="replace").rpartition("|")
+        self._fp_replies[key] = (time.monotonic(), text)
+
+    def _ask_fingerprints(self, ld: _Load, key: str, first: int) -> None:
+        """Reader: just before posting a READ, ask the owner for its fingerprints (the
+        answer travels while the data does)."""
+        if self.fp is None:
+            return
+        ld.fp_key = key
+        self._fp_replies.pop(key, None)  # an older answer for the same key is not ours
+        ids = ",".join(str(int(b)) for b in ld.spec.remote_block_ids)
+        self._ep.send_notif(ld.peer, NOTIF_FPQ + f"{key}|{self.settings.engine_id}|{first}|{ids}".encode())
+
+    def _landed(self, ld: _Load, now: float) -> bool:
+        """The data is in our blocks: finish now, or verify first (``verify_kv``)."""
+        ld.xfer = None  # released by _poll
+        if self.fp is None or not ld.spec.local_block_ids:
+            self._finish_load(ld, ok=True)
+            return True
+        ld.landed, ld.t_landed = True, now
+        return self._step_verify(ld, now)
+
+    def _step_verify(self, ld: _Load, now: float) -> bool:
+        """Reader: owner's fingerprints vs ours of what landed; True when finished (ok).
+        Raises KvIntegrityError (→ failed load → recompute) on mismatch or no answer."""
+        assert self.fp is not None
+        if ld.fp_owner is None:
+            got = self._fp_replies.pop(ld.fp_key, None)
+            if got is None:
+                # The owner answers within one of its polls; a dead or silent owner fails
+                # the load (we cannot vouch for the bytes), bounded by the load's deadlines.
+                limit = min(ld.deadline, ld.t_landed + min(self.settings.timeout_s, 5.0))
+                if ld.spec.mode == MODE_REUSE:
+                    limit = min(limit, ld.read_deadline)
+                if now >= limit:
+                    self._count_verify(ld, "unavailable")
+                    raise KvIntegrityError(f"no fingerprints from the owner of {ld.fp_key} in time")
+                return False
+            if got[1].startswith("!"):
+                self._count_verify(ld, "unavailable")
+                raise KvIntegrityError(f"owner cannot vouch for {ld.fp_key}: {got[1][1:]}")
+            ld.fp_owner = Fingerprints.decode(got[1], ld.spec.remote_block_ids)
+        if ld.fp_local is None:
+            if self.faults.path and self.faults.take_corruption(ld.spec.mode):
+                corrupt_block(self.layout, ld.spec.local_block_ids[0])  # test-only fault
+                ld.corrupted = True
+                self.stats.record("fault_corrupt", req_id=ld.req_id, mode=ld.spec.mode,
+                                  block_id=ld.spec.local_block_ids[0])
+            ld.fp_local = self.fp.submit(ld.spec.local_block_ids, ld.fp_owner.alg)
+        if not ld.fp_local.done():
+            if now >= ld.deadline:
+                raise TimeoutError("fingerprinting the landed blocks took too long")
+            return False
+        mine = ld.fp_local.result()
+        bad = compare(ld.fp_owner.values, mine.values)
+        self._count_verify(ld, "mismatch" if bad else "ok", mismatched=bad[:16], alg=mine.alg,
+                           verify_s=round(time.monotonic() - ld.t_landed, 6))
+        if bad:
+            log.warning("kvbaton: KV integrity mismatch on %s load %s (%s): %d of %d blocks differ from the "
+                        "owner's fingerprints; recomputing", ld.spec.mode, ld.req_id, ld.fp_key or ld.spec.transfer_id,
+                        len(bad), len(ld.spec.local_block_ids))
+            raise KvIntegrityError(f"{len(bad)} of {len(ld.spec.local_block_ids)} blocks differ from the owner's")
         self._finish_load(ld, ok=True)
         return True
+
+    def _count_verify(self, ld: _Load, result: str, **fields: Any) -> None:
+        self.metrics.kv_verifications.labels(ld.spec.mode, result).inc()
+        src = ld.spec.reuse
+        self.stats.record("kv_verify", req_id=ld.req_id, mode=ld.spec.mode, transfer_id=ld.spec.transfer_id,
+                          conversation_id=src.conversation_id if src else "", ok=result == "ok", result=result,
+                          num_blocks=len(ld.spec.local_block_ids), corrupted=ld.corrupted, **fields)
 
     def _unpin(self, ld: _Load) -> None:
         """Release our pin (fire-and-forget: a lost Unpin only delays expiry by the pin TTL)."""
@@ -640,7 +983,8 @@ class KvbatonWorker:
         tensors = list(kv_caches.values())
         layout = KvLayout.from_tensors(tensors, block_size, block_dim=0)
         self._control = ControlThread(self.settings.control_plane)
-        self._xfer = TransferThread(self.settings, self.tp_rank, layout, self._control, self.stats)
+        fp = Fingerprinter(layout, tensors, self.settings.verify_kv_alg) if self.settings.verify_kv else None
+        self._xfer = TransferThread(self.settings, self.tp_rank, layout, self._control, self.stats, fp)
         self._xfer.start()
         from kvbaton.v1 import common_pb2, registrar_pb2
 
@@ -667,6 +1011,9 @@ class KvbatonWorker:
         for req_id, sspec in meta.sends.items():
             self._expect_send.add(req_id)
             self._xfer.inbox.put(("send", req_id, sspec))
+        if self._xfer.fp is not None:
+            for hold_id, retained in getattr(meta, "retains", {}).items():  # or freed: empty ids
+                self._xfer.inbox.put(("retain", hold_id, retained))
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         self._seen_finished |= finished_req_ids & self._expect_send
@@ -697,5 +1044,7 @@ class KvbatonWorker:
     def shutdown(self) -> None:
         if self._xfer is not None:
             self._xfer.stop()
+            if self._xfer.fp is not None:
+                self._xfer.fp.close()
         if self._control is not None:
             self._control.close()

@@ -300,8 +300,13 @@ class ConnectorMetrics:
         self.recomputes = Counter(
             "kvbaton_connector_recomputes_total",
             "Tokens' KV recomputed instead of loaded, by reason (load_failed, timeout, below_threshold, "
-            "lease_ended, pin_refused): the 'no silent recompute' counter.",
+            "lease_ended, pin_refused, verify_failed): the 'no silent recompute' counter.",
             ["reason"], registry=registry)
+        self.kv_verifications = Counter(
+            "kvbaton_connector_kv_verifications_total",
+            "Loads whose landed KV was checked against the owner's fingerprints (verify_kv), by mode "
+            "and result (ok, mismatch, unavailable); anything but ok was recomputed.",
+            ["mode", "result"], registry=registry)
         self.reused_tokens = Counter(
             "kvbaton_connector_reused_tokens_total",
             "Prompt tokens whose KV was read back from a decode engine instead of recomputed.",

@@ -279,3 +279,48 @@ def test_restarted_engine_revokes_leases_it_cannot_honour(manager, control_plane
         assert pool.refs([5, 6]) == [0, 0]
     finally:
         ctl.close()
+
+
+def test_verify_kv_passes_retained_and_freed_holds_to_the_worker(control_plane: str) -> None:
+    """verify_kv: the blocks a turn retains reach the worker (to fingerprint) in the next
+    step's metadata, and so does their release (to forget the fingerprints)."""
+    from kvbaton.v1 import lease_pb2
+
+    settings = KvbatonSettings(control_plane=control_plane, engine_id="d0", lease_ttl_s=30.0, verify_kv=True)
+    ctl = ControlThread(control_plane, name="test-verify-retains")
+    try:
+        mgr = RetentionManager(settings, BS, ctl)
+        pool = FakePool(16)
+        mgr.bind(pool)
+        out = mgr.retain("conv-v", list(range(2 * BS + 5)), [6, 7, 8], num_computed_tokens=2 * BS + 4)
+        assert out is not None
+        assert mgr.take_retains() == {out["hold_id"]: ("conv-v", (6, 7))}
+        assert mgr.take_retains() == {}  # once
+        _until(lambda: _leased(mgr), what="lease")
+        _lease_call(control_plane, "Revoke", lease_pb2.RevokeRequest(conversation_id="conv-v", reason="done"))
+        _until(lambda: (mgr.drain() or True) and not mgr.snapshot(), what="free after revoke")
+        assert mgr.take_retains() == {out["hold_id"]: ("conv-v", ())}
+        assert pool.refs([6, 7]) == [0, 0]
+    finally:
+        ctl.close()
+    # Off (the default): nothing is queued for the worker.
+    mgr2 = RetentionManager(KvbatonSettings(control_plane=control_plane, engine_id="d0"), BS,
+                            ControlThread(control_plane, name="test-verify-off"))
+    mgr2.bind(FakePool(8))
+    mgr2.retain("conv-off", list(range(2 * BS)), [1, 2], num_computed_tokens=2 * BS)
+    assert mgr2.take_retains() == {}
+    mgr2.control.close()
+
+
+def test_fault_file_counts_and_reloads(tmp_path: Path) -> None:
+    from kvbaton.connector.worker import Faults
+
+    assert not Faults("").take_corruption("pull") and Faults("").value("delay_reuse_read_s") == 0.0
+    f = tmp_path / "faults.json"
+    faults = Faults(str(f))
+    assert not faults.take_corruption("pull")  # no file: no fault
+    f.write_text('{"corrupt_landed": {"pull": 2}, "delay_reuse_read_s": 1.5}')
+    assert [faults.take_corruption("pull") for _ in range(3)] == [True, True, False]
+    assert not faults.take_corruption("reuse") and faults.value("delay_reuse_read_s") == 1.5
+    f.unlink()
+    assert not faults.take_corruption("pull") and faults.value("delay_reuse_read_s") == 0.0

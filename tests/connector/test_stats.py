@@ -35,6 +35,7 @@ def test_increases_cross_processes_once_and_add_up() -> None:
     worker.transfer_bytes.labels("push", "write").inc(1000)
     worker.transfer_seconds.labels("push", "write").observe(0.25)
     scheduler.recomputes.labels("below_threshold").inc()
+    worker.kv_verifications.labels("pull", "ok").inc()
     step = wd.take()
     assert step is not None and not step.is_empty()
     assert wd.take() is None  # taken once: the next step carries nothing
@@ -52,6 +53,7 @@ def test_increases_cross_processes_once_and_add_up() -> None:
     assert get("kvbaton_connector_transfer_time_seconds_total", {**labels, "mode": "push", "direction": "write"}) == 0.25
     assert get("kvbaton_connector_transfer_ops_total", {**labels, "mode": "push", "direction": "write"}) == 1
     assert get("kvbaton_connector_recomputes_total", {**labels, "reason": "below_threshold"}) == 1
+    assert get("kvbaton_connector_kv_verifications_total", {**labels, "mode": "pull", "result": "ok"}) == 1
 
 
 def test_bad_or_empty_payloads_change_nothing() -> None:

@@ -55,7 +55,8 @@ class PD:
 @pytest.fixture(scope="module")
 def pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PD]:
     model = ensure_tiny_model(Path(os.environ.get("KVBATON_TINY_MODEL", "/tmp/kvbaton-tiny-model")))
-    with PdStack(model, tmp_path_factory.mktemp("pd"), router_modes=("pull", "push"), timeout_s=20) as stack:
+    with PdStack(model, tmp_path_factory.mktemp("pd"), router_modes=("pull", "push"), timeout_s=20,
+                 extra_config={"verify_kv": True}) as stack:
         yield PD(stack)
 
 
@@ -194,3 +195,17 @@ def test_concurrent_requests(pd: PD, mode: str) -> None:
                                                      for e in pd.events("d0", "recv_failed"))
     assert _usage_back_to_zero(pd.p) == 0.0
     assert _usage_back_to_zero(pd.d) == 0.0
+
+
+def test_every_load_was_verified(pd: PD) -> None:
+    """Last in the module (verify_kv is on): each pull and push load decode finished was
+    checked against prefill's fingerprints, and none differed."""
+    time.sleep(0.5)  # stats lines are written by the transfer threads
+    recv = pd.events("d0", "recv_done")
+    verified = pd.events("d0", "kv_verify")
+    assert len(recv) >= 10, len(recv)
+    assert sorted(e["transfer_id"] for e in recv) == sorted(v["transfer_id"] for v in verified if v["ok"])
+    assert {v["mode"] for v in verified} == {"pull", "push"}
+    assert not [v for v in verified if not v["ok"]], verified
+    owner = {e["key"] for e in pd.events("p0", "kv_fingerprint")}
+    assert {f"t:{e['transfer_id']}" for e in recv} <= owner

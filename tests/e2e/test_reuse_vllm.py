@@ -60,6 +60,7 @@ def _kv_config(cp: str, engine_id: str, stats_dir: Path) -> str:
             "control_plane": cp, "mode": "pull", "engine_id": engine_id, "timeout_s": 20,
             "stats_dir": str(stats_dir), "ucx_net_devices": "lo", "ucx_tls": "tcp,self,sm",
             "lease_ttl_s": TTL_S, "kv_recompute_threshold": 64,
+            "verify_kv": True,  # every load below is checked against its owner's fingerprints
         },
     })
 
@@ -375,3 +376,13 @@ def test_all_conversations_ended_frees_decode(rig: Rig) -> None:
     freed = rig.events("d0", "retention_freed", part="retention")
     assert len(retained) >= 16 and sorted(e["lease_id"] for e in freed) == sorted(e["lease_id"] for e in retained)
     assert (rig.p.metric("vllm:kv_cache_usage_perc") or 0.0) == 0.0
+    # verify_kv: every reuse READ (prefill) and every pull/push load (decode) was checked
+    # against the owner's fingerprints, and none differed.
+    reads = rig.events("p0", "reuse_read")
+    verified = rig.events("p0", "kv_verify", mode="reuse")
+    assert reads and sorted(e["req_id"] for e in reads) == sorted(v["req_id"] for v in verified if v["ok"])
+    recv = rig.events("d0", "recv_done")
+    d_verified = rig.events("d0", "kv_verify")
+    assert recv and sorted(e["transfer_id"] for e in recv) == sorted(v["transfer_id"] for v in d_verified if v["ok"])
+    assert not [v for v in verified + d_verified if not v["ok"]]
+    print(f"\nverify_kv: {len(verified)} reuse READs and {len(d_verified)} P->D loads verified, 0 mismatches")

@@ -60,7 +60,8 @@ def kvbaton_kv_config(cp: str, engine_id: str, stats_dir: Path | str, *, mode: s
     """``--kv-transfer-config`` for the kvbaton connector on loopback.
 
     ``recompute`` (not vLLM's default ``fail``) so a transfer that did not happen costs a
-    local prefill instead of an HTTP 500; ``timeout_s`` bounds every hold and wait."""
+    local prefill instead of an HTTP 500; ``timeout_s`` bounds every hold and wait.
+    ``extra`` adds/overrides ``kv_connector_extra_config`` keys (e.g. ``verify_kv``)."""
     return json.dumps({
         "kv_connector": "KvbatonConnector",
         "kv_connector_module_path": "kvbaton.connector.kvbaton_connector",
@@ -222,6 +223,11 @@ class PdStack:
         timeout_s: the kvbaton connector's hold/wait bound (``timeout_s`` extra config).
         engine_args: extra vLLM arguments (after :func:`small_engine_args`).
         startup_timeout_s: per engine; generous because a loaded box was seen at >8 min.
+        extra_config: extra ``kv_connector_extra_config`` keys for both kvbaton engines
+            (e.g. ``{"verify_kv": True}``).
+        prefill_args: extra vLLM arguments for the prefill engine only (e.g.
+            ``--no-enable-prefix-caching``, so reused history really comes from decode).
+        router_control_plane: routers get ``--control-plane`` (conversation reuse).
 
     Use as a context manager; :meth:`stop` is idempotent and stops everything started,
     also after a failed start.
@@ -231,7 +237,8 @@ class PdStack:
                  router_modes: Sequence[str] = ("pull", "push"), timeout_s: float = 20.0,
                  engine_args: Sequence[str] = (), startup_timeout_s: float = 600.0,
                  prefill_id: str = "p0", decode_id: str = "d0",
-                 extra_config: dict[str, Any] | None = None) -> None:
+                 extra_config: dict[str, Any] | None = None, prefill_args: Sequence[str] = (),
+                 router_control_plane: bool = False) -> None:
         if connector != "kvbaton" and connector not in NIXL_VARIANTS:
             raise ValueError(f"connector must be kvbaton or one of {list(NIXL_VARIANTS)}, got {connector!r}")
         self.model = Path(model)
@@ -242,7 +249,9 @@ class PdStack:
         self.engine_args = list(engine_args)
         self.startup_timeout_s = startup_timeout_s
         self.prefill_id, self.decode_id = prefill_id, decode_id
-        self.extra_config = dict(extra_config or {})  # more kvbaton kv_connector_extra_config keys
+        self.extra_config = dict(extra_config or {})
+        self.prefill_args = list(prefill_args)
+        self.router_control_plane = router_control_plane  # routers get --control-plane (reuse)
         self.stats_dir = self.workdir / "stats"
         self.cp_address = ""
         self.p: VllmServer | None = None
@@ -291,7 +300,9 @@ class PdStack:
                 self.side_channel_ports[eid] = free_port()
                 env.update(_nixl_env(self.side_channel_ports[eid]))
         self.p, self.d = (
-            VllmServer(self.model, extra_args=[*small_engine_args(), *self.engine_args, "--kv-transfer-config", c],
+            VllmServer(self.model, extra_args=[*small_engine_args(), *self.engine_args,
+                                               *(self.prefill_args if name == "prefill" else ()),
+                                               "--kv-transfer-config", c],
                        env=env, log_path=self.workdir / f"{name}.log", served_model_name="tiny",
                        startup_timeout_s=self.startup_timeout_s)
             for name, c, env in (("prefill", configs[0], envs[0]), ("decode", configs[1], envs[1])))
@@ -304,9 +315,10 @@ class PdStack:
                 f.result(timeout=0)
         for mode in self.router_modes:
             rport = free_port()
+            cp_flag = ["--control-plane", self.cp_address] if self.cp_address and self.router_control_plane else []
             router = self._spawn(f"router-{mode}", [
                 PY, "-m", "kvbaton.services.router", "--prefill", self.p.base_url, "--decode", self.d.base_url,
-                "--mode", mode, "--port", str(rport)])
+                "--mode", mode, "--port", str(rport), *cp_flag])
             wait_port(rport, router)
             self.routers[mode] = f"http://127.0.0.1:{rport}"
 
