@@ -97,7 +97,17 @@ class KvbatonConnectorStats(KVConnectorStats):
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        return {key: value for key, value in sorted(self.deltas.items())}
+        """For vLLM's periodic log line: ``transfers{push,decode,ok}: 3``."""
+        out: dict[str, int | float] = {}
+        for key, value in sorted(self.deltas.items()):
+            name, _, labels = key.partition("|")
+            try:
+                tag = ",".join(str(v) for v in json.loads(labels)) if labels else ""
+            except ValueError:
+                tag = labels
+            short = name.removeprefix("kvbaton_connector_")
+            out[f"{short}{{{tag}}}" if tag else short] = round(value, 6)
+        return out
 
     def is_empty(self) -> bool:
         return not any(self.deltas.values())

@@ -44,6 +44,7 @@ def test_increases_cross_processes_once_and_add_up() -> None:
     total = step.aggregate(sd.take())
     worker.transfers.labels("push", "decode", "ok").inc(2)
     total = total.aggregate(wd.take())
+    assert total.reduce()["transfers{push,decode,ok}"] == 5
     reg = CollectorRegistry()
     _prom(reg).observe(total.data, engine_idx=1)
     labels = {"model_name": "tiny", "engine": "1"}
