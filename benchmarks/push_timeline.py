@@ -90,8 +90,10 @@ def run_config(model: Path, work: Path, extra: dict[str, Any], *, requests: int,
                 row["matched"] = rel(ts.matched_at_ms / 1000)
                 if "P_hold_start" in row:
                     row["complete_lag"] = round(row["matched"] - row["P_hold_start"], 1)
-                for eng, rpc, key in (("p0", "Complete", "complete_rpc_ms"), ("d0", "Offer", "offer_rpc_ms")):
-                    path = st.stats_dir / f"{eng}.scheduler.jsonl"
+                for eng, rpc, key, part in (("p0", "Complete", "complete_rpc_ms", "scheduler"),
+                                            ("p0", "Complete", "complete_rpc_ms", "worker"),
+                                            ("d0", "Offer", "offer_rpc_ms", "scheduler")):
+                    path = st.stats_dir / f"{eng}.{part}.jsonl"
                     if path.exists():
                         for line in path.read_text().splitlines():
                             x = json.loads(line)

@@ -67,6 +67,9 @@ class KvbatonSettings:
     # sys.setswitchinterval for the engine processes (ms); 0 leaves Python's 5 ms. Measured
     # (benchmarks/push_timeline.py): prefill's Complete RPC median 115 ms at 5 ms, 9.8 ms at 0.5.
     gil_switch_interval_ms: float = 0.5
+    # Push: prefill's Rendezvous.Complete goes out from the worker process (rank 0) when
+    # it receives the send, instead of from the engine-core process at request_finished.
+    complete_from_worker: bool = False
     # KV integrity (connector/integrity.py): owners fingerprint the blocks they expose,
     # readers verify what landed before reporting a load finished; a mismatch recomputes.
     verify_kv: bool = False
@@ -107,6 +110,7 @@ class KvbatonSettings:
                    retain=bool(get("retain", True)),
                    idle_step_wait_ms=float(get("idle_step_wait_ms", 2.0)),
                    gil_switch_interval_ms=float(get("gil_switch_interval_ms", 0.5)),
+                   complete_from_worker=_flag(get("complete_from_worker", False)),
                    verify_kv=_flag(get("verify_kv", False)),
                    verify_kv_alg=str(get("verify_kv_alg", "") or ""),
                    fault_file=str(get("fault_file", "") or ""))
@@ -165,6 +169,9 @@ class SendSpec:
     block_ids: tuple[int, ...] = ()  # push: the blocks to write; pull: the held blocks (verify_kv)
     num_tokens: int = 0  # push: computed tokens those blocks hold
     traceparent: str = ""  # the request's W3C trace context (router), sent on this send's gRPC calls
+    #: push: the worker (rank 0) sends Rendezvous.Complete for it (``complete_from_worker``)
+    complete_here: bool = False
+    request_id: str = ""  # push: the engine's request id, for the Complete message
 
 
 @dataclasses.dataclass

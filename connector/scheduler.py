@@ -62,6 +62,16 @@ if TYPE_CHECKING:  # pragma: no cover
 log = logging.getLogger("kvbaton.connector.scheduler")
 
 
+def push_complete(settings: KvbatonSettings, tid: str, block_ids: tuple[int, ...], num_tokens: int,
+                  request_id: str) -> Any:
+    """Prefill's Rendezvous.Complete for a push (sent by the scheduler or by the worker)."""
+    from kvbaton.v1 import rendezvous_pb2 as rpb
+
+    return rpb.CompleteRequest(transfer_id=tid, prefill_engine_id=settings.engine_id, block_ids=block_ids,
+                               num_tokens=num_tokens, timeout_ms=int(settings.timeout_s * 1000),
+                               request_id=request_id, writers=1)
+
+
 class KvbatonScheduler:
     """Scheduler-side state: which requests to load (decode) and which to hold (prefill)."""
 
@@ -298,13 +308,13 @@ class KvbatonScheduler:
 
             n_tokens = min(int(request.num_computed_tokens), int(request.num_prompt_tokens))
             ids = tuple(int(b) for b in block_ids[: -(-n_tokens // self.block_size)])
+            here = self.settings.complete_from_worker
             self._sends[request.request_id] = SendSpec(tid, len(ids), self.settings.timeout_s, MODE_PUSH,
-                                                       ids, n_tokens, traceparent=tp)
-            complete = rpb.CompleteRequest(transfer_id=tid, prefill_engine_id=self.settings.engine_id,
-                                           block_ids=ids, num_tokens=n_tokens,
-                                           timeout_ms=int(self.settings.timeout_s * 1000),
-                                           request_id=request.request_id, writers=1)
-            self._rpc("Complete", lambda c: c.call(c.rendezvous.Complete, complete, metadata=md), tid)
+                                                       ids, n_tokens, traceparent=tp, complete_here=here,
+                                                       request_id=request.request_id)
+            if not here:
+                complete = push_complete(self.settings, tid, ids, n_tokens, request.request_id)
+                self._rpc("Complete", lambda c: c.call(c.rendezvous.Complete, complete, metadata=md), tid)
             return True, {"transfer_id": tid, "transfer_mode": MODE_PUSH, "remote_engine_id": self.settings.engine_id}
         self._sends[request.request_id] = SendSpec(tid, len(block_ids), self.settings.timeout_s, traceparent=tp,
                                                    block_ids=tuple(int(b) for b in block_ids))

@@ -1011,9 +1011,31 @@ class KvbatonWorker:
         for req_id, sspec in meta.sends.items():
             self._expect_send.add(req_id)
             self._xfer.inbox.put(("send", req_id, sspec))
+            if sspec.complete_here and self.tp_rank == 0:
+                self._send_complete(sspec)
         if self._xfer.fp is not None:
             for hold_id, retained in getattr(meta, "retains", {}).items():  # or freed: empty ids
                 self._xfer.inbox.put(("retain", hold_id, retained))
+
+    def _send_complete(self, sspec: SendSpec) -> None:
+        """Push: tell the rendezvous these blocks are ready, from this process's control
+        thread (``complete_from_worker``). Fire-and-forget like the scheduler's: a lost
+        Complete ends in the hold's timeout and decode's recompute."""
+        from .scheduler import push_complete
+
+        assert self._control is not None
+        req = push_complete(self.settings, sspec.transfer_id, sspec.block_ids, sspec.num_tokens, sspec.request_id)
+        md = grpc_metadata(sspec.traceparent)
+        t0 = time.monotonic()
+        fut = self._control.submit(lambda c: c.call(c.rendezvous.Complete, req, metadata=md))
+
+        def _done(f: concurrent.futures.Future[Any]) -> None:
+            err = "cancelled" if f.cancelled() else repr(f.exception()) if f.exception() is not None else ""
+            if err:
+                log.warning("kvbaton: Complete for %s failed: %s", sspec.transfer_id, err)
+            self.stats.record("rpc", rpc="Complete", transfer_id=sspec.transfer_id, error=err,
+                              latency_ms=round((time.monotonic() - t0) * 1000, 2))
+        fut.add_done_callback(_done)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         self._seen_finished |= finished_req_ids & self._expect_send

@@ -109,3 +109,18 @@ def test_idle_wait_disabled_and_stale_entries_dropped() -> None:
     s.settings = dataclasses.replace(s.settings, idle_step_wait_ms=5)
     s.build_connector_meta(_out(0))  # "x" is past its deadline: forgotten, no sleep
     assert s.idle_stats["idle_steps"] == 0 and not s._in_flight
+
+
+def test_push_complete_from_worker_moves_the_rpc_to_the_send_spec() -> None:
+    for here in (False, True):
+        s = KvbatonScheduler(KvbatonSettings(control_plane="127.0.0.1:1", engine_id="p0",
+                                             complete_from_worker=here), BS)
+        sent: list[str] = []
+        s._rpc = lambda what, fn, tid="": sent.append(what)  # type: ignore[method-assign]
+        r = _req("p9", 300, {"do_remote_decode": True, "transfer_id": "t9", "transfer_mode": "push"},
+                 status=RequestStatus.FINISHED_LENGTH_CAPPED, computed=300)
+        hold, out = s.request_finished(r, [3, 4, 5])
+        assert hold and out["transfer_mode"] == "push"
+        spec = s.build_connector_meta(None).sends["p9"]
+        assert spec.complete_here is here and spec.request_id == "p9" and spec.block_ids == (3, 4, 5)
+        assert sent == ([] if here else ["Complete"])
