@@ -57,6 +57,7 @@ from .base import (
     CompareOp,
     CompareTarget,
     Delete,
+    Get,
     EventType,
     KeyValue,
     LeaseNotFoundError,
@@ -517,7 +518,13 @@ class EtcdStore(Store):
             failure=[self._op(o) for o in failure],
         )
         resp = await self._unary("kv", "Txn", req, mutation=True)
-        return TxnResult(resp.succeeded, resp.header.revision)
+        ran = success if resp.succeeded else failure
+        if not any(isinstance(o, Get) for o in ran):
+            return TxnResult(resp.succeeded, resp.header.revision)
+        values = tuple(
+            (_kv(r.response_range.kvs[0]) if r.response_range.kvs else None)
+            for o, r in zip(ran, resp.responses) if isinstance(o, Get))
+        return TxnResult(resp.succeeded, resp.header.revision, values)
 
     async def compact(self, revision: int, *, physical: bool = True) -> None:
         """Drops history before ``revision`` (etcd-only; tests use it to provoke compaction)."""
@@ -543,6 +550,8 @@ class EtcdStore(Store):
         if isinstance(op, Delete):
             k, end = _key_range(op.key) if op.prefix else (op.key, b"")
             return pb.RequestOp(request_delete_range=pb.DeleteRangeRequest(key=k, range_end=end))
+        if isinstance(op, Get):
+            return pb.RequestOp(request_range=pb.RangeRequest(key=op.key))
         raise TypeError(f"unknown txn op {op!r}")
 
     # -- leases ---------------------------------------------------------------

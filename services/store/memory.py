@@ -22,6 +22,7 @@ from .base import (
     CompareOp,
     CompareTarget,
     Delete,
+    Get,
     EventType,
     KeyValue,
     LeaseNotFoundError,
@@ -129,14 +130,17 @@ class MemoryStore(Store):
             if isinstance(op, Put) and op.lease and op.lease not in self._leases:
                 raise LeaseNotFoundError(f"lease {op.lease:#x} not found")
         expanded: list[Op] = []
+        gets: list[bytes] = []
         for op in ops:
-            if isinstance(op, Delete) and op.prefix:
+            if isinstance(op, Get):
+                gets.append(op.key)
+            elif isinstance(op, Delete) and op.prefix:
                 expanded.extend(Delete(k) for k in self._prefixed(op.key))
             else:
                 expanded.append(op)
         if expanded:
             self._apply(expanded)
-        return TxnResult(ok, self._revision)
+        return TxnResult(ok, self._revision, tuple(self._data.get(k) for k in gets))
 
     def _prefixed(self, prefix: bytes) -> list[bytes]:
         lo = bisect.bisect_left(self._keys, prefix)
