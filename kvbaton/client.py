@@ -274,27 +274,29 @@ class RendezvousSession:
 
     ``offer``/``complete``/``report_outcome``/``cancel`` take the unary RPCs' requests and
     return (or raise) what those return: the same response messages, and a refusal as
-    ``grpc.aio.AioRpcError`` with the same status code and reason. Messages queued while
-    others are being sent go out back to back; answers are matched by sequence number.
+    ``grpc.aio.AioRpcError`` with the same status code and reason. Calls queued while a
+    batch is being sent go out together in the next one; answers are matched by sequence
+    number.
 
     A broken stream is re-opened (on the next replica when several are configured) and
-    the unanswered messages are sent again: every rendezvous message is idempotent, so a
-    message the old replica had already applied is answered as a duplicate (the match,
-    if it made one, is delivered once, on the subscribers' streams). Per-message
-    UNAVAILABLE/ABORTED answers are retried like ``KvbatonClient.call`` retries them. A
-    server without sessions (UNIMPLEMENTED) is spoken to with unary calls instead.
+    the unanswered calls are sent again: every rendezvous call is idempotent, so one the
+    old replica had already applied is answered as a duplicate (the match, if it made
+    one, is delivered once, on the subscribers' streams). Per-call UNAVAILABLE/ABORTED
+    answers are retried like ``KvbatonClient.call`` retries them. A server without
+    sessions (UNIMPLEMENTED) is spoken to with unary calls instead.
     """
 
     _UNARY = {"offer": "Offer", "complete": "Complete", "report_outcome": "ReportOutcome", "cancel": "Cancel"}
     _RETRYABLE_CODES = frozenset(c.value[0] for c in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED))
 
-    def __init__(self, client: KvbatonClient, *, retries: int = 3) -> None:
+    def __init__(self, client: KvbatonClient, *, retries: int = 3, max_batch: int = 512) -> None:
         self.client = client
         self.retries = retries
+        self.max_batch = max_batch
         self.unary_fallback = False
         self.reconnects = 0
         self._seq = 0
-        self._queue: collections.deque[tuple[int, rendezvous_pb2.SessionRequest]] = collections.deque()
+        self._queue: collections.deque[rendezvous_pb2.SessionCall] = collections.deque()
         self._waiting: dict[int, asyncio.Future] = {}
         self._wakeup = asyncio.Event()
         self._task = asyncio.get_running_loop().create_task(self._run(), name="kvbaton-session")
@@ -314,39 +316,47 @@ class RendezvousSession:
     async def _call(self, body: str, req):
         if self.unary_fallback:
             return await self.client.call(getattr(self.client.rendezvous, self._UNARY[body]), req)
+        loop = asyncio.get_running_loop()
         delay = 0.05
         for attempt in range(self.retries + 1):
-            loop = asyncio.get_running_loop()
             self._seq += 1
             seq = self._seq
             fut = loop.create_future()
             self._waiting[seq] = fut
-            self._queue.append((seq, rendezvous_pb2.SessionRequest(seq=seq, **{body: req})))
+            self._queue.append(rendezvous_pb2.SessionCall(seq=seq, **{body: req}))
             self._wakeup.set()
+            timer = loop.call_later(self.client.timeout_s * 2, _expire, fut, self.client.timeout_s * 2)
             try:
-                resp = await asyncio.wait_for(fut, self.client.timeout_s * 2)
-            except asyncio.TimeoutError:
-                raise _status_error(grpc.StatusCode.DEADLINE_EXCEEDED.value[0],
-                                    f"no answer on the session within {self.client.timeout_s * 2:g} s") from None
+                result = await fut
             finally:
+                timer.cancel()
                 self._waiting.pop(seq, None)
-            if resp is None:  # the server has no sessions: unary calls from now on
+            if result is None:  # the server has no sessions: unary calls from now on
                 return await self.client.call(getattr(self.client.rendezvous, self._UNARY[body]), req)
-            if resp.code == 0:
-                return resp.rendezvous if body in ("offer", "complete") else resp.state
-            if resp.code not in self._RETRYABLE_CODES or attempt == self.retries:
-                raise _status_error(resp.code, resp.reason)
-            log.info("client.session_retry", code=resp.code, reason=resp.reason[:200], attempt=attempt)
+            if result.code == 0:
+                return result.rendezvous if body in ("offer", "complete") else result.state
+            if result.code not in self._RETRYABLE_CODES or attempt == self.retries:
+                raise _status_error(result.code, result.reason)
+            log.info("client.session_retry", code=result.code, reason=result.reason[:200], attempt=attempt)
             await asyncio.sleep(delay * (1 + random.random()))
             delay = min(delay * 2, 1.0)
         raise AssertionError("unreachable")
+
+    def _settle_all(self, seqs, value=None, exc: BaseException | None = None) -> None:
+        for seq in seqs:
+            fut = self._waiting.get(seq)
+            if fut is not None and not fut.done():
+                if exc is not None:
+                    fut.set_exception(exc)
+                else:
+                    fut.set_result(value)
 
     async def _run(self) -> None:
         backoff = 0.05
         generation = 0
         while True:
             generation += 1
-            sent: dict[int, rendezvous_pb2.SessionRequest] = {}
+            sent: dict[int, rendezvous_pb2.SessionCall] = {}
 
             async def requests(mine: int = generation):
                 while True:
@@ -355,46 +365,46 @@ class RendezvousSession:
                         return  # a broken stream's iterator must not take the new stream's work
                     self._wakeup.clear()
                     while self._queue:
-                        seq, msg = self._queue.popleft()
-                        fut = self._waiting.get(seq)
-                        if fut is None or fut.done():
-                            continue  # its caller gave up
-                        sent[seq] = msg
-                        yield msg
+                        batch = []
+                        while self._queue and len(batch) < self.max_batch:
+                            call = self._queue.popleft()
+                            fut = self._waiting.get(call.seq)
+                            if fut is None or fut.done():
+                                continue  # its caller gave up
+                            sent[call.seq] = call
+                            batch.append(call)
+                        if batch:
+                            yield rendezvous_pb2.SessionRequest(calls=batch)
 
             call = self.client.rendezvous.Session(requests())
             try:
                 async for resp in call:
                     backoff = 0.05
-                    sent.pop(resp.seq, None)
-                    fut = self._waiting.get(resp.seq)
-                    if fut is not None and not fut.done():
-                        fut.set_result(resp)
+                    for result in resp.results:
+                        sent.pop(result.seq, None)
+                        fut = self._waiting.get(result.seq)
+                        if fut is not None and not fut.done():
+                            fut.set_result(result)
             except asyncio.CancelledError:
                 call.cancel()
                 raise
             except grpc.aio.AioRpcError as exc:
                 call.cancel()
-                if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                code = exc.code()
+                if code == grpc.StatusCode.UNIMPLEMENTED:
                     log.info("client.session_unimplemented", address=self.client.address)
                     self.unary_fallback = True
-                    for seq in list(sent) + [seq for seq, _ in self._queue]:
-                        fut = self._waiting.get(seq)
-                        if fut is not None and not fut.done():
-                            fut.set_result(None)
+                    self._settle_all([*sent, *(c.seq for c in self._queue)], None)
                     self._queue.clear()
                     return
-                if exc.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
-                                  grpc.StatusCode.RESOURCE_EXHAUSTED):
-                    # The stream itself was refused: every waiting message gets that answer.
-                    for seq in list(sent) + [seq for seq, _ in self._queue]:
-                        fut = self._waiting.get(seq)
-                        if fut is not None and not fut.done():
-                            fut.set_exception(exc)
+                if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
+                            grpc.StatusCode.RESOURCE_EXHAUSTED):
+                    # The stream itself was refused: every waiting call gets that answer.
+                    self._settle_all([*sent, *(c.seq for c in self._queue)], exc=exc)
                     sent.clear()
                     self._queue.clear()
-                log.info("client.session_reconnect", code=exc.code().name, address=self.client.address)
-                if len(self.client.addresses) > 1 and exc.code() in _RETRYABLE:
+                log.info("client.session_reconnect", code=code.name, address=self.client.address)
+                if len(self.client.addresses) > 1 and code in _RETRYABLE:
                     await self.client.reconnect()
             except Exception as exc:  # the stream broke; whatever the cause, open another
                 call.cancel()
@@ -404,8 +414,8 @@ class RendezvousSession:
             else:
                 call.cancel()
             self.reconnects += 1
-            # Unanswered messages go out again, in their order, on the new stream.
-            self._queue.extendleft(sorted(sent.items(), reverse=True))
+            # Unanswered calls go out again, in their order, on the new stream.
+            self._queue.extendleft(c for _, c in sorted(sent.items(), reverse=True))
             if self._queue:
                 self._wakeup.set()
             await asyncio.sleep(backoff * (1 + random.random()))
@@ -415,6 +425,13 @@ class RendezvousSession:
         self._task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self._task
+        self._settle_all(list(self._waiting), exc=_status_error(grpc.StatusCode.CANCELLED.value[0], "session closed"))
+
+
+def _expire(fut: asyncio.Future, after_s: float) -> None:
+    if not fut.done():
+        fut.set_exception(_status_error(grpc.StatusCode.DEADLINE_EXCEEDED.value[0],
+                                        f"no answer on the session within {after_s:g} s"))
 
 
 class _RenewalBatcher:

@@ -165,15 +165,18 @@ SESSION_BODIES = {
 }
 
 
-def _session_message(p: Principal, req: Any) -> str | None:
-    body = req.WhichOneof("body")
+def authorize_session_call(p: Principal, call: Any) -> str | None:
+    """One call of an engine session (a ``SessionCall``): the rule of its unary RPC."""
+    body = call.WhichOneof("body")
     if body is None:
         # Nothing to act on (the servicer answers INVALID_ARGUMENT); only engines talk here.
         return None if p.role in ("engine", "operator") else f"{p.name} ({p.role}) may not open engine sessions"
-    return RULES[SESSION_BODIES[body]](p, getattr(req, body))
+    return RULES[SESSION_BODIES[body]](p, getattr(call, body))
 
 
-STREAM_RULES[SESSION_METHOD] = _session_message
+# (The guard applies it per call, answering a refused call alone; see services/api/guard.py.)
+STREAM_RULES[SESSION_METHOD] = lambda p, req: next(
+    (r for r in (authorize_session_call(p, c) for c in req.calls) if r), None)
 # Health checks (probes carry no token) and reflection need no authorization.
 PUBLIC_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 

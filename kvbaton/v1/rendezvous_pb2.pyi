@@ -214,6 +214,12 @@ class ListTransfersResponse(_message.Message):
     def __init__(self, transfers: _Optional[_Iterable[_Union[TransferState, _Mapping]]] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
+    __slots__ = ("calls",)
+    CALLS_FIELD_NUMBER: _ClassVar[int]
+    calls: _containers.RepeatedCompositeFieldContainer[SessionCall]
+    def __init__(self, calls: _Optional[_Iterable[_Union[SessionCall, _Mapping]]] = ...) -> None: ...
+
+class SessionCall(_message.Message):
     __slots__ = ("seq", "offer", "complete", "report_outcome", "cancel")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     OFFER_FIELD_NUMBER: _ClassVar[int]
@@ -228,6 +234,12 @@ class SessionRequest(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., offer: _Optional[_Union[OfferRequest, _Mapping]] = ..., complete: _Optional[_Union[CompleteRequest, _Mapping]] = ..., report_outcome: _Optional[_Union[ReportOutcomeRequest, _Mapping]] = ..., cancel: _Optional[_Union[CancelRequest, _Mapping]] = ...) -> None: ...
 
 class SessionResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[SessionResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[SessionResult, _Mapping]]] = ...) -> None: ...
+
+class SessionResult(_message.Message):
     __slots__ = ("seq", "code", "reason", "rendezvous", "state")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     CODE_FIELD_NUMBER: _ClassVar[int]

@@ -130,11 +130,11 @@ class RendezvousServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Session(self, request_iterator, context):
-        """An engine's session: offers, completions, outcomes and cancels over one stream, each
-        tagged with the client's `seq` and answered by one SessionResponse with the same
-        `seq` (in any order), with the same semantics as the unary RPCs. A message that
-        fails carries its status code and reason in its response; the stream stays open.
-        Authorization and rate limits apply to every message as to the unary calls.
+        """An engine's session: offers, completions, outcomes and cancels over one stream, in
+        batches. Each call is tagged with the client's `seq` and answered by one result with
+        the same `seq` (in any order), with the same semantics as the unary RPC it stands for.
+        A call that fails carries its status code and reason in its result; the stream stays
+        open. Authorization and rate limits apply to every call as to the unary RPCs.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -17,15 +17,16 @@ from collections.abc import Callable
 import grpc
 import structlog
 
-from ..auth import PUBLIC_PREFIXES, SESSION_METHOD, Principal, RateLimiter, TokenBook, authorize
+from ..auth import PUBLIC_PREFIXES, SESSION_METHOD, Principal, RateLimiter, TokenBook, authorize, authorize_session_call
 
 log = structlog.get_logger(__name__)
 
 ANONYMOUS = Principal(name="anonymous", role="operator")
 
 # Set by the guard for a session stream (Rendezvous/Session), read by its servicer: called
-# with each message, it returns None (admitted) or (status code, reason) for that message
-# alone, so one refused message does not end the stream. Unset: nothing to check.
+# with each call of the session (a SessionCall), it returns None (admitted) or (status
+# code, reason) for that call alone, so one refused call does not end the stream. Unset
+# (no tokens, no rate limit): nothing to check.
 MessageGate = Callable[[object], "tuple[grpc.StatusCode, str] | None"]
 SESSION_GATE: contextvars.ContextVar[MessageGate | None] = contextvars.ContextVar("kvbaton_session_gate", default=None)
 
@@ -183,13 +184,13 @@ class Guard(grpc.aio.ServerInterceptor):
             limiter = guard.limiter
             check_scope = config.tokens is not None
 
-            def gate(req):
+            def gate(call):
                 if limiter is not None and not limiter.allow(client):
                     guard.refused["rate_limited"] += 1
                     return (grpc.StatusCode.RESOURCE_EXHAUSTED,
                             f"rate limit {config.rate_limit:g} requests/s exceeded for {client}")
                 if check_scope:
-                    reason = authorize(principal, SESSION_METHOD, req)
+                    reason = authorize_session_call(principal, call)
                     if reason is not None:
                         guard.refused["permission_denied"] += 1
                         log.warning("auth.denied", principal=principal.name, method=SESSION_METHOD, reason=reason)

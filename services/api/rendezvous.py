@@ -22,7 +22,7 @@ log = structlog.get_logger(__name__)
 HEARTBEAT_S = 5.0
 # Messages of one session being worked on at once; the stream is not read beyond that.
 SESSION_IN_FLIGHT = 1024
-_OK = grpc.StatusCode.OK.value[0]
+_INVALID = grpc.StatusCode.INVALID_ARGUMENT.value[0]
 
 
 class RendezvousServicer(pb_grpc.RendezvousServicer):
@@ -75,73 +75,85 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
     async def ListTransfers(self, r: pb.ListTransfersRequest, context):
         return pb.ListTransfersResponse(transfers=await self.domain.list(phases=r.phases, engine_id=r.engine_id, limit=r.limit))
 
-    async def _session_one(self, req: pb.SessionRequest, gate) -> pb.SessionResponse:
-        """One session message, answered like its unary RPC would be (errors in the answer)."""
-        seq = req.seq
+    async def _session_one(self, call: pb.SessionCall, gate) -> pb.SessionResult:
+        """One session call, answered like its unary RPC would be (errors in the result)."""
+        seq = call.seq
         try:
             if gate is not None:
-                refused = gate(req)
+                refused = gate(call)
                 if refused is not None:
-                    return pb.SessionResponse(seq=seq, code=refused[0].value[0], reason=refused[1])
-            body = req.WhichOneof("body")
+                    return pb.SessionResult(seq=seq, code=refused[0].value[0], reason=refused[1])
+            body = call.WhichOneof("body")
             if body == "offer":
-                return pb.SessionResponse(seq=seq, rendezvous=await self._offer(req.offer))
+                return pb.SessionResult(seq=seq, rendezvous=await self._offer(call.offer))
             if body == "complete":
-                return pb.SessionResponse(seq=seq, rendezvous=await self._complete(req.complete))
+                return pb.SessionResult(seq=seq, rendezvous=await self._complete(call.complete))
             if body == "report_outcome":
-                r = req.report_outcome
-                return pb.SessionResponse(seq=seq, state=await self.domain.report_outcome(r.transfer_id, r.attempt, r.outcome))
+                r = call.report_outcome
+                return pb.SessionResult(seq=seq, state=await self.domain.report_outcome(r.transfer_id, r.attempt, r.outcome))
             if body == "cancel":
-                r = req.cancel
-                return pb.SessionResponse(seq=seq, state=await self.domain.cancel(r.transfer_id, r.attempt, r.engine_id, r.reason))
-            return pb.SessionResponse(seq=seq, code=grpc.StatusCode.INVALID_ARGUMENT.value[0],
-                                      reason="session message has no body (offer, complete, report_outcome or cancel)")
+                r = call.cancel
+                return pb.SessionResult(seq=seq, state=await self.domain.cancel(r.transfer_id, r.attempt, r.engine_id, r.reason))
+            return pb.SessionResult(seq=seq, code=_INVALID,
+                                    reason="session call has no body (offer, complete, report_outcome or cancel)")
         except DomainError as exc:
-            return pb.SessionResponse(seq=seq, code=grpc_code(exc.code).value[0], reason=exc.message)
+            return pb.SessionResult(seq=seq, code=grpc_code(exc.code).value[0], reason=exc.message)
         except StoreError as exc:
             log.warning("store.unavailable", rpc="Session", error=str(exc))
-            return pb.SessionResponse(seq=seq, code=grpc.StatusCode.UNAVAILABLE.value[0],
-                                      reason=f"store unavailable: {exc}")
-        except Exception as exc:  # one message's bug must not end every other message's stream
+            return pb.SessionResult(seq=seq, code=grpc.StatusCode.UNAVAILABLE.value[0], reason=f"store unavailable: {exc}")
+        except Exception as exc:  # one call's bug must not end every other call's stream
             log.exception("rendezvous.session_error", seq=seq)
-            return pb.SessionResponse(seq=seq, code=grpc.StatusCode.INTERNAL.value[0], reason=repr(exc)[:500])
+            return pb.SessionResult(seq=seq, code=grpc.StatusCode.INTERNAL.value[0], reason=repr(exc)[:500])
 
     async def Session(self, request_iterator, context: grpc.aio.ServicerContext):
-        # Set by the guard in this RPC's task: per-message authorization and rate limits.
+        # Set by the guard in this RPC's task: per-call authorization and rate limits.
         gate = SESSION_GATE.get()
         loop = asyncio.get_running_loop()
-        answers: asyncio.Queue = asyncio.Queue()
+        results: list[pb.SessionResult] = []
+        ready = asyncio.Event()
         working: set[asyncio.Task] = set()
         slots = asyncio.Semaphore(SESSION_IN_FLIGHT)
-        end = object()
+        state = {"finished": False}
 
-        async def answer(req: pb.SessionRequest) -> None:
+        async def answer(call: pb.SessionCall) -> None:
             try:
-                answers.put_nowait(await self._session_one(req, gate))
+                results.append(await self._session_one(call, gate))
+                ready.set()
             finally:
                 slots.release()
 
         async def pump() -> None:
-            # Messages are worked on concurrently (each decided by its own CAS) and answered
-            # as they finish; when the client half-closes, what is in flight is finished.
+            # Calls are worked on concurrently (each decided by its own CAS) and answered as
+            # they finish, batched: whatever finished while the last batch was being written
+            # goes out in the next. When the client half-closes, what is in flight finishes.
             try:
                 async for req in request_iterator:
-                    await slots.acquire()
-                    task = loop.create_task(answer(req))
-                    working.add(task)
-                    task.add_done_callback(working.discard)
+                    for call in req.calls:
+                        await slots.acquire()
+                        task = loop.create_task(answer(call))
+                        working.add(task)
+                        task.add_done_callback(working.discard)
                 if working:
                     await asyncio.wait(set(working))
             finally:
-                answers.put_nowait(end)
+                state["finished"] = True
+                ready.set()
 
         reader = loop.create_task(pump())
         try:
             while True:
-                item = await answers.get()
-                if item is end:
+                await ready.wait()
+                ready.clear()
+                if results:
+                    batch = results[:]
+                    del results[:]
+                    yield pb.SessionResponse(results=batch)
+                elif state["finished"]:
                     break
-                yield item
+                else:
+                    continue
+                if state["finished"] and not results:
+                    break
         finally:
             reader.cancel()
             for task in list(working):
