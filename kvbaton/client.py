@@ -295,6 +295,8 @@ class RendezvousSession:
         self.max_batch = max_batch
         self.unary_fallback = False
         self.reconnects = 0
+        # Batches and calls each way (how well calls are being batched).
+        self.stats = {"sent_batches": 0, "sent_calls": 0, "received_batches": 0, "received_results": 0}
         self._seq = 0
         self._queue: collections.deque[rendezvous_pb2.SessionCall] = collections.deque()
         self._waiting: dict[int, asyncio.Future] = {}
@@ -374,12 +376,16 @@ class RendezvousSession:
                             sent[call.seq] = call
                             batch.append(call)
                         if batch:
+                            self.stats["sent_batches"] += 1
+                            self.stats["sent_calls"] += len(batch)
                             yield rendezvous_pb2.SessionRequest(calls=batch)
 
             call = self.client.rendezvous.Session(requests())
             try:
                 async for resp in call:
                     backoff = 0.05
+                    self.stats["received_batches"] += 1
+                    self.stats["received_results"] += len(resp.results)
                     for result in resp.results:
                         sent.pop(result.seq, None)
                         fut = self._waiting.get(result.seq)

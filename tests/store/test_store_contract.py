@@ -18,6 +18,7 @@ from kvbaton.services.store import (
     CompareTarget,
     Delete,
     EventType,
+    Get,
     LeaseNotFoundError,
     Put,
     Store,
@@ -120,6 +121,21 @@ async def test_txn_ordering_ops(store: Store, ns: bytes) -> None:
     assert not (await store.txn([Compare(k, CompareTarget.MOD_REVISION, CompareOp.GREATER, kv.mod_revision)], [])).succeeded
     assert (await store.txn([Compare(k, CompareTarget.VALUE, CompareOp.GREATER, b"4")], [])).succeeded
     assert (await store.txn([Compare(k, CompareTarget.VALUE, CompareOp.LESS, b"6")], [])).succeeded
+
+
+async def test_txn_get_returns_the_current_value_from_the_branch_that_ran(store: Store, ns: bytes) -> None:
+    k, other = ns + b"cas", ns + b"absent"
+    first = await store.txn([Compare.absent(k)], [Put(k, b"v1")], [Get(k)])
+    assert first.succeeded and first.values == ()  # no Get in the branch that ran
+    # A lost compare-and-swap reads the winner's value in the same round trip.
+    lost = await store.txn([Compare.absent(k)], [Put(k, b"v2")], [Get(k), Get(other)])
+    assert not lost.succeeded and lost.revision == first.revision
+    assert len(lost.values) == 2 and lost.values[1] is None
+    assert lost.values[0].value == b"v1" and lost.values[0].mod_revision == first.revision
+    assert (await store.get(k)).value == b"v1"
+    # In a branch that writes, a Get after the Put sees the new value.
+    won = await store.txn([Compare.unchanged(lost.values[0], k)], [Put(k, b"v3"), Get(k)])
+    assert won.succeeded and won.values[0].value == b"v3" and won.values[0].mod_revision == won.revision
 
 
 async def test_txn_missing_key(store: Store, ns: bytes) -> None:
