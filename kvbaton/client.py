@@ -122,7 +122,12 @@ class KvbatonClient:
         self.rendezvous = rendezvous_pb2_grpc.RendezvousStub(self.channel)
         self.lease = lease_pb2_grpc.LeaseStub(self.channel)
 
-    async def reconnect(self) -> None:
+    async def reconnect(self, *, if_channel: grpc.aio.Channel | None = None) -> None:
+        """Moves to the next address. ``if_channel``: only if that channel (the one a
+        failed call used) is still the current one, so that several streams noticing the
+        same failure move once, not once each."""
+        if if_channel is not None and if_channel is not self.channel:
+            return
         old = self.channel
         self._index += 1
         self._connect()
@@ -380,6 +385,7 @@ class RendezvousSession:
                             self.stats["sent_calls"] += len(batch)
                             yield rendezvous_pb2.SessionRequest(calls=batch)
 
+            channel = self.client.channel
             call = self.client.rendezvous.Session(requests())
             try:
                 async for resp in call:
@@ -411,14 +417,16 @@ class RendezvousSession:
                     self._queue.clear()
                 log.info("client.session_reconnect", code=code.name, address=self.client.address)
                 if len(self.client.addresses) > 1 and code in _RETRYABLE:
-                    await self.client.reconnect()
+                    await self.client.reconnect(if_channel=channel)
             except Exception as exc:  # the stream broke; whatever the cause, open another
                 call.cancel()
                 log.info("client.session_reconnect", error=repr(exc)[:200])
                 if len(self.client.addresses) > 1:
-                    await self.client.reconnect()
-            else:
+                    await self.client.reconnect(if_channel=channel)
+            else:  # the server ended the stream (shutting down): go elsewhere too
                 call.cancel()
+                if len(self.client.addresses) > 1:
+                    await self.client.reconnect(if_channel=channel)
             self.reconnects += 1
             # Unanswered calls go out again, in their order, on the new stream.
             self._queue.extendleft(c for _, c in sorted(sent.items(), reverse=True))

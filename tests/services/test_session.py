@@ -256,3 +256,30 @@ async def test_session_calls_are_rate_limited_one_by_one():
     finally:
         await kv.close()
         await cp.stop()
+
+
+async def test_a_server_without_sessions_is_spoken_to_with_unary_calls():
+    """An older control plane answers Session with UNIMPLEMENTED: the client falls back."""
+    from kvbaton.v1 import rendezvous_pb2_grpc as pb_grpc
+
+    class Older(pb_grpc.RendezvousServicer):  # Session left unimplemented
+        async def Offer(self, r, context):
+            return pb.RendezvousResponse(state=pb.TransferState(transfer_id=r.transfer_id, phase=P.Value("TRANSFER_PHASE_OFFERED")))
+
+        async def Cancel(self, r, context):
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"transfer {r.transfer_id} not found")
+
+    server = grpc.aio.server()
+    pb_grpc.add_RendezvousServicer_to_server(Older(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    kv = KvbatonClient(f"127.0.0.1:{port}", timeout_s=3)
+    try:
+        r = await kv.session.offer(offer("u1"))
+        assert r.state.transfer_id == "u1" and kv.session.unary_fallback
+        assert await _code(kv.session.cancel(pb.CancelRequest(transfer_id="u2", engine_id="dec"))) == NOT_FOUND
+        r = await kv.session.offer(offer("u3"))  # straight to the unary call now
+        assert r.state.transfer_id == "u3"
+    finally:
+        await kv.close()
+        await server.stop(0)
