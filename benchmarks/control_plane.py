@@ -124,9 +124,13 @@ async def bench_rendezvous(kv: KvbatonClient, *, rate: float, concurrency: int, 
                 errors += 1
                 waiting.pop(tid, None)
 
+    sessions = [dkv.session, kv.session] if path == "session" else []
+    before = [dict(x.stats) for x in sessions]
     t_start = time.perf_counter()
     await asyncio.gather(*(worker(w) for w in range(concurrency)))
     elapsed = time.perf_counter() - t_start
+    sent = [(x.stats["sent_calls"] - b["sent_calls"], x.stats["sent_batches"] - b["sent_batches"])
+            for x, b in zip(sessions, before)]
     consumer.cancel()
     await asyncio.gather(consumer, return_exceptions=True)
     return {
@@ -134,6 +138,8 @@ async def bench_rendezvous(kv: KvbatonClient, *, rate: float, concurrency: int, 
         "matches_per_s": len(latencies) / elapsed,
         "p50_ms": pct(latencies, 50), "p90_ms": pct(latencies, 90), "p99_ms": pct(latencies, 99),
         "mean_ms": statistics.fmean(latencies) if latencies else float("nan"),
+        # Session path: calls per SessionRequest message (how much batching the load made).
+        **({"calls_per_batch": sum(c for c, _ in sent) / max(sum(b for _, b in sent), 1)} if sent else {}),
     }
 
 
@@ -192,17 +198,22 @@ async def run(args) -> dict:
         async with KvbatonClient(f"127.0.0.1:{port}", timeout_s=5) as kv, \
                 KvbatonClient(f"127.0.0.1:{port}", timeout_s=5) as peer:
             await kv.wait_ready(30)
+            store_pids = getattr(args, "store_pids", [])
             for path, rate in [(path, rate) for path in args.path for rate in args.rate]:
                 s0, c0 = cpu_seconds(server.pid), cpu_seconds()
+                e0 = sum(cpu_seconds(p) for p in store_pids)
                 r = await bench_rendezvous(kv, rate=rate, concurrency=args.concurrency, seconds=args.seconds,
                                            tag=f"{path[0]}{int(rate)}", path=path, peer=peer)
                 r["server_cpu_us_per_match"] = (cpu_seconds(server.pid) - s0) / max(r["matches"], 1) * 1e6
                 r["client_cpu_us_per_match"] = (cpu_seconds() - c0) / max(r["matches"], 1) * 1e6
+                if store_pids:  # the etcd members started here, all together
+                    r["store_cpu_us_per_match"] = (sum(cpu_seconds(p) for p in store_pids) - e0) / max(r["matches"], 1) * 1e6
                 results["rendezvous"].append(r)
                 print(f"[{args.store}] {path:7s} rendezvous target {rate:>6.0f}/s conc {args.concurrency}: "
                       f"{r['matches_per_s']:7.0f} matches/s  p50 {r['p50_ms']:.2f} ms  p90 {r['p90_ms']:.2f} ms  "
                       f"p99 {r['p99_ms']:.2f} ms  errors {r['errors']}  cpu/match server {r['server_cpu_us_per_match']:.0f} us "
-                      f"client {r['client_cpu_us_per_match']:.0f} us", flush=True)
+                      f"client {r['client_cpu_us_per_match']:.0f} us"
+                      + (f" etcd {r['store_cpu_us_per_match']:.0f} us" if "store_cpu_us_per_match" in r else ""), flush=True)
             rev0 = await store_revision(args.store)
             ren = await bench_renewals(kv, leases=args.leases, batch=args.batch, seconds=args.seconds)
             rev1 = await store_revision(args.store)
@@ -235,6 +246,8 @@ def side_by_side(runs: list[dict]) -> str:
                      *[f"{r['rendezvous'][i]['server_cpu_us_per_match']:.0f}" for r in runs]])
         rows.append([f"{name}: client CPU us/match",
                      *[f"{r['rendezvous'][i]['client_cpu_us_per_match']:.0f}" for r in runs]])
+        rows.append([f"{name}: etcd CPU us/match",
+                     *[f"{r['rendezvous'][i].get('store_cpu_us_per_match', float('nan')):.0f}" for r in runs]])
     rows.append(["renewals/s (one stream)", *[f"{r['renewals']['renewals_per_s']:,.0f}" for r in runs]])
     rows.append(["store writes/lease/s", *[f"{r['renewals'].get('store_writes_per_lease_per_s', float('nan')):.2f}" for r in runs]])
     widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
@@ -265,12 +278,14 @@ def main() -> int:
 
             cluster = EtcdCluster(3).start()
             store = cluster.url
+            args.store_pids = [m.proc.pid for m in cluster.members]
         try:
             args.store = store
             result = asyncio.run(run(args))
             result["store"] = "etcd (3 members, loopback)" if cluster else store
             runs.append(result)
         finally:
+            args.store_pids = []
             if cluster is not None:
                 cluster.stop()
     print()

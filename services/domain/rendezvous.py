@@ -266,7 +266,12 @@ class RendezvousService:
             else:
                 new.phase = OFFERED if msg.is_offer else COMPLETED
             new.updated_at_ms = now
-            result = await self.store.txn([Compare.unchanged(kv, key)], await self._put_ops(new), [Get(key)])
+            # A first side that supersedes nothing makes no event, so it may share a store
+            # revision with other such writes (batched: one etcd proposal for many); writes
+            # that make events (match, failure, superseding) keep a revision of their own,
+            # which is what subscribers resume from.
+            txn = self.store.txn_batched if new.phase in PENDING and not superseded else self.store.txn
+            result = await txn([Compare.unchanged(kv, key)], await self._put_ops(new), [Get(key)])
             if not result.succeeded:
                 fresh = result.values[:1] or None
             else:

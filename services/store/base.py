@@ -184,6 +184,19 @@ class Store(abc.ABC):
         failure: Sequence[Op] = (),
     ) -> TxnResult: ...
 
+    async def txn_batched(
+        self,
+        compares: Sequence[Compare],
+        success: Sequence[Op],
+        failure: Sequence[Op] = (),
+    ) -> TxnResult:
+        """``txn``, for a write that may be committed together with other batched writes
+        in one round trip and ONE store revision (etcd: nested transactions in one). Each
+        keeps its own compares and outcome. Only for writes no watcher needs to tell apart
+        by revision (e.g. ones that produce no subscriber event): resuming "after revision
+        R" cannot separate two changes made at R. Backends without batching just ``txn``."""
+        return await self.txn(compares, success, failure)
+
     @abc.abstractmethod
     async def grant_lease(self, ttl_s: float) -> int:
         """A new TTL lease id (the backend may round the TTL up to whole seconds)."""
