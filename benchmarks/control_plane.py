@@ -5,6 +5,9 @@ drives it from this process, so client and server don't share an event loop.
 
     .venv/bin/python benchmarks/control_plane.py [--store memory:// --store etcd3] [--path unary --path session] [--out FILE]
 
+Server, client and (etcd3) etcd-member CPU per match are measured from /proc; on the
+session path ``calls_per_batch`` says how many calls shared a SessionRequest message.
+
 Both paths are measured by default: ``unary`` (one Offer and one Complete call per
 transfer) and ``session`` (the decode and the prefill engine each send theirs over their
 own Rendezvous/Session stream, ``KvbatonClient.session``).
