@@ -3,7 +3,14 @@
 Starts ``kvbaton serve`` in its own process (memory store, or etcd with ``--store``) and
 drives it from this process, so client and server don't share an event loop.
 
-    .venv/bin/python benchmarks/control_plane.py [--store etcd://127.0.0.1:2379] [--out FILE]
+    .venv/bin/python benchmarks/control_plane.py [--store memory:// --store etcd3] [--path unary --path session] [--out FILE]
+
+Server, client and (etcd3) etcd-member CPU per match are measured from /proc; on the
+session path ``calls_per_batch`` says how many calls shared a SessionRequest message.
+
+Both paths are measured by default: ``unary`` (one Offer and one Complete call per
+transfer) and ``session`` (the decode and the prefill engine each send theirs over their
+own Rendezvous/Session stream, ``KvbatonClient.session``).
 
 Rendezvous: ``--concurrency`` workers each run transfers back to back, paced so that all
 together aim at ``--rate`` matches/s. A transfer sends the offer and the completion at
@@ -60,8 +67,18 @@ async def register(kv: KvbatonClient, engine_id: str, role) -> None:
     await kv.call(kv.registrar.RegisterEngine, registrar_pb2.RegisterEngineRequest(rank=rank, ttl_ms=600_000))
 
 
-async def bench_rendezvous(kv: KvbatonClient, *, rate: float, concurrency: int, seconds: float, tag: str) -> dict:
+async def bench_rendezvous(kv: KvbatonClient, *, rate: float, concurrency: int, seconds: float, tag: str,
+                           path: str = "unary", peer: KvbatonClient | None = None) -> dict:
+    """``path``: "unary" sends Offer and Complete as unary calls (one client);
+    "session" sends them over the engines' sessions (``kv`` is the prefill engine's
+    client, ``peer`` the decode engine's, each with its own connection and stream)."""
     pre, dec = f"pre-{tag}", f"dec-{tag}"
+    dkv = peer or kv
+    if path == "session":
+        offer = lambda req, timeout: dkv.session.offer(req)  # noqa: E731
+        complete = lambda req, timeout: kv.session.complete(req)  # noqa: E731
+    else:
+        offer, complete = kv.rendezvous.Offer, kv.rendezvous.Complete
     await register(kv, pre, common_pb2.ENGINE_ROLE_PREFILL)
     await register(kv, dec, common_pb2.ENGINE_ROLE_DECODE)
     waiting: dict[str, asyncio.Future] = {}
@@ -101,26 +118,31 @@ async def bench_rendezvous(kv: KvbatonClient, *, rate: float, concurrency: int, 
             t0 = time.perf_counter()
             try:
                 await asyncio.gather(
-                    kv.rendezvous.Offer(rendezvous_pb2.OfferRequest(transfer_id=tid, decode_engine_id=dec, block_ids=blocks),
-                                        timeout=5),
-                    kv.rendezvous.Complete(rendezvous_pb2.CompleteRequest(transfer_id=tid, prefill_engine_id=pre,
-                                                                          block_ids=blocks), timeout=5))
+                    offer(rendezvous_pb2.OfferRequest(transfer_id=tid, decode_engine_id=dec, block_ids=blocks), timeout=5),
+                    complete(rendezvous_pb2.CompleteRequest(transfer_id=tid, prefill_engine_id=pre, block_ids=blocks),
+                             timeout=5))
                 t_match = await asyncio.wait_for(fut, 5)
                 latencies.append((t_match - t0) * 1000)
             except Exception:
                 errors += 1
                 waiting.pop(tid, None)
 
+    sessions = [dkv.session, kv.session] if path == "session" else []
+    before = [dict(x.stats) for x in sessions]
     t_start = time.perf_counter()
     await asyncio.gather(*(worker(w) for w in range(concurrency)))
     elapsed = time.perf_counter() - t_start
+    sent = [(x.stats["sent_calls"] - b["sent_calls"], x.stats["sent_batches"] - b["sent_batches"])
+            for x, b in zip(sessions, before)]
     consumer.cancel()
     await asyncio.gather(consumer, return_exceptions=True)
     return {
-        "target_rate": rate, "concurrency": concurrency, "matches": len(latencies), "errors": errors,
+        "path": path, "target_rate": rate, "concurrency": concurrency, "matches": len(latencies), "errors": errors,
         "matches_per_s": len(latencies) / elapsed,
         "p50_ms": pct(latencies, 50), "p90_ms": pct(latencies, 90), "p99_ms": pct(latencies, 99),
         "mean_ms": statistics.fmean(latencies) if latencies else float("nan"),
+        # Session path: calls per SessionRequest message (how much batching the load made).
+        **({"calls_per_batch": sum(c for c, _ in sent) / max(sum(b for _, b in sent), 1)} if sent else {}),
     }
 
 
@@ -176,19 +198,25 @@ async def run(args) -> dict:
                                "--store", args.store], env=env, start_new_session=True)
     results: dict = {"store": args.store, "machine": f"{os.cpu_count()} cores", "rendezvous": [], "renewals": None}
     try:
-        async with KvbatonClient(f"127.0.0.1:{port}", timeout_s=5) as kv:
+        async with KvbatonClient(f"127.0.0.1:{port}", timeout_s=5) as kv, \
+                KvbatonClient(f"127.0.0.1:{port}", timeout_s=5) as peer:
             await kv.wait_ready(30)
-            for rate in args.rate:
+            store_pids = getattr(args, "store_pids", [])
+            for path, rate in [(path, rate) for path in args.path for rate in args.rate]:
                 s0, c0 = cpu_seconds(server.pid), cpu_seconds()
+                e0 = sum(cpu_seconds(p) for p in store_pids)
                 r = await bench_rendezvous(kv, rate=rate, concurrency=args.concurrency, seconds=args.seconds,
-                                           tag=f"r{int(rate)}")
+                                           tag=f"{path[0]}{int(rate)}", path=path, peer=peer)
                 r["server_cpu_us_per_match"] = (cpu_seconds(server.pid) - s0) / max(r["matches"], 1) * 1e6
                 r["client_cpu_us_per_match"] = (cpu_seconds() - c0) / max(r["matches"], 1) * 1e6
+                if store_pids:  # the etcd members started here, all together
+                    r["store_cpu_us_per_match"] = (sum(cpu_seconds(p) for p in store_pids) - e0) / max(r["matches"], 1) * 1e6
                 results["rendezvous"].append(r)
-                print(f"[{args.store}] rendezvous target {rate:>6.0f}/s conc {args.concurrency}: "
+                print(f"[{args.store}] {path:7s} rendezvous target {rate:>6.0f}/s conc {args.concurrency}: "
                       f"{r['matches_per_s']:7.0f} matches/s  p50 {r['p50_ms']:.2f} ms  p90 {r['p90_ms']:.2f} ms  "
                       f"p99 {r['p99_ms']:.2f} ms  errors {r['errors']}  cpu/match server {r['server_cpu_us_per_match']:.0f} us "
-                      f"client {r['client_cpu_us_per_match']:.0f} us", flush=True)
+                      f"client {r['client_cpu_us_per_match']:.0f} us"
+                      + (f" etcd {r['store_cpu_us_per_match']:.0f} us" if "store_cpu_us_per_match" in r else ""), flush=True)
             rev0 = await store_revision(args.store)
             ren = await bench_renewals(kv, leases=args.leases, batch=args.batch, seconds=args.seconds)
             rev1 = await store_revision(args.store)
@@ -213,9 +241,16 @@ def side_by_side(runs: list[dict]) -> str:
     rows = [["figure", *[r["store"] for r in runs]]]
     for i, rr in enumerate(runs[0]["rendezvous"]):
         rate = f"{rr['target_rate']:.0f}/s" if rr["target_rate"] else "unpaced"
-        rows.append([f"rendezvous {rate}: matches/s", *[f"{r['rendezvous'][i]['matches_per_s']:.0f}" for r in runs]])
+        name = f"{rr.get('path', 'unary')} {rate}"
+        rows.append([f"{name}: matches/s", *[f"{r['rendezvous'][i]['matches_per_s']:.0f}" for r in runs]])
         for q in ("p50", "p99"):
-            rows.append([f"rendezvous {rate}: {q} ms", *[f"{r['rendezvous'][i][q + '_ms']:.2f}" for r in runs]])
+            rows.append([f"{name}: {q} ms", *[f"{r['rendezvous'][i][q + '_ms']:.2f}" for r in runs]])
+        rows.append([f"{name}: server CPU us/match",
+                     *[f"{r['rendezvous'][i]['server_cpu_us_per_match']:.0f}" for r in runs]])
+        rows.append([f"{name}: client CPU us/match",
+                     *[f"{r['rendezvous'][i]['client_cpu_us_per_match']:.0f}" for r in runs]])
+        rows.append([f"{name}: etcd CPU us/match",
+                     *[f"{r['rendezvous'][i].get('store_cpu_us_per_match', float('nan')):.0f}" for r in runs]])
     rows.append(["renewals/s (one stream)", *[f"{r['renewals']['renewals_per_s']:,.0f}" for r in runs]])
     rows.append(["store writes/lease/s", *[f"{r['renewals'].get('store_writes_per_lease_per_s', float('nan')):.2f}" for r in runs]])
     widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
@@ -227,6 +262,9 @@ def main() -> int:
     p.add_argument("--store", action="append",
                    help="memory://, etcd://h:p[,h:p], or etcd3 (a 3-member etcd on loopback started here); repeatable")
     p.add_argument("--rate", type=float, action="append", help="target matches/s (repeatable; 0 = unpaced)")
+    p.add_argument("--path", action="append", choices=("unary", "session"),
+                   help="how engines send offers/completions: unary calls, or their Rendezvous/Session "
+                        "streams (repeatable; default both, side by side)")
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--seconds", type=float, default=5.0)
     p.add_argument("--leases", type=int, default=2000)
@@ -234,6 +272,7 @@ def main() -> int:
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "control_plane.json"))
     args = p.parse_args()
     args.rate = args.rate or [500.0, 1000.0, 0.0]
+    args.path = args.path or ["unary", "session"]
     runs = []
     for store in args.store or ["memory://"]:
         cluster = None
@@ -242,12 +281,14 @@ def main() -> int:
 
             cluster = EtcdCluster(3).start()
             store = cluster.url
+            args.store_pids = [m.proc.pid for m in cluster.members]
         try:
             args.store = store
             result = asyncio.run(run(args))
             result["store"] = "etcd (3 members, loopback)" if cluster else store
             runs.append(result)
         finally:
+            args.store_pids = []
             if cluster is not None:
                 cluster.stop()
     print()

@@ -12,6 +12,7 @@ when the connection drops, so a replica failover loses nothing.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import random
@@ -92,6 +93,7 @@ class KvbatonClient:
         self.token = token
         self._index = 0
         self._renewer: _RenewalBatcher | None = None
+        self._session: RendezvousSession | None = None
         self._connect()
 
     def _connect(self) -> None:
@@ -121,7 +123,12 @@ class KvbatonClient:
         self.rendezvous = rendezvous_pb2_grpc.RendezvousStub(self.channel)
         self.lease = lease_pb2_grpc.LeaseStub(self.channel)
 
-    async def reconnect(self) -> None:
+    async def reconnect(self, *, if_channel: grpc.aio.Channel | None = None) -> None:
+        """Moves to the next address. ``if_channel``: only if that channel (the one a
+        failed call used) is still the current one, so that several streams noticing the
+        same failure move once, not once each."""
+        if if_channel is not None and if_channel is not self.channel:
+            return
         old = self.channel
         self._index += 1
         self._connect()
@@ -134,6 +141,8 @@ class KvbatonClient:
     async def close(self) -> None:
         if self._renewer is not None:
             await self._renewer.close()
+        if self._session is not None:
+            await self._session.close()
         await self.channel.close(grace=0)
 
     async def __aenter__(self) -> "KvbatonClient":
@@ -246,6 +255,198 @@ class KvbatonClient:
             self._renewer = _RenewalBatcher(self)
         return await self._renewer.renew(lease_pb2.RenewRequest(conversation_id=conversation_id, lease_id=lease_id,
                                                                 ttl_ms=ttl_ms))
+
+
+    @property
+    def session(self) -> "RendezvousSession":
+        """The client's engine session: offers, completions, outcomes and cancels over one
+        Rendezvous/Session stream instead of one unary call each (opened on first use)."""
+        if self._session is None:
+            self._session = RendezvousSession(self)
+        return self._session
+
+
+def _status_error(code: int, reason: str) -> grpc.aio.AioRpcError:
+    """A session message's refusal, as the same exception a unary call raises."""
+    try:
+        status = next(s for s in grpc.StatusCode if s.value[0] == code)
+    except StopIteration:
+        status = grpc.StatusCode.UNKNOWN
+    return grpc.aio.AioRpcError(status, grpc.aio.Metadata(), grpc.aio.Metadata(), details=reason)
+
+
+class RendezvousSession:
+    """Multiplexes an engine's rendezvous calls onto one ``Rendezvous/Session`` stream.
+
+    ``offer``/``complete``/``report_outcome``/``cancel`` take the unary RPCs' requests and
+    return (or raise) what those return: the same response messages, and a refusal as
+    ``grpc.aio.AioRpcError`` with the same status code and reason. Calls queued while a
+    batch is being sent go out together in the next one; answers are matched by sequence
+    number.
+
+    A broken stream is re-opened (on the next replica when several are configured) and
+    the unanswered calls are sent again: every rendezvous call is idempotent, so one the
+    old replica had already applied is answered as a duplicate (the match, if it made
+    one, is delivered once, on the subscribers' streams). Per-call UNAVAILABLE/ABORTED
+    answers are retried like ``KvbatonClient.call`` retries them. A server without
+    sessions (UNIMPLEMENTED) is spoken to with unary calls instead.
+    """
+
+    _UNARY = {"offer": "Offer", "complete": "Complete", "report_outcome": "ReportOutcome", "cancel": "Cancel"}
+    _RETRYABLE_CODES = frozenset(c.value[0] for c in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED))
+
+    def __init__(self, client: KvbatonClient, *, retries: int = 3, max_batch: int = 512) -> None:
+        self.client = client
+        self.retries = retries
+        self.max_batch = max_batch
+        self.unary_fallback = False
+        self.reconnects = 0
+        # Batches and calls each way (how well calls are being batched).
+        self.stats = {"sent_batches": 0, "sent_calls": 0, "received_batches": 0, "received_results": 0}
+        self._seq = 0
+        self._queue: collections.deque[rendezvous_pb2.SessionCall] = collections.deque()
+        self._waiting: dict[int, asyncio.Future] = {}
+        self._wakeup = asyncio.Event()
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="kvbaton-session")
+
+    async def offer(self, req: rendezvous_pb2.OfferRequest) -> rendezvous_pb2.RendezvousResponse:
+        return await self._call("offer", req)
+
+    async def complete(self, req: rendezvous_pb2.CompleteRequest) -> rendezvous_pb2.RendezvousResponse:
+        return await self._call("complete", req)
+
+    async def report_outcome(self, req: rendezvous_pb2.ReportOutcomeRequest) -> rendezvous_pb2.TransferState:
+        return await self._call("report_outcome", req)
+
+    async def cancel(self, req: rendezvous_pb2.CancelRequest) -> rendezvous_pb2.TransferState:
+        return await self._call("cancel", req)
+
+    async def _call(self, body: str, req):
+        if self.unary_fallback:
+            return await self.client.call(getattr(self.client.rendezvous, self._UNARY[body]), req)
+        loop = asyncio.get_running_loop()
+        delay = 0.05
+        for attempt in range(self.retries + 1):
+            self._seq += 1
+            seq = self._seq
+            fut = loop.create_future()
+            self._waiting[seq] = fut
+            self._queue.append(rendezvous_pb2.SessionCall(seq=seq, **{body: req}))
+            self._wakeup.set()
+            timer = loop.call_later(self.client.timeout_s * 2, _expire, fut, self.client.timeout_s * 2)
+            try:
+                result = await fut
+            finally:
+                timer.cancel()
+                self._waiting.pop(seq, None)
+            if result is None:  # the server has no sessions: unary calls from now on
+                return await self.client.call(getattr(self.client.rendezvous, self._UNARY[body]), req)
+            if result.code == 0:
+                return result.rendezvous if body in ("offer", "complete") else result.state
+            if result.code not in self._RETRYABLE_CODES or attempt == self.retries:
+                raise _status_error(result.code, result.reason)
+            log.info("client.session_retry", code=result.code, reason=result.reason[:200], attempt=attempt)
+            await asyncio.sleep(delay * (1 + random.random()))
+            delay = min(delay * 2, 1.0)
+        raise AssertionError("unreachable")
+
+    def _settle_all(self, seqs, value=None, exc: BaseException | None = None) -> None:
+        for seq in seqs:
+            fut = self._waiting.get(seq)
+            if fut is not None and not fut.done():
+                if exc is not None:
+                    fut.set_exception(exc)
+                else:
+                    fut.set_result(value)
+
+    async def _run(self) -> None:
+        backoff = 0.05
+        generation = 0
+        while True:
+            generation += 1
+            sent: dict[int, rendezvous_pb2.SessionCall] = {}
+
+            async def requests(mine: int = generation):
+                while True:
+                    await self._wakeup.wait()
+                    if mine != generation:
+                        return  # a broken stream's iterator must not take the new stream's work
+                    self._wakeup.clear()
+                    while self._queue:
+                        batch = []
+                        while self._queue and len(batch) < self.max_batch:
+                            call = self._queue.popleft()
+                            fut = self._waiting.get(call.seq)
+                            if fut is None or fut.done():
+                                continue  # its caller gave up
+                            sent[call.seq] = call
+                            batch.append(call)
+                        if batch:
+                            self.stats["sent_batches"] += 1
+                            self.stats["sent_calls"] += len(batch)
+                            yield rendezvous_pb2.SessionRequest(calls=batch)
+
+            channel = self.client.channel
+            call = self.client.rendezvous.Session(requests())
+            try:
+                async for resp in call:
+                    backoff = 0.05
+                    self.stats["received_batches"] += 1
+                    self.stats["received_results"] += len(resp.results)
+                    for result in resp.results:
+                        sent.pop(result.seq, None)
+                        fut = self._waiting.get(result.seq)
+                        if fut is not None and not fut.done():
+                            fut.set_result(result)
+            except asyncio.CancelledError:
+                call.cancel()
+                raise
+            except grpc.aio.AioRpcError as exc:
+                call.cancel()
+                code = exc.code()
+                if code == grpc.StatusCode.UNIMPLEMENTED:
+                    log.info("client.session_unimplemented", address=self.client.address)
+                    self.unary_fallback = True
+                    self._settle_all([*sent, *(c.seq for c in self._queue)], None)
+                    self._queue.clear()
+                    return
+                if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
+                            grpc.StatusCode.RESOURCE_EXHAUSTED):
+                    # The stream itself was refused: every waiting call gets that answer.
+                    self._settle_all([*sent, *(c.seq for c in self._queue)], exc=exc)
+                    sent.clear()
+                    self._queue.clear()
+                log.info("client.session_reconnect", code=code.name, address=self.client.address)
+                if len(self.client.addresses) > 1 and code in _RETRYABLE:
+                    await self.client.reconnect(if_channel=channel)
+            except Exception as exc:  # the stream broke; whatever the cause, open another
+                call.cancel()
+                log.info("client.session_reconnect", error=repr(exc)[:200])
+                if len(self.client.addresses) > 1:
+                    await self.client.reconnect(if_channel=channel)
+            else:  # the server ended the stream (shutting down): go elsewhere too
+                call.cancel()
+                if len(self.client.addresses) > 1:
+                    await self.client.reconnect(if_channel=channel)
+            self.reconnects += 1
+            # Unanswered calls go out again, in their order, on the new stream.
+            self._queue.extendleft(c for _, c in sorted(sent.items(), reverse=True))
+            if self._queue:
+                self._wakeup.set()
+            await asyncio.sleep(backoff * (1 + random.random()))
+            backoff = min(backoff * 2, 2.0)
+
+    async def close(self) -> None:
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+        self._settle_all(list(self._waiting), exc=_status_error(grpc.StatusCode.CANCELLED.value[0], "session closed"))
+
+
+def _expire(fut: asyncio.Future, after_s: float) -> None:
+    if not fut.done():
+        fut.set_exception(_status_error(grpc.StatusCode.DEADLINE_EXCEEDED.value[0],
+                                        f"no answer on the session within {after_s:g} s"))
 
 
 class _RenewalBatcher:

@@ -154,6 +154,29 @@ STREAM_RULES: dict[str, Rule] = {
     "/kvbaton.v1.Lease/KeepAlive": lambda p, req: next(
         (r for r in (_conversation("renew")(p, x) for x in req.renewals) if r), None),
 }
+# An engine session (Rendezvous/Session) carries offers, completions, outcomes and
+# cancels: each message is authorized by the rule of the unary RPC it stands for.
+SESSION_METHOD = "/kvbaton.v1.Rendezvous/Session"
+SESSION_BODIES = {
+    "offer": "/kvbaton.v1.Rendezvous/Offer",
+    "complete": "/kvbaton.v1.Rendezvous/Complete",
+    "report_outcome": "/kvbaton.v1.Rendezvous/ReportOutcome",
+    "cancel": "/kvbaton.v1.Rendezvous/Cancel",
+}
+
+
+def authorize_session_call(p: Principal, call: Any) -> str | None:
+    """One call of an engine session (a ``SessionCall``): the rule of its unary RPC."""
+    body = call.WhichOneof("body")
+    if body is None:
+        # Nothing to act on (the servicer answers INVALID_ARGUMENT); only engines talk here.
+        return None if p.role in ("engine", "operator") else f"{p.name} ({p.role}) may not open engine sessions"
+    return RULES[SESSION_BODIES[body]](p, getattr(call, body))
+
+
+# (The guard applies it per call, answering a refused call alone; see services/api/guard.py.)
+STREAM_RULES[SESSION_METHOD] = lambda p, req: next(
+    (r for r in (authorize_session_call(p, c) for c in req.calls) if r), None)
 # Health checks (probes carry no token) and reflection need no authorization.
 PUBLIC_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 

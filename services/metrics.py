@@ -230,6 +230,9 @@ class InstrumentedStore(Store):
     async def txn(self, compares: Sequence[Compare], success: Sequence[Op], failure: Sequence[Op] = ()) -> TxnResult:
         return await self._timed("txn", self.inner.txn(compares, success, failure))
 
+    async def txn_batched(self, compares: Sequence[Compare], success: Sequence[Op], failure: Sequence[Op] = ()) -> TxnResult:
+        return await self._timed("txn", self.inner.txn_batched(compares, success, failure))
+
     async def grant_lease(self, ttl_s: float) -> int:
         return await self._timed("grant_lease", self.inner.grant_lease(ttl_s))
 

@@ -212,3 +212,43 @@ class ListTransfersResponse(_message.Message):
     TRANSFERS_FIELD_NUMBER: _ClassVar[int]
     transfers: _containers.RepeatedCompositeFieldContainer[TransferState]
     def __init__(self, transfers: _Optional[_Iterable[_Union[TransferState, _Mapping]]] = ...) -> None: ...
+
+class SessionRequest(_message.Message):
+    __slots__ = ("calls",)
+    CALLS_FIELD_NUMBER: _ClassVar[int]
+    calls: _containers.RepeatedCompositeFieldContainer[SessionCall]
+    def __init__(self, calls: _Optional[_Iterable[_Union[SessionCall, _Mapping]]] = ...) -> None: ...
+
+class SessionCall(_message.Message):
+    __slots__ = ("seq", "offer", "complete", "report_outcome", "cancel")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    OFFER_FIELD_NUMBER: _ClassVar[int]
+    COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    REPORT_OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    offer: OfferRequest
+    complete: CompleteRequest
+    report_outcome: ReportOutcomeRequest
+    cancel: CancelRequest
+    def __init__(self, seq: _Optional[int] = ..., offer: _Optional[_Union[OfferRequest, _Mapping]] = ..., complete: _Optional[_Union[CompleteRequest, _Mapping]] = ..., report_outcome: _Optional[_Union[ReportOutcomeRequest, _Mapping]] = ..., cancel: _Optional[_Union[CancelRequest, _Mapping]] = ...) -> None: ...
+
+class SessionResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[SessionResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[SessionResult, _Mapping]]] = ...) -> None: ...
+
+class SessionResult(_message.Message):
+    __slots__ = ("seq", "code", "reason", "rendezvous", "state")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    RENDEZVOUS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    code: int
+    reason: str
+    rendezvous: RendezvousResponse
+    state: TransferState
+    def __init__(self, seq: _Optional[int] = ..., code: _Optional[int] = ..., reason: _Optional[str] = ..., rendezvous: _Optional[_Union[RendezvousResponse, _Mapping]] = ..., state: _Optional[_Union[TransferState, _Mapping]] = ...) -> None: ...

@@ -70,6 +70,11 @@ class RendezvousStub:
                 request_serializer=kvbaton_dot_v1_dot_rendezvous__pb2.ListTransfersRequest.SerializeToString,
                 response_deserializer=kvbaton_dot_v1_dot_rendezvous__pb2.ListTransfersResponse.FromString,
                 _registered_method=True)
+        self.Session = channel.stream_stream(
+                '/kvbaton.v1.Rendezvous/Session',
+                request_serializer=kvbaton_dot_v1_dot_rendezvous__pb2.SessionRequest.SerializeToString,
+                response_deserializer=kvbaton_dot_v1_dot_rendezvous__pb2.SessionResponse.FromString,
+                _registered_method=True)
 
 
 class RendezvousServicer:
@@ -124,6 +129,17 @@ class RendezvousServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Session(self, request_iterator, context):
+        """An engine's session: offers, completions, outcomes and cancels over one stream, in
+        batches. Each call is tagged with the client's `seq` and answered by one result with
+        the same `seq` (in any order), with the same semantics as the unary RPC it stands for.
+        A call that fails carries its status code and reason in its result; the stream stays
+        open. Authorization and rate limits apply to every call as to the unary RPCs.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RendezvousServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -161,6 +177,11 @@ def add_RendezvousServicer_to_server(servicer, server):
                     servicer.ListTransfers,
                     request_deserializer=kvbaton_dot_v1_dot_rendezvous__pb2.ListTransfersRequest.FromString,
                     response_serializer=kvbaton_dot_v1_dot_rendezvous__pb2.ListTransfersResponse.SerializeToString,
+            ),
+            'Session': grpc.stream_stream_rpc_method_handler(
+                    servicer.Session,
+                    request_deserializer=kvbaton_dot_v1_dot_rendezvous__pb2.SessionRequest.FromString,
+                    response_serializer=kvbaton_dot_v1_dot_rendezvous__pb2.SessionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -352,6 +373,33 @@ class Rendezvous:
             '/kvbaton.v1.Rendezvous/ListTransfers',
             kvbaton_dot_v1_dot_rendezvous__pb2.ListTransfersRequest.SerializeToString,
             kvbaton_dot_v1_dot_rendezvous__pb2.ListTransfersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Session(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvbaton.v1.Rendezvous/Session',
+            kvbaton_dot_v1_dot_rendezvous__pb2.SessionRequest.SerializeToString,
+            kvbaton_dot_v1_dot_rendezvous__pb2.SessionResponse.FromString,
             options,
             channel_credentials,
             insecure,

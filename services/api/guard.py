@@ -10,16 +10,25 @@ request reaches no servicer, so it changes nothing.
 from __future__ import annotations
 
 import collections
+import contextvars
 import dataclasses
+from collections.abc import Callable
 
 import grpc
 import structlog
 
-from ..auth import PUBLIC_PREFIXES, Principal, RateLimiter, TokenBook, authorize
+from ..auth import PUBLIC_PREFIXES, SESSION_METHOD, Principal, RateLimiter, TokenBook, authorize, authorize_session_call
 
 log = structlog.get_logger(__name__)
 
 ANONYMOUS = Principal(name="anonymous", role="operator")
+
+# Set by the guard for a session stream (Rendezvous/Session), read by its servicer: called
+# with each call of the session (a SessionCall), it returns None (admitted) or (status
+# code, reason) for that call alone, so one refused call does not end the stream. Unset
+# (no tokens, no rate limit): nothing to check.
+MessageGate = Callable[[object], "tuple[grpc.StatusCode, str] | None"]
+SESSION_GATE: contextvars.ContextVar[MessageGate | None] = contextvars.ContextVar("kvbaton_session_gate", default=None)
 
 
 @dataclasses.dataclass
@@ -125,6 +134,10 @@ class Guard(grpc.aio.ServerInterceptor):
                     guard.streams[slot] -= 1
             return make(server_stream, handler.request_deserializer, handler.response_serializer)
 
+        if method == SESSION_METHOD:
+            return make(self._session(principal, inner, admit, stream_slot), handler.request_deserializer,
+                        handler.response_serializer)
+
         # Client streams (KeepAlive): every message is authorized before it reaches the servicer.
         async def bidi(request_iterator, context):
             await admit(context)
@@ -150,3 +163,46 @@ class Guard(grpc.aio.ServerInterceptor):
             finally:
                 guard.streams[slot] -= 1
         return make(bidi, handler.request_deserializer, handler.response_serializer)
+
+    def _session(self, principal: Principal, inner, admit, stream_slot):
+        """An engine session: opening it is admitted like any stream; then every message is
+        rate-limited and authorized as the unary call it stands for, and a refusal answers
+        that message only (through ``SESSION_GATE``) instead of ending the stream."""
+        guard = self
+        config = self.config
+
+        async def session(request_iterator, context):
+            await admit(context)
+            slot = stream_slot(context)
+            if guard.streams[slot] >= config.max_streams_per_client:
+                guard.refused["too_many_streams"] += 1
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                    f"{slot} already has {guard.streams[slot]} open streams "
+                                    f"(limit {config.max_streams_per_client})")
+            guard.streams[slot] += 1
+            client = slot
+            limiter = guard.limiter
+            check_scope = config.tokens is not None
+
+            def gate(call):
+                if limiter is not None and not limiter.allow(client):
+                    guard.refused["rate_limited"] += 1
+                    return (grpc.StatusCode.RESOURCE_EXHAUSTED,
+                            f"rate limit {config.rate_limit:g} requests/s exceeded for {client}")
+                if check_scope:
+                    reason = authorize_session_call(principal, call)
+                    if reason is not None:
+                        guard.refused["permission_denied"] += 1
+                        log.warning("auth.denied", principal=principal.name, method=SESSION_METHOD, reason=reason)
+                        return grpc.StatusCode.PERMISSION_DENIED, reason
+                return None
+
+            # The RPC runs in its own task: the value lives and dies with it (no reset, which
+            # would fail if the generator were finalized from another context).
+            SESSION_GATE.set(gate if (limiter is not None or check_scope) else None)
+            try:
+                async for item in inner(request_iterator, context):
+                    yield item
+            finally:
+                guard.streams[slot] -= 1
+        return session

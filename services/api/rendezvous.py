@@ -3,34 +3,53 @@
 from __future__ import annotations
 
 
+import asyncio
+
+import grpc
+import structlog
+
 from kvbaton.v1 import rendezvous_pb2 as pb
 from kvbaton.v1 import rendezvous_pb2_grpc as pb_grpc
 
+from ..domain.errors import DomainError
 from ..domain.rendezvous import RendezvousService
-from .status import streaming, unary, with_heartbeats
+from ..store import StoreError
+from .guard import SESSION_GATE
+from .status import grpc_code, streaming, unary, with_heartbeats
+
+log = structlog.get_logger(__name__)
 
 HEARTBEAT_S = 5.0
+# Messages of one session being worked on at once; the stream is not read beyond that.
+SESSION_IN_FLIGHT = 1024
+_INVALID = grpc.StatusCode.INVALID_ARGUMENT.value[0]
 
 
 class RendezvousServicer(pb_grpc.RendezvousServicer):
     def __init__(self, domain: RendezvousService) -> None:
         self.domain = domain
 
-    @unary
-    async def Offer(self, r: pb.OfferRequest, context):
+    async def _offer(self, r: pb.OfferRequest) -> pb.RendezvousResponse:
         msg = self.domain.validate(is_offer=True, transfer_id=r.transfer_id, attempt=r.attempt,
                                    engine_id=r.decode_engine_id, block_ids=r.block_ids, num_tokens=r.num_tokens,
                                    timeout_ms=r.timeout_ms, request_id=r.request_id)
         state, matched, dup = await self.domain.submit(msg)
         return pb.RendezvousResponse(state=state, matched_now=matched, duplicate=dup)
 
-    @unary
-    async def Complete(self, r: pb.CompleteRequest, context):
+    async def _complete(self, r: pb.CompleteRequest) -> pb.RendezvousResponse:
         msg = self.domain.validate(is_offer=False, transfer_id=r.transfer_id, attempt=r.attempt,
                                    engine_id=r.prefill_engine_id, block_ids=r.block_ids, num_tokens=r.num_tokens,
                                    timeout_ms=r.timeout_ms, request_id=r.request_id, writers=r.writers)
         state, matched, dup = await self.domain.submit(msg)
         return pb.RendezvousResponse(state=state, matched_now=matched, duplicate=dup)
+
+    @unary
+    async def Offer(self, r: pb.OfferRequest, context):
+        return await self._offer(r)
+
+    @unary
+    async def Complete(self, r: pb.CompleteRequest, context):
+        return await self._complete(r)
 
     @streaming
     async def Subscribe(self, r: pb.SubscribeRequest, context):
@@ -55,3 +74,87 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
     @unary
     async def ListTransfers(self, r: pb.ListTransfersRequest, context):
         return pb.ListTransfersResponse(transfers=await self.domain.list(phases=r.phases, engine_id=r.engine_id, limit=r.limit))
+
+    async def _session_one(self, call: pb.SessionCall, gate) -> pb.SessionResult:
+        """One session call, answered like its unary RPC would be (errors in the result)."""
+        seq = call.seq
+        try:
+            if gate is not None:
+                refused = gate(call)
+                if refused is not None:
+                    return pb.SessionResult(seq=seq, code=refused[0].value[0], reason=refused[1])
+            body = call.WhichOneof("body")
+            if body == "offer":
+                return pb.SessionResult(seq=seq, rendezvous=await self._offer(call.offer))
+            if body == "complete":
+                return pb.SessionResult(seq=seq, rendezvous=await self._complete(call.complete))
+            if body == "report_outcome":
+                r = call.report_outcome
+                return pb.SessionResult(seq=seq, state=await self.domain.report_outcome(r.transfer_id, r.attempt, r.outcome))
+            if body == "cancel":
+                r = call.cancel
+                return pb.SessionResult(seq=seq, state=await self.domain.cancel(r.transfer_id, r.attempt, r.engine_id, r.reason))
+            return pb.SessionResult(seq=seq, code=_INVALID,
+                                    reason="session call has no body (offer, complete, report_outcome or cancel)")
+        except DomainError as exc:
+            return pb.SessionResult(seq=seq, code=grpc_code(exc.code).value[0], reason=exc.message)
+        except StoreError as exc:
+            log.warning("store.unavailable", rpc="Session", error=str(exc))
+            return pb.SessionResult(seq=seq, code=grpc.StatusCode.UNAVAILABLE.value[0], reason=f"store unavailable: {exc}")
+        except Exception as exc:  # one call's bug must not end every other call's stream
+            log.exception("rendezvous.session_error", seq=seq)
+            return pb.SessionResult(seq=seq, code=grpc.StatusCode.INTERNAL.value[0], reason=repr(exc)[:500])
+
+    async def Session(self, request_iterator, context: grpc.aio.ServicerContext):
+        # Set by the guard in this RPC's task: per-call authorization and rate limits.
+        gate = SESSION_GATE.get()
+        loop = asyncio.get_running_loop()
+        results: list[pb.SessionResult] = []
+        ready = asyncio.Event()
+        working: set[asyncio.Task] = set()
+        slots = asyncio.Semaphore(SESSION_IN_FLIGHT)
+        state = {"finished": False}
+
+        async def answer(call: pb.SessionCall) -> None:
+            try:
+                results.append(await self._session_one(call, gate))
+                ready.set()
+            finally:
+                slots.release()
+
+        async def pump() -> None:
+            # Calls are worked on concurrently (each decided by its own CAS) and answered as
+            # they finish, batched: whatever finished while the last batch was being written
+            # goes out in the next. When the client half-closes, what is in flight finishes.
+            try:
+                async for req in request_iterator:
+                    for call in req.calls:
+                        await slots.acquire()
+                        task = loop.create_task(answer(call))
+                        working.add(task)
+                        task.add_done_callback(working.discard)
+                if working:
+                    await asyncio.wait(set(working))
+            finally:
+                state["finished"] = True
+                ready.set()
+
+        reader = loop.create_task(pump())
+        try:
+            while True:
+                await ready.wait()
+                ready.clear()
+                if results:
+                    batch = results[:]
+                    del results[:]
+                    yield pb.SessionResponse(results=batch)
+                elif state["finished"]:
+                    break
+                else:
+                    continue
+                if state["finished"] and not results:
+                    break
+        finally:
+            reader.cancel()
+            for task in list(working):
+                task.cancel()

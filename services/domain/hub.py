@@ -77,6 +77,7 @@ class PrefixHub(Generic[T, E]):
         self._subs: dict[Route, set[_Subscriber[E]]] = {}
         self._task: asyncio.Task | None = None
         self._progress = asyncio.Condition()
+        self._progress_waiters = 0  # wait_for() callers: no wake-up task per batch without them
         self._ready = asyncio.Event()
         self.listeners: list[Callable[[WatchEvent], None]] = []
 
@@ -152,7 +153,8 @@ class PrefixHub(Generic[T, E]):
                         sub.offer(ev.revision, event)
             self.revision = max(self.revision, ev.revision)
             self.last_event_revision = self.revision
-        asyncio.get_running_loop().create_task(self._notify())
+        if self._progress_waiters:
+            asyncio.get_running_loop().create_task(self._notify())
 
     async def _notify(self) -> None:
         async with self._progress:
@@ -162,11 +164,15 @@ class PrefixHub(Generic[T, E]):
         """Waits until the cache has applied ``revision`` (read-your-writes)."""
         if self.revision >= revision:
             return True
-        async with self._progress:
-            try:
-                await asyncio.wait_for(self._progress.wait_for(lambda: self.revision >= revision), timeout_s)
-            except TimeoutError:
-                return False
+        self._progress_waiters += 1
+        try:
+            async with self._progress:
+                try:
+                    await asyncio.wait_for(self._progress.wait_for(lambda: self.revision >= revision), timeout_s)
+                except TimeoutError:
+                    return False
+        finally:
+            self._progress_waiters -= 1
         return True
 
     async def subscribe(self, route: Route, after_revision: int = 0) -> AsyncIterator[tuple[int, E]]:

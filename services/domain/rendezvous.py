@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import heapq
+import time
 from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Any
 
@@ -31,7 +32,7 @@ import structlog
 from kvbaton.v1 import rendezvous_pb2 as pb
 
 from ..metrics import ServiceMetrics
-from ..store import Compare, EventType, KeyValue, Put, Store, WatchEvent
+from ..store import Compare, EventType, Get, KeyValue, Put, Store, WatchEvent
 from . import limits
 from .clock import Clock, WallClock
 from .errors import Code, DomainError, exhausted, invalid, not_found, precondition
@@ -67,6 +68,10 @@ class RendezvousConfig:
     # Bounded memory: a new transfer is refused (RESOURCE_EXHAUSTED) while this many are
     # pending or matched; existing ones still progress, expire and free their slots.
     max_pending: int = 200_000
+    # An engine found registered is not looked up again for this long (a store read per
+    # message otherwise); an engine that deregisters may still be matched meanwhile, as it
+    # may be anyway when it dies right after the check.
+    engine_cache_s: float = 1.0
 
 
 def _parse(value: bytes) -> pb.TransferState:
@@ -158,6 +163,7 @@ class RendezvousService:
         self._deadlines: list[tuple[int, bytes, int]] = []
         self.hub.listeners.append(self._track_deadline)
         self.is_leader = lambda: True
+        self._engines_seen: dict[str, float] = {}  # engine_id -> monotonic time it was last found
         self.stats = {"matches": 0, "expired_offers": 0, "expired_completions": 0, "failed": 0, "succeeded": 0}
 
     async def start(self, *, run_sweeper: bool = True) -> None:
@@ -195,21 +201,24 @@ class RendezvousService:
     # -- offer / complete --------------------------------------------------
     async def submit(self, msg: SideMessage) -> tuple[pb.TransferState, bool, bool]:
         """Records one side; returns (state, matched_now, duplicate)."""
-        if self.engine_exists is not None and not await self.engine_exists(msg.engine_id):
-            raise not_found(f"engine {msg.engine_id} is not registered")
+        if self.engine_exists is not None:
+            await self._check_engine(msg.engine_id)
         key = self._key(msg.transfer_id)
+        fresh: tuple[KeyValue | None] | None = None  # the current value, read by a lost CAS
         for attempt_no in range(_CAS_RETRIES):
             now = self.clock.now_ms()
             # First try from the replica's cache, saving a store read: the CAS below is
             # what decides, so a stale cache only costs a retry. Answers that write
-            # nothing (duplicate, conflict) are only given from an authoritative read.
+            # nothing (duplicate, conflict) are only given from an authoritative read:
+            # the one a lost CAS returns from its failure branch, or a get.
             cached = attempt_no == 0
             if cached:
                 entry = self.hub.records.get(key)
                 cur = entry[0] if entry else None
                 kv = KeyValue(key, b"", 0, entry[1], 0) if entry else None
             else:
-                kv = await self.store.get(key)
+                kv = fresh[0] if fresh is not None else await self.store.get(key)
+                fresh = None
                 cur = _parse(kv.value) if kv else None
             if cached and cur is not None and (cur.attempt > msg.attempt or (
                     cur.attempt == msg.attempt and ((cur.offer if msg.is_offer else cur.completion).engine_id
@@ -257,8 +266,15 @@ class RendezvousService:
             else:
                 new.phase = OFFERED if msg.is_offer else COMPLETED
             new.updated_at_ms = now
-            result = await self.store.txn([Compare.unchanged(kv, key)], await self._put_ops(new))
-            if result.succeeded:
+            # A first side that supersedes nothing makes no event, so it may share a store
+            # revision with other such writes (batched: one etcd proposal for many); writes
+            # that make events (match, failure, superseding) keep a revision of their own,
+            # which is what subscribers resume from.
+            txn = self.store.txn_batched if new.phase in PENDING and not superseded else self.store.txn
+            result = await txn([Compare.unchanged(kv, key)], await self._put_ops(new), [Get(key)])
+            if not result.succeeded:
+                fresh = result.values[:1] or None
+            else:
                 new.revision = result.revision
                 if superseded:
                     self.metrics.transfers.labels("cancelled", "superseded").inc()
@@ -274,12 +290,26 @@ class RendezvousService:
                 return new, matched and new.phase == MATCHED, False
         raise DomainError(Code.ABORTED, f"transfer {msg.transfer_id} kept conflicting; retry")
 
+    async def _check_engine(self, engine_id: str) -> None:
+        seen = self._engines_seen.get(engine_id)
+        mono = time.monotonic()
+        if seen is not None and mono - seen < self.config.engine_cache_s:
+            return
+        if not await self.engine_exists(engine_id):
+            self._engines_seen.pop(engine_id, None)
+            raise not_found(f"engine {engine_id} is not registered")
+        if len(self._engines_seen) >= 10_000:
+            self._engines_seen.clear()  # bounded memory
+        self._engines_seen[engine_id] = mono
+
     async def _update(self, transfer_id: str, attempt: int, change) -> pb.TransferState:
         """Read-modify-CAS on a transfer; ``change(state, now)`` mutates it or returns False."""
         limits.check_id("transfer_id", transfer_id)
         key = self._key(transfer_id)
+        fresh: tuple[KeyValue | None] | None = None  # the current value, read by a lost CAS
         for _ in range(_CAS_RETRIES):
-            kv = await self.store.get(key)
+            kv = fresh[0] if fresh is not None else await self.store.get(key)
+            fresh = None
             if kv is None:
                 raise not_found(f"transfer {transfer_id} not found (never seen, or ended long ago)")
             cur = _parse(kv.value)
@@ -292,10 +322,11 @@ class RendezvousService:
                 cur.revision = kv.mod_revision
                 return cur
             cur.updated_at_ms = now
-            result = await self.store.txn([Compare.unchanged(kv, key)], await self._put_ops(cur))
+            result = await self.store.txn([Compare.unchanged(kv, key)], await self._put_ops(cur), [Get(key)])
             if result.succeeded:
                 cur.revision = result.revision
                 return cur
+            fresh = result.values[:1] or None
         raise DomainError(Code.ABORTED, f"transfer {transfer_id} kept conflicting; retry")
 
     async def report_outcome(self, transfer_id: str, attempt: int, outcome: pb.Outcome) -> pb.TransferState:

@@ -9,6 +9,7 @@ from .base import (
     CompareTarget,
     Delete,
     EventType,
+    Get,
     KeyValue,
     LeaseNotFoundError,
     Put,
@@ -22,7 +23,7 @@ from .base import (
 from .memory import MemoryStore
 
 __all__ = [
-    "CompactedError", "Compare", "CompareOp", "CompareTarget", "Delete", "EventType", "KeyValue",
+    "CompactedError", "Compare", "CompareOp", "CompareTarget", "Delete", "EventType", "Get", "KeyValue",
     "LeaseNotFoundError", "MemoryStore", "Put", "Store", "StoreError", "TxnResult", "Watch",
     "WatchEvent", "open_store", "prefix_end",
 ]

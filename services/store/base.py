@@ -8,6 +8,8 @@ backend (the embedded default) and the etcd backend are interchangeable:
   ``create_revision`` / ``mod_revision`` for compare-and-swap;
 - ``txn``: compares, then a list of puts/deletes applied atomically if all compares
   hold (otherwise the ``failure`` ops), the only way the domain modules decide races;
+  a branch may also ``Get`` keys (read after that branch's writes), e.g. the current
+  value when a compare-and-swap lost;
 - TTL leases (``grant_lease``/``keepalive``/``revoke_lease``): keys put under a lease
   vanish when it expires (engine liveness, tombstones);
 - prefix watches that resume from a revision (``start_revision``), so a stream that
@@ -103,7 +105,15 @@ class Delete:
     prefix: bool = False
 
 
-Op = Put | Delete
+@dataclasses.dataclass(frozen=True, slots=True)
+class Get:
+    """Reads one key inside a transaction (etcd: a Range op), so a failed compare-and-swap
+    returns the current value in the same round trip instead of needing another read."""
+
+    key: bytes
+
+
+Op = Put | Delete | Get
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -111,6 +121,8 @@ class TxnResult:
     succeeded: bool
     # Store revision after the transaction (unchanged if nothing was written).
     revision: int
+    # One entry per ``Get`` of the branch that ran, in order (None: the key is absent).
+    values: tuple[KeyValue | None, ...] = ()
 
 
 class EventType(enum.Enum):
@@ -171,6 +183,19 @@ class Store(abc.ABC):
         success: Sequence[Op],
         failure: Sequence[Op] = (),
     ) -> TxnResult: ...
+
+    async def txn_batched(
+        self,
+        compares: Sequence[Compare],
+        success: Sequence[Op],
+        failure: Sequence[Op] = (),
+    ) -> TxnResult:
+        """``txn``, for a write that may be committed together with other batched writes
+        in one round trip and ONE store revision (etcd: nested transactions in one). Each
+        keeps its own compares and outcome. Only for writes no watcher needs to tell apart
+        by revision (e.g. ones that produce no subscriber event): resuming "after revision
+        R" cannot separate two changes made at R. Backends without batching just ``txn``."""
+        return await self.txn(compares, success, failure)
 
     @abc.abstractmethod
     async def grant_lease(self, ttl_s: float) -> int:

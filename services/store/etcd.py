@@ -57,6 +57,7 @@ from .base import (
     CompareOp,
     CompareTarget,
     Delete,
+    Get,
     EventType,
     KeyValue,
     LeaseNotFoundError,
@@ -408,6 +409,10 @@ class EtcdStore(Store):
         self._ka_open_lock = asyncio.Lock()
         self._watches: set[_EtcdWatch] = set()
         self._closed = False
+        # txn_batched(): (keys written, nested request, success ops, failure ops, future) waiting
+        # for the one batch in flight to come back.
+        self._batch: list[tuple[frozenset[bytes], pb.TxnRequest, Sequence[Op], Sequence[Op], asyncio.Future]] = []
+        self._batching = False
 
     @classmethod
     async def connect(
@@ -517,7 +522,84 @@ class EtcdStore(Store):
             failure=[self._op(o) for o in failure],
         )
         resp = await self._unary("kv", "Txn", req, mutation=True)
-        return TxnResult(resp.succeeded, resp.header.revision)
+        return self._txn_result(resp.succeeded, resp.header.revision, resp.responses, success, failure)
+
+    @staticmethod
+    def _txn_result(succeeded: bool, revision: int, responses, success: Sequence[Op], failure: Sequence[Op]) -> TxnResult:
+        ran = success if succeeded else failure
+        if not any(isinstance(o, Get) for o in ran):
+            return TxnResult(succeeded, revision)
+        values = tuple(
+            (_kv(r.response_range.kvs[0]) if r.response_range.kvs else None)
+            for o, r in zip(ran, responses) if isinstance(o, Get))
+        return TxnResult(succeeded, revision, values)
+
+    # Nested transactions per batch: each counts its ops against etcd's --max-txn-ops
+    # (default 128), and a rendezvous write has 2 (put; get on failure).
+    MAX_BATCH = 32
+
+    async def txn_batched(
+        self, compares: Sequence[Compare], success: Sequence[Op], failure: Sequence[Op] = ()
+    ) -> TxnResult:
+        """Writes queued while a batch is in flight go out together as nested transactions
+        of one etcd Txn (one raft proposal): no added wait when idle, far fewer proposals
+        under load. Writes to the same key never share a batch (etcd refuses that)."""
+        req = pb.TxnRequest(
+            compare=[self._compare(c) for c in compares],
+            success=[self._op(o) for o in success],
+            failure=[self._op(o) for o in failure],
+        )
+        keys = frozenset(o.key for o in (*success, *failure) if not isinstance(o, Get))
+        fut = asyncio.get_running_loop().create_future()
+        self._batch.append((keys, req, success, failure, fut))
+        if not self._batching:
+            self._batching = True
+            asyncio.get_running_loop().create_task(self._send_batches(), name="etcd-txn-batch")
+        return await fut
+
+    async def _send_batches(self) -> None:
+        taken: list = []
+        try:
+            while self._batch:
+                taken = []
+                rest: list = []
+                keys: set[bytes] = set()
+                for item in self._batch:
+                    if len(taken) < self.MAX_BATCH and not (item[0] & keys) and not item[4].done():
+                        taken.append(item)
+                        keys |= item[0]
+                    elif not item[4].done():
+                        rest.append(item)
+                self._batch = rest
+                if not taken:
+                    continue
+                try:
+                    if len(taken) == 1:
+                        _, req, success, failure, fut = taken[0]
+                        resp = await self._unary("kv", "Txn", req, mutation=True)
+                        results = [self._txn_result(resp.succeeded, resp.header.revision, resp.responses, success, failure)]
+                    else:
+                        outer = pb.TxnRequest(success=[pb.RequestOp(request_txn=item[1]) for item in taken])
+                        resp = await self._unary("kv", "Txn", outer, mutation=True)
+                        rev = resp.header.revision
+                        results = [
+                            self._txn_result(r.response_txn.succeeded, rev, r.response_txn.responses, item[2], item[3])
+                            for item, r in zip(taken, resp.responses)]
+                except Exception as exc:  # every write of the batch shares its fate
+                    for item in taken:
+                        if not item[4].done():
+                            item[4].set_exception(exc)
+                    continue
+                for item, result in zip(taken, results):
+                    if not item[4].done():
+                        item[4].set_result(result)
+            taken = []
+        finally:
+            self._batching = False
+            # Cancelled (the loop is closing) or closed: nobody may wait forever.
+            for item in [*taken, *self._batch] if (taken or self._closed) else ():
+                if not item[4].done():
+                    item[4].set_exception(StoreError("etcd store is closed or the batch was cancelled"))
 
     async def compact(self, revision: int, *, physical: bool = True) -> None:
         """Drops history before ``revision`` (etcd-only; tests use it to provoke compaction)."""
@@ -543,6 +625,8 @@ class EtcdStore(Store):
         if isinstance(op, Delete):
             k, end = _key_range(op.key) if op.prefix else (op.key, b"")
             return pb.RequestOp(request_delete_range=pb.DeleteRangeRequest(key=k, range_end=end))
+        if isinstance(op, Get):
+            return pb.RequestOp(request_range=pb.RangeRequest(key=op.key))
         raise TypeError(f"unknown txn op {op!r}")
 
     # -- leases ---------------------------------------------------------------

@@ -22,6 +22,7 @@ from .base import (
     CompareOp,
     CompareTarget,
     Delete,
+    Get,
     EventType,
     KeyValue,
     LeaseNotFoundError,
@@ -80,6 +81,9 @@ class MemoryStore(Store):
         self._keys: list[bytes] = []  # sorted, for prefix ranges
         self._revision = 1
         self._leases: dict[int, tuple[float, float]] = {}  # id -> (ttl_s, deadline)
+        # No lease ends before this (a lower bound: renewals only move deadlines later), so
+        # most operations skip the scan of every lease.
+        self._earliest_deadline = float("inf")
         self._lease_keys: dict[int, set[bytes]] = collections.defaultdict(set)
         self._lease_ids = itertools.count(0x1000)
         self._history: collections.deque[WatchEvent] = collections.deque(maxlen=_HISTORY)
@@ -129,14 +133,17 @@ class MemoryStore(Store):
             if isinstance(op, Put) and op.lease and op.lease not in self._leases:
                 raise LeaseNotFoundError(f"lease {op.lease:#x} not found")
         expanded: list[Op] = []
+        gets: list[bytes] = []
         for op in ops:
-            if isinstance(op, Delete) and op.prefix:
+            if isinstance(op, Get):
+                gets.append(op.key)
+            elif isinstance(op, Delete) and op.prefix:
                 expanded.extend(Delete(k) for k in self._prefixed(op.key))
             else:
                 expanded.append(op)
         if expanded:
             self._apply(expanded)
-        return TxnResult(ok, self._revision)
+        return TxnResult(ok, self._revision, tuple(self._data.get(k) for k in gets))
 
     def _prefixed(self, prefix: bytes) -> list[bytes]:
         lo = bisect.bisect_left(self._keys, prefix)
@@ -209,7 +216,9 @@ class MemoryStore(Store):
     # -- leases ------------------------------------------------------------
     async def grant_lease(self, ttl_s: float) -> int:
         lease_id = next(self._lease_ids)
-        self._leases[lease_id] = (ttl_s, self._clock() + ttl_s)
+        deadline = self._clock() + ttl_s
+        self._leases[lease_id] = (ttl_s, deadline)
+        self._earliest_deadline = min(self._earliest_deadline, deadline)
         self._ensure_reaper()
         return lease_id
 
@@ -235,10 +244,13 @@ class MemoryStore(Store):
         if not self._leases:
             return
         now = self._clock()
+        if now < self._earliest_deadline:
+            return
         dead = [lid for lid, (_, deadline) in self._leases.items() if deadline <= now]
         for lid in dead:
             del self._leases[lid]
             self._drop_lease_keys(lid)
+        self._earliest_deadline = min((deadline for _, deadline in self._leases.values()), default=float("inf"))
 
     def _ensure_reaper(self) -> None:
         if self._reaper is None or self._reaper.done():

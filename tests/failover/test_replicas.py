@@ -128,6 +128,59 @@ async def test_kill_replica_mid_stream_loses_and_duplicates_nothing(replicas):
         await c.close()
 
 
+async def test_kill_replica_mid_session_loses_and_duplicates_nothing(replicas):
+    """The engines' sessions (and the subscriber) start on A and know B; A is killed with
+    calls in flight: every call is answered (resent on B, answered as a duplicate where A
+    had applied it), every transfer ends matched, and each match is delivered once."""
+    a, b = replicas
+    dec = KvbatonClient([a.address, b.address], timeout_s=5)
+    pre = KvbatonClient([a.address, b.address], timeout_s=5)
+    sub = KvbatonClient([a.address, b.address], timeout_s=5)
+    await register(dec, "sdec", common_pb2.ENGINE_ROLE_DECODE)
+    await register(pre, "spre", common_pb2.ENGINE_ROLE_PREFILL)
+    got: list[str] = []
+    ready = asyncio.Event()
+
+    async def consume():
+        async for ev in sub.subscribe("spre", 0, heartbeats=True):
+            if ev.type == Ev.TYPE_HEARTBEAT:
+                ready.set()
+            elif ev.type == Ev.TYPE_MATCH:
+                got.append(ev.transfer.transfer_id)
+
+    consumer = asyncio.ensure_future(consume())
+    await asyncio.wait_for(ready.wait(), 10)
+    n, wave = 200, 10
+    made = 0
+    for start in range(0, n, wave):
+        ids = [f"s{i}" for i in range(start, start + wave)]
+        calls = [dec.session.offer(rendezvous_pb2.OfferRequest(transfer_id=t, decode_engine_id="sdec", block_ids=[1]))
+                 for t in ids]
+        calls += [pre.session.complete(rendezvous_pb2.CompleteRequest(transfer_id=t, prefill_engine_id="spre",
+                                                                      block_ids=[2])) for t in ids]
+        pending = asyncio.gather(*calls)
+        if start == n // 2:
+            await asyncio.sleep(0)  # the wave is on its way
+            a.kill()
+        made += sum(r.matched_now for r in await pending)  # every call answered, none raised
+    deadline = time.monotonic() + 20
+    while len(got) < n and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    await asyncio.sleep(0.5)  # would-be duplicates have time to arrive
+    consumer.cancel()
+    await asyncio.gather(consumer, return_exceptions=True)
+    assert sorted(got, key=lambda t: int(t[1:])) == [f"s{i}" for i in range(n)], "lost or duplicated matches"
+    # A match whose answer died with A is answered as a duplicate on B: at most one wave.
+    assert n - wave <= made <= n
+    for t in (f"s{i}" for i in range(n)):
+        state = await dec.call(dec.rendezvous.GetTransfer, rendezvous_pb2.GetTransferRequest(transfer_id=t))
+        assert state.phase == rendezvous_pb2.TRANSFER_PHASE_MATCHED, (t, state)
+    assert dec.address == b.address and pre.address == b.address
+    assert dec.session.reconnects >= 1 and pre.session.reconnects >= 1
+    for c in (dec, pre, sub):
+        await c.close()
+
+
 async def _expiry_leader_pid(store_url_endpoints) -> int:
     from kvbaton.services.store.etcd import EtcdStore
 

@@ -18,6 +18,7 @@ from kvbaton.services.store import (
     CompareTarget,
     Delete,
     EventType,
+    Get,
     LeaseNotFoundError,
     Put,
     Store,
@@ -120,6 +121,47 @@ async def test_txn_ordering_ops(store: Store, ns: bytes) -> None:
     assert not (await store.txn([Compare(k, CompareTarget.MOD_REVISION, CompareOp.GREATER, kv.mod_revision)], [])).succeeded
     assert (await store.txn([Compare(k, CompareTarget.VALUE, CompareOp.GREATER, b"4")], [])).succeeded
     assert (await store.txn([Compare(k, CompareTarget.VALUE, CompareOp.LESS, b"6")], [])).succeeded
+
+
+async def test_txn_get_returns_the_current_value_from_the_branch_that_ran(store: Store, ns: bytes) -> None:
+    k, other = ns + b"cas", ns + b"absent"
+    first = await store.txn([Compare.absent(k)], [Put(k, b"v1")], [Get(k)])
+    assert first.succeeded and first.values == ()  # no Get in the branch that ran
+    # A lost compare-and-swap reads the winner's value in the same round trip.
+    lost = await store.txn([Compare.absent(k)], [Put(k, b"v2")], [Get(k), Get(other)])
+    assert not lost.succeeded and lost.revision == first.revision
+    assert len(lost.values) == 2 and lost.values[1] is None
+    assert lost.values[0].value == b"v1" and lost.values[0].mod_revision == first.revision
+    assert (await store.get(k)).value == b"v1"
+    # In a branch that writes, a Get after the Put sees the new value.
+    won = await store.txn([Compare.unchanged(lost.values[0], k)], [Put(k, b"v3"), Get(k)])
+    assert won.succeeded and won.values[0].value == b"v3" and won.values[0].mod_revision == won.revision
+
+
+async def test_txn_batched_keeps_each_writes_compare_and_outcome(store: Store, ns: bytes) -> None:
+    keys = [ns + b"b%d" % i for i in range(40)]
+    results = await asyncio.gather(*(store.txn_batched([Compare.absent(k)], [Put(k, b"x")], [Get(k)]) for k in keys))
+    assert all(r.succeeded for r in results)
+    for k, r in zip(keys, results):
+        assert (await store.get(k)).mod_revision == r.revision  # the revision the write got
+    # Racing writes to one key: exactly one wins, the others read the winner's value.
+    k = ns + b"race"
+    racers = await asyncio.gather(*(store.txn_batched([Compare.absent(k)], [Put(k, b"w%d" % i)], [Get(k)])
+                                    for i in range(6)))
+    winners = [i for i, r in enumerate(racers) if r.succeeded]
+    assert len(winners) == 1
+    won = (await store.get(k))
+    assert won.value == b"w%d" % winners[0]
+    for r in racers:
+        if not r.succeeded:
+            assert r.values[0] is not None and r.values[0].value == won.value and r.values[0].mod_revision == won.mod_revision
+    # A stale compare fails on its own without failing the rest of a batch.
+    stale = [store.txn_batched([Compare(keys[0], CompareTarget.MOD_REVISION, CompareOp.EQUAL, 1)], [Put(keys[0], b"no")], [Get(keys[0])])]
+    fresh = [store.txn_batched([Compare.unchanged(await store.get(keys[i]), keys[i])], [Put(keys[i], b"y")]) for i in (1, 2)]
+    out = await asyncio.gather(*stale, *fresh)
+    assert not out[0].succeeded and out[0].values[0].value == b"x"
+    assert out[1].succeeded and out[2].succeeded
+    assert (await store.get(keys[1])).value == b"y" and (await store.get(keys[0])).value == b"x"
 
 
 async def test_txn_missing_key(store: Store, ns: bytes) -> None:
