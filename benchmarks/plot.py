@@ -16,8 +16,8 @@ Reads the per-run JSONs of ``benchmarks/sweep.py`` and, if present,
 
 Runs that failed or were skipped have no median: they are drawn as an ``x`` on the panel's
 floor and named in the legend, so a missing point is visibly a failure, not an omission.
-Only the newest sweep in the directory is plotted (by ``sweep_id``), so a stale file can't
-mix in.
+Per mode, only the newest sweep in the directory is plotted (by ``sweep_id``), so a stale
+file can't mix in; the sweep ids are named on the figures.
 """
 
 from __future__ import annotations
@@ -45,12 +45,26 @@ STYLE: dict[str, dict[str, Any]] = {
 
 
 def load_sweep(sweep_dir: Path) -> list[dict[str, Any]]:
-    """The run documents of the newest sweep in ``sweep_dir`` (iterations averaged later)."""
+    """The run documents of the newest sweep *of each mode* in ``sweep_dir`` (iterations
+    averaged later): a stale file of a mode can't mix in, and a sweep that re-ran only the
+    kvbaton modes (``--skip-nixl``) keeps the last NixlConnector baseline beside it."""
     docs = [json.loads(p.read_text()) for p in sorted(sweep_dir.glob("*_len*_rate*_it*.json"))]
-    if not docs:
-        return []
-    newest = max(d["sweep_id"] for d in docs)
-    return [d for d in docs if d["sweep_id"] == newest]
+    newest: dict[str, str] = {}
+    for d in docs:
+        newest[d["mode"]] = max(newest.get(d["mode"], ""), d["sweep_id"])
+    return [d for d in docs if d["sweep_id"] == newest[d["mode"]]]
+
+
+def _sweep_ids(docs: list[dict[str, Any]]) -> str:
+    """``20261130T032205`` or, when modes come from different sweeps, ``push+pull 2026...; nixl-pull 2026...``."""
+    by_id: dict[str, list[str]] = {}
+    for d in docs:
+        modes = by_id.setdefault(d["sweep_id"], [])
+        if d["mode"] not in modes:
+            modes.append(d["mode"])
+    if len(by_id) == 1:
+        return next(iter(by_id))
+    return "; ".join(f"{'+'.join(m)} {sid}" for sid, m in sorted(by_id.items(), reverse=True))
 
 
 def _by_mode_rate(docs: list[dict[str, Any]]) -> dict[tuple[str, float], list[dict[str, Any]]]:
@@ -128,7 +142,7 @@ def plot_metric(docs: list[dict[str, Any]], metric: str, ylabel: str, title: str
                frameon=False)
     out_tokens = docs[0].get("output_tokens")
     fig.suptitle(f"{title}: one line per mode, one panel per offered rate\n"
-                 f"tiny Llama on a 2-core CPU, 1P1D, {out_tokens} output tokens, sweep {docs[0]['sweep_id']}{note}",
+                 f"tiny Llama on a 2-core CPU, 1P1D, {out_tokens} output tokens, sweep {_sweep_ids(docs)}{note}",
                  fontsize=11)
     fig.tight_layout(rect=(0, 0.02 + 0.045 * nrows, 1, 1))
     fig.savefig(out, dpi=110)
@@ -146,7 +160,7 @@ def summary_markdown(docs: list[dict[str, Any]], reuse: Path) -> str:
     Headline: per length, the highest offered rate at which *both* push and pull were
     sustained (no failures, backlog drained: see sweep.summarize), push/pull of median
     TTFT and TPOT there."""
-    lines = [f"Sweep {docs[0]['sweep_id']}: {len(docs)} runs, {docs[0]['output_tokens']} output tokens.", "",
+    lines = [f"Sweep {_sweep_ids(docs)}: {len(docs)} runs, {docs[0]['output_tokens']} output tokens.", "",
              ("| mode | input tok | QPS | n ok/n | TTFT med | TTFT p90 | TTFT p99 | TPOT med | TPOT p90 | E2E med "
               "| E2E p90 | req/s | out tok/s | coalesced | sustained |"),
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
