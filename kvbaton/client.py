@@ -275,6 +275,44 @@ def _status_error(code: int, reason: str) -> grpc.aio.AioRpcError:
     return grpc.aio.AioRpcError(status, grpc.aio.Metadata(), grpc.aio.Metadata(), details=reason)
 
 
+class _StuckWatch:
+    """Cancels a bidirectional stream that leaves a message unanswered for longer than the
+    client's timeout, and says so (``stuck``): a replica that hangs, or a half-open
+    connection, must not hold calls or renewals until what they protect has lapsed. The
+    stream's owner then treats it as broken and moves to another replica."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self.sent_at: dict[int, float] = {}
+        self.stuck = False
+        self._task: asyncio.Task | None = None
+
+    def start(self, call) -> None:
+        async def watch() -> None:
+            while True:
+                await asyncio.sleep(min(0.25, self.timeout_s / 4))
+                if self.sent_at and time.monotonic() - min(self.sent_at.values()) > self.timeout_s:
+                    self.stuck = True
+                    call.cancel()
+                    return
+        self._task = asyncio.get_running_loop().create_task(watch())
+
+    def sent(self, key: int) -> None:
+        self.sent_at[key] = time.monotonic()
+
+    def answered(self, key: int) -> None:
+        self.sent_at.pop(key, None)
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    def owns_cancel(self) -> bool:
+        """True when a CancelledError out of the stream is this watch's doing, not the task's."""
+        task = asyncio.current_task()
+        return self.stuck and not (task is not None and task.cancelling())
+
+
 class RendezvousSession:
     """Multiplexes an engine's rendezvous calls onto one ``Rendezvous/Session`` stream.
 
@@ -365,6 +403,7 @@ class RendezvousSession:
         while True:
             generation += 1
             sent: dict[int, rendezvous_pb2.SessionCall] = {}
+            watch = _StuckWatch(self.client.timeout_s)
 
             async def requests(mine: int = generation):
                 while True:
@@ -380,6 +419,7 @@ class RendezvousSession:
                             if fut is None or fut.done():
                                 continue  # its caller gave up
                             sent[call.seq] = call
+                            watch.sent(call.seq)
                             batch.append(call)
                         if batch:
                             self.stats["sent_batches"] += 1
@@ -388,6 +428,7 @@ class RendezvousSession:
 
             channel = self.client.channel
             call = self.client.rendezvous.Session(requests())
+            watch.start(call)
             try:
                 async for resp in call:
                     backoff = 0.05
@@ -395,12 +436,17 @@ class RendezvousSession:
                     self.stats["received_results"] += len(resp.results)
                     for result in resp.results:
                         sent.pop(result.seq, None)
+                        watch.answered(result.seq)
                         fut = self._waiting.get(result.seq)
                         if fut is not None and not fut.done():
                             fut.set_result(result)
             except asyncio.CancelledError:
-                call.cancel()
-                raise
+                if not watch.owns_cancel():
+                    call.cancel()
+                    raise
+                log.warning("client.session_stuck", timeout_s=self.client.timeout_s, address=self.client.address)
+                if len(self.client.addresses) > 1:
+                    await self.client.reconnect(if_channel=channel)
             except grpc.aio.AioRpcError as exc:
                 call.cancel()
                 code = exc.code()
@@ -428,6 +474,8 @@ class RendezvousSession:
                 call.cancel()
                 if len(self.client.addresses) > 1:
                     await self.client.reconnect(if_channel=channel)
+            finally:
+                watch.stop()
             self.reconnects += 1
             # Unanswered calls go out again, in their order, on the new stream.
             self._queue.extendleft(c for _, c in sorted(sent.items(), reverse=True))
@@ -472,10 +520,9 @@ class _RenewalBatcher:
         generation = 0
         while True:
             inflight: dict[int, list[tuple[lease_pb2.RenewRequest, asyncio.Future]]] = {}
-            sent_at: dict[int, float] = {}
             seq = 0
             generation += 1
-            stuck = False
+            watch = _StuckWatch(self.client.timeout_s)
 
             async def requests(mine: int = generation):
                 nonlocal seq
@@ -491,48 +538,34 @@ class _RenewalBatcher:
                             continue
                         seq += 1
                         inflight[seq] = batch
-                        sent_at[seq] = time.monotonic()
+                        watch.sent(seq)
                         yield lease_pb2.KeepAliveRequest(seq=seq, renewals=[r for r, _ in batch])
 
+            channel = self.client.channel
             call = self.client.lease.KeepAlive(requests())
-
-            async def watchdog() -> None:
-                """A stream that leaves a batch unanswered for the client's timeout is
-                treated as broken: a replica that hangs (or a half-open connection) must
-                not hold renewals until the leases they protect have expired."""
-                nonlocal stuck
-                while True:
-                    await asyncio.sleep(min(0.25, self.client.timeout_s / 4))
-                    pending = [sent_at[k] for k in inflight if k in sent_at]
-                    if pending and time.monotonic() - min(pending) > self.client.timeout_s:
-                        stuck = True
-                        call.cancel()
-                        return
-
-            dog = asyncio.get_running_loop().create_task(watchdog())
+            watch.start(call)
             try:
                 async for resp in call:
                     backoff = 0.05
-                    sent_at.pop(resp.seq, None)
+                    watch.answered(resp.seq)
                     for (_, fut), result in zip(inflight.pop(resp.seq, []), resp.results):
                         if not fut.done():
                             fut.set_result(result)
             except asyncio.CancelledError:
-                task = asyncio.current_task()
-                if not stuck or (task is not None and task.cancelling()):
+                if not watch.owns_cancel():
                     call.cancel()
                     raise
             except Exception as exc:  # the stream broke; whatever the cause, open another
                 call.cancel()
                 log.info("client.keepalive_reconnect", error=repr(exc)[:200])
                 if len(self.client.addresses) > 1:
-                    await self.client.reconnect()
+                    await self.client.reconnect(if_channel=channel)
             finally:
-                dog.cancel()
-            if stuck:
+                watch.stop()
+            if watch.stuck:
                 log.warning("client.keepalive_stuck", timeout_s=self.client.timeout_s, address=self.client.address)
                 if len(self.client.addresses) > 1:
-                    await self.client.reconnect()
+                    await self.client.reconnect(if_channel=channel)
             # Unanswered renewals go out again on the new stream.
             self._queue[:0] = [item for batch in inflight.values() for item in batch]
             if self._queue:

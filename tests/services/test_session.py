@@ -283,3 +283,33 @@ async def test_a_server_without_sessions_is_spoken_to_with_unary_calls():
     finally:
         await kv.close()
         await server.stop(0)
+
+
+async def test_a_session_routes_around_a_replica_that_never_answers(kv, plane, engines):
+    """The session starts on a replica that accepts the stream and reads it but never
+    answers (hung process, half-open connection): after the client's timeout the stream is
+    abandoned, the unanswered call is resent on the next replica and answered there."""
+    from kvbaton.v1 import rendezvous_pb2_grpc
+
+    seen = []
+
+    async def silent_session(request_iterator, context):
+        async for req in request_iterator:
+            seen.extend(c.seq for c in req.calls)
+        await asyncio.sleep(3600)
+
+    server = grpc.aio.server()
+    servicer = type("S", (rendezvous_pb2_grpc.RendezvousServicer,), {"Session": staticmethod(silent_session)})()
+    rendezvous_pb2_grpc.add_RendezvousServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    client = KvbatonClient([f"127.0.0.1:{port}", plane.address], timeout_s=0.5)
+    try:
+        resp = await asyncio.wait_for(client.session.offer(offer("hung-1", (1, 2))), 5.0)
+        assert resp.state.phase == P.Value("TRANSFER_PHASE_OFFERED")
+        assert seen, "the call went to the silent replica first"
+        assert client.address == plane.address
+        assert client.session.reconnects >= 1
+    finally:
+        await client.close()
+        await server.stop(0)
