@@ -67,6 +67,7 @@ import os
 import queue
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -82,6 +83,8 @@ from .metadata import (
     MODE_PUSH,
     MODE_REUSE,
     NOTIF_DONE,
+    STAGING_ALWAYS,
+    STAGING_NEVER,
     NOTIF_FPA,
     NOTIF_FPQ,
     NOTIF_PUSH,
@@ -96,6 +99,7 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
 
     from .nixl_agent import NixlEndpoint, Transfer
+    from .staging import StagedPeer, StagingInfo
 
 log = logging.getLogger("kvbaton.connector.worker")
 
@@ -107,6 +111,42 @@ _IDLE_POLL_S = 0.01
 
 def agent_name(engine_id: str, tp_rank: int) -> str:
     return f"kvb-{engine_id}-r{tp_rank}"
+
+
+def pick_strategy(setting: str, num_descs: int, nbytes: int, *, device: str,
+                  local_pool: bool, remote_pool: bool) -> str:
+    """``"runs"`` or ``"pack"`` for one transfer, from the ``staging`` setting.
+
+    Pack needs a staging pool on both sides (the peer's is published with its rank; an
+    engine without one, e.g. ``staging: never`` or an older connector, gets runs).
+    ``auto`` asks :func:`staging.choose_strategy` (per-descriptor cost vs pack cost),
+    which keeps vLLM's large CPU blocks on runs.
+    """
+    if setting == STAGING_NEVER or not local_pool or not remote_pool or nbytes <= 0:
+        return "runs"
+    if setting == STAGING_ALWAYS:
+        return "pack"
+    from .staging import choose_strategy
+
+    return choose_strategy(num_descs, nbytes, device=device)
+
+
+def engine_of_agent(agent: str) -> str:
+    """Inverse of :func:`agent_name` (``kvb-<engine>-r<rank>`` → engine id)."""
+    core = agent.removeprefix("kvb-")
+    head, sep, rank = core.rpartition("-r")
+    return head if sep and rank.isdigit() else core
+
+
+def staging_from_rank(rank: Any) -> StagingInfo | None:
+    """A peer's published receive pool (``EngineRank.staging``), None when it has none."""
+    from .staging import StagingInfo
+
+    st = rank.staging if rank.HasField("staging") else None
+    if st is None or not st.num_slots or not st.slot_bytes:
+        return None
+    return StagingInfo(int(st.base_addr), int(st.slot_bytes), int(st.num_slots), st.mem_type or "DRAM",
+                       int(st.device_id))
 
 
 def _outcome(ok: bool, reason: str = "") -> str:
@@ -195,6 +235,11 @@ class _Load:
     fp_owner: Fingerprints | None = None
     fp_local: concurrent.futures.Future[Any] | None = None
     corrupted: bool = False
+    # staged READ (pack path): our id of the incoming staged transfer, and what to tell the
+    # owner once every chunk is scattered into our blocks
+    strategy: str = "runs"
+    staged_xid: str = ""
+    staged_notif: bytes = b""
 
 
 @dataclasses.dataclass
@@ -210,6 +255,23 @@ class _Held:
     nbytes: int = 0
     num_descs: int = 0
     t_post: float = 0.0  # when the NIXL WRITE was posted
+    strategy: str = "runs"
+    chunks: int = 0  # staged: chunks the WRITE was cut into
+
+
+@dataclasses.dataclass
+class _Serve:
+    """Owner side of a staged READ: a peer asked us to push blocks into its staging slots."""
+
+    agent: str
+    engine_id: str
+    xfer_id: str
+    info: Any  # StagingInfo of the requester's receive pool
+    src: Any  # our block ids (numpy)
+    dst: Any  # its block ids (numpy)
+    deadline: float
+    t0: float
+    peer_future: concurrent.futures.Future[Any] | None = None
 
 
 @dataclasses.dataclass
@@ -264,7 +326,8 @@ class TransferThread:
     """The NIXL owner thread (see module docstring)."""
 
     def __init__(self, settings: KvbatonSettings, tp_rank: int, layout: KvLayout,
-                 control: ControlThread, stats: StatsLog, fingerprinter: Fingerprinter | None = None) -> None:
+                 control: ControlThread, stats: StatsLog, fingerprinter: Fingerprinter | None = None,
+                 tensors: list[torch.Tensor] | None = None) -> None:
         self.metrics = connector_metrics()  # counted next to each stats record below
         self.fp = fingerprinter  # verify_kv (None: off)
         self.faults = Faults(settings.fault_file)
@@ -291,6 +354,14 @@ class TransferThread:
         self._push_failed: dict[str, tuple[float, str]] = {}  # rendezvous said the push is off
         self._peers: dict[str, tuple[str, KvLayout]] = {}  # engine_id -> (agent, layout)
         self._ep: NixlEndpoint | None = None
+        # Pack path (staging.py): created on this thread with the agent, when staging is on.
+        self._tensors = tensors or []
+        self._staged: StagedPeer | None = None
+        self.staging_info: StagingInfo | None = None  # our receive pool, published with the rank
+        self._peer_staging: dict[str, StagingInfo | None] = {}  # engine_id -> its receive pool
+        self._staged_done: dict[str, float] = {}  # incoming staged transfers fully scattered
+        self._staged_src: dict[str, int] = {}  # agent -> our staged READs it is answering
+        self._serves: list[_Serve] = []  # staged READs of our blocks waiting for their peer
         self._thread = threading.Thread(target=self._run, name=f"kvbaton-xfer-{settings.engine_id}",
                                         daemon=True)
 
@@ -320,6 +391,7 @@ class TransferThread:
             ep.on_notif(NOTIF_REUSE, self._on_reuse_served)
             ep.on_notif(NOTIF_FPQ, self._on_fp_question)
             ep.on_notif(NOTIF_FPA, self._on_fp_answer)
+            self._init_staging(ep)
             self.metadata = ep.metadata()
             self._ep = ep
         except BaseException as exc:  # noqa: BLE001 - surfaced by start()
@@ -329,7 +401,7 @@ class TransferThread:
         self._ready.set()
         try:
             while not self._stop.is_set():
-                busy = bool(self._loads or self._held or self._fp_answers)
+                busy = bool(self._loads or self._held or self._fp_answers or self._serves)
                 try:
                     cmd = self.inbox.get(timeout=_BUSY_POLL_S if busy else _IDLE_POLL_S)
                     self._handle(cmd)
@@ -338,9 +410,13 @@ class TransferThread:
                 except queue.Empty:
                     pass
                 try:
-                    ep.poll_notifs()
+                    if self._staged is not None:
+                        self._staged.progress()  # poll_notifs + (CUDA) finished scatters → acks
+                    else:
+                        ep.poll_notifs()
                 except Exception:  # noqa: BLE001 - keep the thread alive
                     log.exception("kvbaton: poll_notifs failed")
+                self._progress_serves()
                 self._progress_loads()
                 self._progress_writes()
                 self._progress_fp_answers()
@@ -348,7 +424,115 @@ class TransferThread:
         finally:
             for ld in self._loads:
                 self._finish_load(ld, ok=False, reason="shutdown")
+            if self._staged is not None:
+                self._staged.close()
             ep.close()
+
+    # ------------------------------------------------------------------ staging (pack path)
+    def _init_staging(self, ep: NixlEndpoint) -> None:
+        """Allocate and register this engine's staging pools once, next to the KV cache."""
+        if self.settings.staging == STAGING_NEVER or not self._tensors:
+            return
+        from .staging import StagedPeer
+
+        slot, nslots = self.settings.staging_pool(self.layout.device)
+        slot = max(slot, self.layout.bytes_per_block)  # a tile holds at least one block row
+        try:
+            self._staged = StagedPeer(ep, self._tensors, self.layout, slot_bytes=slot, num_slots=nslots,
+                                      target_chunks=self.settings.staging_target_chunks,
+                                      min_chunk_bytes=min(4 << 20, slot), on_complete=self._on_staged_complete)
+        except Exception:  # noqa: BLE001 - no pool: runs only (published as absent)
+            log.exception("kvbaton: staging pool not available; moving KV with coalesced runs only")
+            self._staged = None
+            return
+        self.staging_info = self._staged.info()
+        log.info("kvbaton: staging pools %d x %d B (%s), mode %s", nslots, self._staged.recv_pool.slot_bytes,
+                 self.staging_info.mem_type, self.settings.staging)
+
+    def _on_staged_complete(self, peer: str, xfer_id: str) -> None:
+        """Receiver: every chunk of an incoming staged transfer is scattered into our blocks."""
+        assert self._staged is not None
+        self._staged.completed.pop(xfer_id, None)  # tracked here (bounded by _expire_held)
+        self._staged_done[xfer_id] = time.monotonic()
+
+    def _strategy(self, num_descs: int, nbytes: int, engine_id: str) -> str:
+        return pick_strategy(self.settings.staging, num_descs, nbytes, device=self.layout.device,
+                             local_pool=self._staged is not None,
+                             remote_pool=self._peer_staging.get(engine_id) is not None)
+
+    def _progress_serves(self) -> None:
+        """Owner: answer staged READs (``KVBS/P``) with staged WRITEs, once the requester's
+        NIXL metadata is known. The WRITE runs on this thread until every chunk is acked
+        (bounded by ``timeout_s``); a failure is logged and the reader fails its load at its
+        own deadline (recompute)."""
+        if self._staged is None:
+            return
+        now = time.monotonic()
+        while True:
+            got = self._staged.take_pull()
+            if got is None:
+                break
+            agent, xid, info, src, dst = got
+            self._serves.append(_Serve(agent, engine_of_agent(agent), xid, info, src, dst,
+                                       now + self.settings.timeout_s, now))
+        keep: list[_Serve] = []
+        for sv in self._serves:
+            try:
+                peer = self._peer(sv.engine_id, sv, now)
+                if peer is None:
+                    keep.append(sv)
+                    continue
+                if peer[0] != sv.agent:
+                    raise LookupError(f"engine {sv.engine_id} is registered as {peer[0]}, not {sv.agent}")
+                t0 = time.monotonic()
+                nbytes = self._staged.send(sv.agent, sv.info, sv.src, sv.dst, sv.xfer_id,
+                                           timeout_s=max(0.001, sv.deadline - t0))
+                self.stats.record("staged_serve", xfer_id=sv.xfer_id, peer=sv.engine_id, strategy="pack",
+                                  nbytes=nbytes, num_blocks=int(len(sv.src)), chunks=self._staged.last_send_chunks,
+                                  duration_s=round(time.monotonic() - t0, 6))
+            except Exception as exc:  # noqa: BLE001 - the reader gives up at its deadline
+                log.warning("kvbaton: staged answer %s to %s failed: %r", sv.xfer_id, sv.engine_id, exc)
+                self.stats.record("staged_serve_failed", xfer_id=sv.xfer_id, peer=sv.engine_id,
+                                  reason=f"{type(exc).__name__}: {exc}"[:300])
+                self._forget_peer(sv.engine_id)
+        self._serves = keep
+
+    def _start_staged_read(self, ld: _Load, notif: bytes) -> bool:
+        """Reader: ask the owner to push ``remote_block_ids`` into our ``local_block_ids``
+        through our receive pool. False while another peer is answering a staged READ of
+        ours (the receive slots are addressed by the sender: one sending engine at a time)."""
+        assert self._staged is not None and self._ep is not None
+        if any(n > 0 for a, n in self._staged_src.items() if a != ld.peer):
+            return False
+        ld.staged_xid = "s" + uuid.uuid4().hex
+        ld.staged_notif = notif
+        ld.strategy = "pack"
+        self._staged_src[ld.peer] = self._staged_src.get(ld.peer, 0) + 1
+        self._staged.request_pull(ld.peer, ld.spec.remote_block_ids, ld.spec.local_block_ids, ld.staged_xid)
+        return True
+
+    def _poll_staged(self, ld: _Load, now: float, deadline: float) -> bool:
+        """Reader: True once every chunk is scattered into our blocks (then tell the owner)."""
+        if self._staged_done.pop(ld.staged_xid, None) is None:
+            if now >= deadline:
+                raise TimeoutError(f"staged READ {ld.staged_xid} from {ld.peer} not complete in time")
+            return False
+        self._end_staged(ld, ok=True)
+        if ld.staged_notif:
+            self._ep.send_notif(ld.peer, ld.staged_notif)  # prefill frees / decode counts
+        return True
+
+    def _end_staged(self, ld: _Load, *, ok: bool) -> None:
+        if not ld.staged_xid:
+            return
+        n = self._staged_src.get(ld.peer, 0) - 1
+        if n > 0:
+            self._staged_src[ld.peer] = n
+        else:
+            self._staged_src.pop(ld.peer, None)
+        if not ok and self._staged is not None:
+            self._staged.cancel(ld.staged_xid)  # late chunks are acked, never scattered
+        ld.staged_xid = ""
 
     def _handle(self, cmd: tuple[str, str, Any]) -> None:
         kind, req_id, spec = cmd
@@ -448,7 +632,7 @@ class TransferThread:
                 self.metrics.transfers.labels(held.spec.mode, "prefill", "timeout").inc()
                 self.results.put(("sent", held.req_id, False, ()))
         for box in (self._early_acks, self._push_arrived, self._push_failed, self._early_matches,
-                    self._fp_replies):
+                    self._fp_replies, self._staged_done):
             for tid, v in list(box.items()):
                 t = v if isinstance(v, float) else v[0]
                 if now - t > 2 * self.settings.timeout_s:
@@ -511,6 +695,22 @@ class TransferThread:
             held.nbytes, held.num_descs = plan.nbytes, plan.num_descs
             msg = NOTIF_PUSH + f"{tid}:{plan.nbytes}{fps}".encode()
             held.t_post = time.monotonic()
+            held.strategy = self._strategy(plan.num_descs, plan.nbytes, offer.engine_id)
+            if held.strategy == "pack":
+                # Staged WRITE: returns once decode acked every chunk (scattered into its
+                # blocks); only then the push notification, so its arrival still means the
+                # blocks are complete. Runs on this thread, bounded by the hold's deadline.
+                assert self._staged is not None
+                rinfo = self._peer_staging[offer.engine_id]
+                try:
+                    self._staged.send(peer, rinfo, local[skip:], remote[skip:], "w" + uuid.uuid4().hex,
+                                      timeout_s=max(0.001, held.deadline - time.monotonic()))
+                    held.chunks = self._staged.last_send_chunks
+                    self._ep.send_notif(peer, msg)
+                except Exception:
+                    self._forget_peer(offer.engine_id)
+                    raise
+                return True
             try:
                 held.xfer = self._ep.write(plan, peer, msg)
             except Exception:
@@ -538,7 +738,8 @@ class TransferThread:
 
         self.stats.record("send_done" if ok else "send_failed", transfer_id=held.spec.transfer_id,
                           req_id=held.req_id, mode=MODE_PUSH, write_nbytes=held.nbytes,
-                          num_descs=held.num_descs, error=error, held_s=round(dur, 6))
+                          num_descs=held.num_descs, error=error, held_s=round(dur, 6),
+                          strategy=held.strategy, chunks=held.chunks)
         self.metrics.transfers.labels(MODE_PUSH, "prefill", _outcome(ok, error)).inc()
         if ok:
             self.metrics.transfer_bytes.labels(MODE_PUSH, "write").inc(held.nbytes)
@@ -574,6 +775,7 @@ class TransferThread:
         layout = KvLayout.from_proto_fields(**geometry_fields(rank))
         self._ep.add_peer(rank.agent_name, rank.agent_metadata)
         self._peers[eid] = (rank.agent_name, layout)
+        self._peer_staging[eid] = staging_from_rank(rank)
         return self._peers[eid]
 
     # ------------------------------------------------------------------ loads
@@ -587,6 +789,7 @@ class TransferThread:
             except Exception as exc:  # noqa: BLE001 - any failure → recompute
                 if ld.xfer is not None:
                     self._ep.release(ld.xfer)
+                self._end_staged(ld, ok=False)
                 self._finish_load(ld, ok=False, reason=f"{type(exc).__name__}: {exc}")
                 done = True
             if not done:
@@ -617,6 +820,10 @@ class TransferThread:
             if now >= ld.deadline:
                 raise TimeoutError(f"no push WRITE for {tid_s} after {self.settings.timeout_s}s")
             return False
+        if ld.staged_xid:
+            if not self._poll_staged(ld, now, ld.deadline):
+                return False
+            return self._landed(ld, now)
         if ld.xfer is None:
             got = self._peer(eid, ld, now)
             if got is None:
@@ -633,6 +840,14 @@ class TransferThread:
             ld.nbytes, ld.num_descs = plan.nbytes, plan.num_descs
             # verify_kv: ask first, so the owner answers in the same poll that serves the READ
             # (while it still holds the blocks and polls fast), not one idle poll later.
+            if self._strategy(plan.num_descs, plan.nbytes, eid) == "pack":
+                if ld.t_post == 0.0:
+                    self._ask_fingerprints(ld, f"t:{ld.spec.transfer_id}", -1)
+                    ld.t_post = time.monotonic()
+                if not self._start_staged_read(ld, NOTIF_DONE + tid):  # another sender is busy
+                    if now >= ld.deadline:
+                        raise TimeoutError("staging pool busy with another peer")
+                return False
             self._ask_fingerprints(ld, f"t:{ld.spec.transfer_id}", -1)  # the owner finds the run
             ld.t_post = time.monotonic()
             try:
@@ -676,6 +891,10 @@ class TransferThread:
                                    f"not {src.retention_id!r}")
         if now >= ld.read_deadline:
             raise TimeoutError(f"reuse READ from {src.engine_id} not done within half the pin TTL")
+        if ld.staged_xid:
+            if not self._poll_staged(ld, now, ld.read_deadline):
+                return False
+            return self._landed(ld, now)
         if ld.xfer is None and self.faults.path:  # test-only: widen the READ window, pin held
             if not ld.delay_until:
                 ld.delay_until = now + self.faults.value("delay_reuse_read_s")
@@ -695,6 +914,12 @@ class TransferThread:
             ld.nbytes, ld.num_descs = plan.nbytes, plan.num_descs
             msg = NOTIF_REUSE + f"{src.conversation_id}:{plan.nbytes}".encode()
             first = src.num_tokens // self.layout.tokens_per_block - len(ld.spec.remote_block_ids)
+            if self._strategy(plan.num_descs, plan.nbytes, src.engine_id) == "pack":
+                if ld.t_post == 0.0:
+                    self._ask_fingerprints(ld, f"r:{src.conversation_id}", first)
+                    ld.t_post = time.monotonic()
+                self._start_staged_read(ld, msg)  # False: another sender busy (read deadline bounds it)
+                return False
             self._ask_fingerprints(ld, f"r:{src.conversation_id}", first)  # verify_kv (before the READ)
             ld.t_post = time.monotonic()
             try:
@@ -894,6 +1119,7 @@ class TransferThread:
             "kvbaton: Unpin failed (the pin lapses by itself): %r", f.exception()))
 
     def _forget_peer(self, eid: str) -> None:
+        self._peer_staging.pop(eid, None)
         got = self._peers.pop(eid, None)
         if got is not None and self._ep is not None:
             try:
@@ -919,6 +1145,7 @@ class TransferThread:
             m.reused_tokens.inc(len(ld.spec.local_block_ids) * self.layout.tokens_per_block)
 
     def _finish_load(self, ld: _Load, *, ok: bool, reason: str = "") -> None:
+        self._end_staged(ld, ok=ok)
         now = time.monotonic()
         dur = now - ld.t0
         self._count_load(ld, ok=ok, reason=reason, now=now)
@@ -927,7 +1154,7 @@ class TransferThread:
             src = ld.spec.reuse
             if ok:
                 self.stats.record("reuse_read", conversation_id=src.conversation_id if src else "",
-                                  req_id=ld.req_id, nbytes=ld.nbytes, num_descs=ld.num_descs,
+                                  req_id=ld.req_id, nbytes=ld.nbytes, num_descs=ld.num_descs, strategy=ld.strategy,
                                   num_blocks=len(ld.spec.local_block_ids), duration_s=round(dur, 6))
             else:
                 self.stats.record("reuse_failed", conversation_id=src.conversation_id if src else "",
@@ -936,7 +1163,8 @@ class TransferThread:
             return
         if ok and ld.spec.local_block_ids:
             self.stats.record("recv_done", transfer_id=ld.spec.transfer_id, req_id=ld.req_id,
-                              nbytes=ld.nbytes, num_descs=ld.num_descs,
+                              nbytes=ld.nbytes, num_descs=ld.num_descs, mode=ld.spec.mode,
+                              strategy=ld.strategy if ld.spec.mode != MODE_PUSH else "",
                               num_blocks=len(ld.spec.local_block_ids), duration_s=round(dur, 6))
         elif ok:
             self.stats.record("release_sent", transfer_id=ld.spec.transfer_id, req_id=ld.req_id)
@@ -984,7 +1212,8 @@ class KvbatonWorker:
         layout = KvLayout.from_tensors(tensors, block_size, block_dim=0)
         self._control = ControlThread(self.settings.control_plane)
         fp = Fingerprinter(layout, tensors, self.settings.verify_kv_alg) if self.settings.verify_kv else None
-        self._xfer = TransferThread(self.settings, self.tp_rank, layout, self._control, self.stats, fp)
+        self._xfer = TransferThread(self.settings, self.tp_rank, layout, self._control, self.stats, fp,
+                                    tensors=tensors)
         self._xfer.start()
         from kvbaton.v1 import common_pb2, registrar_pb2
 
@@ -993,6 +1222,11 @@ class KvbatonWorker:
             tp_rank=self.tp_rank, agent_name=self._xfer.name, agent_metadata=self._xfer.metadata,
             geometry=common_pb2.KvGeometry(**layout.to_proto_fields()),
             labels={"mode": self.settings.mode})
+        si = self._xfer.staging_info
+        if si is not None:  # where peers WRITE staged chunks into us (pack path)
+            rank.staging.CopyFrom(common_pb2.KvStaging(base_addr=si.base_addr, slot_bytes=si.slot_bytes,
+                                                       num_slots=si.num_slots, mem_type=si.mem_type,
+                                                       device_id=si.device_id))
         self._control.register_rank(rank, self.settings.ttl_ms)
         inbox = self._xfer.inbox
         self._control.subscribe(self.settings.engine_id, self.tp_rank,
