@@ -101,6 +101,9 @@ if TYPE_CHECKING:  # pragma: no cover
     from .nixl_agent import NixlEndpoint, Transfer
     from .staging import StagedPeer, StagingInfo
 
+#: staging.PREFIX (not imported at module level: staging imports torch)
+STAGED_PREFIX = b"KVBS/"
+
 log = logging.getLogger("kvbaton.connector.worker")
 
 _BUSY_POLL_S = 0.001
@@ -275,6 +278,18 @@ class _Serve:
 
 
 @dataclasses.dataclass
+class _StagedWait:
+    """Staged-protocol messages from an agent we have no NIXL metadata for yet (a push's
+    writer: decode never looked prefill up). Kept, in order, until the registrar lookup
+    lets us answer (acks need the sender's metadata); its data waits in our slot."""
+
+    agent: str
+    msgs: list[bytes]
+    deadline: float
+    peer_future: concurrent.futures.Future[Any] | None = None
+
+
+@dataclasses.dataclass
 class _FpRecord:
     """Owner side: fingerprints of blocks this engine exposes (being computed or done)."""
 
@@ -362,6 +377,7 @@ class TransferThread:
         self._staged_done: dict[str, float] = {}  # incoming staged transfers fully scattered
         self._staged_src: dict[str, int] = {}  # agent -> our staged READs it is answering
         self._serves: list[_Serve] = []  # staged READs of our blocks waiting for their peer
+        self._staged_wait: dict[str, _StagedWait] = {}  # agent -> its messages, until we know it
         self._thread = threading.Thread(target=self._run, name=f"kvbaton-xfer-{settings.engine_id}",
                                         daemon=True)
 
@@ -401,7 +417,7 @@ class TransferThread:
         self._ready.set()
         try:
             while not self._stop.is_set():
-                busy = bool(self._loads or self._held or self._fp_answers or self._serves)
+                busy = bool(self._loads or self._held or self._fp_answers or self._serves or self._staged_wait)
                 try:
                     cmd = self.inbox.get(timeout=_BUSY_POLL_S if busy else _IDLE_POLL_S)
                     self._handle(cmd)
@@ -416,6 +432,7 @@ class TransferThread:
                         ep.poll_notifs()
                 except Exception:  # noqa: BLE001 - keep the thread alive
                     log.exception("kvbaton: poll_notifs failed")
+                self._progress_staged_wait()
                 self._progress_serves()
                 self._progress_loads()
                 self._progress_writes()
@@ -437,6 +454,9 @@ class TransferThread:
 
         slot, nslots = self.settings.staging_pool(self.layout.device)
         slot = max(slot, self.layout.bytes_per_block)  # a tile holds at least one block row
+        # Ours first (the first matching prefix wins): staged messages from an agent we
+        # cannot answer yet wait for its registrar lookup (see _StagedWait).
+        ep.on_notif(STAGED_PREFIX, self._on_staged_notif)
         try:
             self._staged = StagedPeer(ep, self._tensors, self.layout, slot_bytes=slot, num_slots=nslots,
                                       target_chunks=self.settings.staging_target_chunks,
@@ -448,6 +468,38 @@ class TransferThread:
         self.staging_info = self._staged.info()
         log.info("kvbaton: staging pools %d x %d B (%s), mode %s", nslots, self._staged.recv_pool.slot_bytes,
                  self.staging_info.mem_type, self.settings.staging)
+
+    def _on_staged_notif(self, peer: str, msg: bytes) -> None:
+        if self._staged is None:
+            return
+        wait = self._staged_wait.get(peer)
+        if wait is None and peer in self._ep.peers:
+            self._staged._on_notif(peer, msg)  # noqa: SLF001 - we own the routing of its prefix
+            return
+        if wait is None:
+            wait = self._staged_wait[peer] = _StagedWait(peer, [], time.monotonic() + self.settings.timeout_s)
+        wait.msgs.append(msg)
+
+    def _progress_staged_wait(self) -> None:
+        """Deliver held staged messages once their sender's metadata is known."""
+        if not self._staged_wait or self._staged is None:
+            return
+        now = time.monotonic()
+        for agent, wait in list(self._staged_wait.items()):
+            try:
+                got = self._peer(engine_of_agent(agent), wait, now)
+                if got is None:
+                    continue
+                if got[0] != agent:
+                    raise LookupError(f"{engine_of_agent(agent)} is registered as {got[0]}, not {agent}")
+                del self._staged_wait[agent]
+                for m in wait.msgs:
+                    self._staged._on_notif(agent, m)  # noqa: SLF001
+            except Exception as exc:  # noqa: BLE001 - the sender times out, the load recomputes
+                self._staged_wait.pop(agent, None)
+                log.warning("kvbaton: dropped %d staged messages from %s: %r", len(wait.msgs), agent, exc)
+                self.stats.record("staged_dropped", peer=agent, num_msgs=len(wait.msgs),
+                                  reason=f"{type(exc).__name__}: {exc}"[:300])
 
     def _on_staged_complete(self, peer: str, xfer_id: str) -> None:
         """Receiver: every chunk of an incoming staged transfer is scattered into our blocks."""
