@@ -455,6 +455,9 @@ class StagedPeer:
         scattered. Remembered for a bounded number of ids."""
         self.forget(xfer_id)
         self._cancelled[xfer_id] = None
+        if self._unpack_stream is not None:
+            # scatters of it already enqueued finish before the caller frees the blocks
+            self._unpack_stream.synchronize()
         while len(self._cancelled) > 1024:
             self._cancelled.pop(next(iter(self._cancelled)))
 

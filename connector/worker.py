@@ -134,6 +134,14 @@ def pick_strategy(setting: str, num_descs: int, nbytes: int, *, device: str,
     return choose_strategy(num_descs, nbytes, device=device)
 
 
+def push_xfer_id(transfer_id: str) -> str:
+    """Staged-protocol id of a push's WRITE: derived from the transfer id, so a decode that
+    gave up on the transfer can refuse its late chunks (:meth:`StagedPeer.cancel`)."""
+    if transfer_id and not any(c.isspace() for c in transfer_id):
+        return "w" + transfer_id
+    return "w" + uuid.uuid4().hex
+
+
 def engine_of_agent(agent: str) -> str:
     """Inverse of :func:`agent_name` (``kvb-<engine>-r<rank>`` → engine id)."""
     core = agent.removeprefix("kvb-")
@@ -755,7 +763,7 @@ class TransferThread:
                 assert self._staged is not None
                 rinfo = self._peer_staging[offer.engine_id]
                 try:
-                    self._staged.send(peer, rinfo, local[skip:], remote[skip:], "w" + uuid.uuid4().hex,
+                    self._staged.send(peer, rinfo, local[skip:], remote[skip:], push_xfer_id(tid),
                                       timeout_s=max(0.001, held.deadline - time.monotonic()))
                     held.chunks = self._staged.last_send_chunks
                     self._ep.send_notif(peer, msg)
@@ -1223,6 +1231,9 @@ class TransferThread:
         else:
             self.stats.record("recv_failed", transfer_id=ld.spec.transfer_id, req_id=ld.req_id,
                               reason=reason, duration_s=round(dur, 6))
+            if ld.spec.mode == MODE_PUSH and ld.spec.transfer_id and self._staged is not None:
+                # a staged WRITE still in flight must not land in blocks vLLM frees now
+                self._staged.cancel(push_xfer_id(ld.spec.transfer_id))
             if ld.spec.mode == MODE_PUSH and ld.spec.transfer_id:
                 # Tell the rendezvous we gave up, so a late match is refused and prefill
                 # frees its blocks (a write already in flight can still land: not fenced yet).

@@ -74,3 +74,11 @@ def test_staging_travels_in_the_rank() -> None:
     assert staging_from_rank(back) == staging.StagingInfo(1 << 40, 4096, 3, "VRAM", 1)
     back.staging.num_slots = 0
     assert staging_from_rank(back) is None
+
+
+def test_push_xfer_id_is_stable_and_valid() -> None:
+    from kvbaton.connector.worker import push_xfer_id
+
+    assert push_xfer_id("abc123") == push_xfer_id("abc123") == "wabc123"
+    odd = push_xfer_id("a b")
+    assert odd.startswith("w") and not any(c.isspace() for c in odd)
