@@ -31,6 +31,35 @@ Reuse (prefill reads a conversation's history from decode's retained blocks):
   a mismatch or a failed/late READ fails the load: vLLM recomputes (never garbage).
 * Decode only counts the ``kvb:reuse:`` notification; its blocks belong to the lease.
 
+Pack path (``staging``, :mod:`.staging`): fragmented transfers can go gather → one NIXL
+WRITE per chunk → scatter → ack instead of one descriptor per coalesced run.
+
+* Pools: at ``register_kv_caches`` this thread allocates one send and one receive pool
+  (``staging_slot_bytes`` × ``staging_slots``, on the KV's device) and registers them
+  with the agent once (:class:`StagedPeer`); the receive pool is published with the rank
+  (``EngineRank.staging``), and peers read it with the rest of the rank in :meth:`_peer`.
+  ``staging: never`` allocates nothing and publishes nothing.
+* Per transfer :func:`pick_strategy`: ``always`` packs whenever both sides have a pool,
+  ``auto`` asks :func:`staging.choose_strategy` from the coalesced plan (descriptor count,
+  bytes; keeps runs on host memory with vLLM's block sizes), ``never`` keeps runs.
+* Push (prefill): the staged WRITE runs on this thread until decode acked every chunk
+  (each ack means the chunk is scattered into decode's blocks), bounded by the hold's
+  deadline; only then the ``kvb:push:`` notification (with the fingerprints) goes out,
+  so decode's existing "push arrived" path still means "the blocks are complete". Its id
+  is derived from the transfer id, so a decode that gave up cancels it: late chunks are
+  acked but never scattered into blocks vLLM has freed.
+* Pull (decode) and reuse (prefill): the reader sends ``KVBS/P`` (a staged READ request),
+  the owner looks the reader up and answers with a staged WRITE (``_progress_serves``,
+  on its transfer thread); the reader reports the load (verifying first with
+  ``verify_kv``) once the last chunk is scattered, then sends the notification the runs
+  READ carried (``kvb:done:`` → prefill frees; ``kvb:reuse:`` → decode counts). Timeouts
+  are the load's (``timeout_s``; reuse: half the pin TTL); failure → the usual failed load
+  (recompute, blocks freed) and the transfer is cancelled in the receive pool.
+* The receive slots are addressed by the sender, so a reader runs staged READs from one
+  owner engine at a time (others wait, bounded by their deadlines). Staged messages from
+  an agent we have no metadata for (push: decode never looked prefill up) wait for its
+  registrar lookup before they are processed (acks need it).
+
 KV integrity (``verify_kv``, :mod:`.integrity`): the owner of the bytes fingerprints the
 blocks it exposes, on the ``kvbaton-verify`` thread, as soon as it learns of them (prefill:
 the SendSpec of a push or pull; decode: the hold ids the scheduler passes in
