@@ -214,7 +214,9 @@ class Faults:
     ``{"corrupt_landed": {"reuse": 1, "pull": 1, "push": 1}, "delay_reuse_read_s": 2.5}``:
     ``corrupt_landed[mode]`` = how many loads of that mode get their first landed block
     corrupted after the owner fingerprinted it (before the reader verifies);
-    ``delay_reuse_read_s`` = how long a reuse READ waits, pin held, before it is posted.
+    ``delay_reuse_read_s`` = how long a reuse READ waits, pin held, before it is posted;
+    ``delay_staged_serve_s`` = how long an owner waits before answering a staged READ
+    request (past the reader's deadline: exercises the reader's cancel).
     Counts are consumed in this process only (the file is not rewritten).
     """
 
@@ -565,7 +567,11 @@ class TransferThread:
             self._serves.append(_Serve(agent, engine_of_agent(agent), xid, info, src, dst,
                                        now + self.settings.timeout_s, now))
         keep: list[_Serve] = []
+        delay = self.faults.value("delay_staged_serve_s") if self.faults.path else 0.0
         for sv in self._serves:
+            if delay and now < sv.t0 + delay:  # test-only fault
+                keep.append(sv)
+                continue
             try:
                 peer = self._peer(sv.engine_id, sv, now)
                 if peer is None:
@@ -575,7 +581,7 @@ class TransferThread:
                     raise LookupError(f"engine {sv.engine_id} is registered as {peer[0]}, not {sv.agent}")
                 t0 = time.monotonic()
                 nbytes = self._staged.send(sv.agent, sv.info, sv.src, sv.dst, sv.xfer_id,
-                                           timeout_s=max(0.001, sv.deadline - t0))
+                                           timeout_s=max(0.001, sv.deadline + delay - t0))
                 self.stats.record("staged_serve", xfer_id=sv.xfer_id, peer=sv.engine_id, strategy="pack",
                                   nbytes=nbytes, num_blocks=int(len(sv.src)), chunks=self._staged.last_send_chunks,
                                   duration_s=round(time.monotonic() - t0, 6))
@@ -600,10 +606,11 @@ class TransferThread:
         self._staged.request_pull(ld.peer, ld.spec.remote_block_ids, ld.spec.local_block_ids, ld.staged_xid)
         return True
 
-    def _poll_staged(self, ld: _Load, now: float, deadline: float) -> bool:
+    def _poll_staged(self, ld: _Load, now: float, deadline: float, engine_id: str) -> bool:
         """Reader: True once every chunk is scattered into our blocks (then tell the owner)."""
         if self._staged_done.pop(ld.staged_xid, None) is None:
             if now >= deadline:
+                self._forget_peer(engine_id)  # dead or restarted owner: look it up again
                 raise TimeoutError(f"staged READ {ld.staged_xid} from {ld.peer} not complete in time")
             return False
         self._end_staged(ld, ok=True)
@@ -910,7 +917,7 @@ class TransferThread:
                 raise TimeoutError(f"no push WRITE for {tid_s} after {self.settings.timeout_s}s")
             return False
         if ld.staged_xid:
-            if not self._poll_staged(ld, now, ld.deadline):
+            if not self._poll_staged(ld, now, ld.deadline, eid):
                 return False
             return self._landed(ld, now)
         if ld.xfer is None:
@@ -981,7 +988,7 @@ class TransferThread:
         if now >= ld.read_deadline:
             raise TimeoutError(f"reuse READ from {src.engine_id} not done within half the pin TTL")
         if ld.staged_xid:
-            if not self._poll_staged(ld, now, ld.read_deadline):
+            if not self._poll_staged(ld, now, ld.read_deadline, src.engine_id):
                 return False
             return self._landed(ld, now)
         if ld.xfer is None and self.faults.path:  # test-only: widen the READ window, pin held

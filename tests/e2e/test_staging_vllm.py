@@ -11,6 +11,11 @@ chunks that reuse the 2-slot pool. Checked for push, pull and a reuse READ:
   and the owner's ``staged_serve``);
 - every transfer verified against the owner's fingerprints after the scatter, 0 mismatches;
 - prefill's KV usage returns to 0 and decode's to its baseline.
+
+Failure paths (test-only faults, ``worker.Faults``): a block corrupted after the scatter is
+caught by the reader's verification (recompute, output equal); an owner that answers a
+staged READ only after the reader's deadline ends in a recompute, its late chunks are
+acked but never scattered, and the next staged transfer works (the pools are not wedged).
 """
 
 from __future__ import annotations
@@ -36,8 +41,17 @@ SLOT = 2 * ROW
 
 
 class Rig:
-    def __init__(self, stack: PdStack) -> None:
+    def __init__(self, stack: PdStack, fault_file: Path) -> None:
         self.s = stack
+        self.fault_file = fault_file
+
+    def faults(self, **conf: Any) -> None:
+        tmp = self.fault_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(conf))
+        os.replace(tmp, self.fault_file)
+
+    def no_faults(self) -> None:
+        self.fault_file.unlink(missing_ok=True)
 
     @staticmethod
     def body(prompt: list[int], max_tokens: int = 40, **extra: Any) -> dict[str, Any]:
@@ -112,11 +126,12 @@ class Rig:
 def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
     model = ensure_tiny_model(Path(os.environ.get("KVBATON_TINY_MODEL", "/tmp/kvbaton-tiny-model")))
     work = tmp_path_factory.mktemp("staging")
+    fault_file = work / "faults.json"
     extra = {"staging": "always", "staging_slot_bytes": SLOT, "staging_slots": 2, "verify_kv": True,
-             "lease_ttl_s": 5.0, "pin_ttl_s": 6.0, "kv_recompute_threshold": 64}
+             "lease_ttl_s": 5.0, "pin_ttl_s": 6.0, "kv_recompute_threshold": 64, "fault_file": str(fault_file)}
     with PdStack(model, work, router_modes=("pull", "push"), timeout_s=8.0, extra_config=extra,
                  prefill_args=["--no-enable-prefix-caching"], router_control_plane=True) as s:
-        yield Rig(s)
+        yield Rig(s, fault_file)
 
 
 def _ids(seed: int, n: int) -> list[int]:
@@ -197,3 +212,50 @@ def test_reuse_read_is_staged(rig: Rig, mode: str) -> None:
     while (u := rig.d_usage()) != d_base and time.monotonic() < deadline:
         time.sleep(0.3)
     assert u == d_base
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_corruption_after_scatter_is_detected(rig: Rig, mode: str) -> None:
+    prompt = _ids(60 if mode == "pull" else 61, 300)
+    ref = rig.single(prompt)
+    d0 = rig.s.event_count("d0")
+    try:
+        rig.faults(corrupt_landed={mode: 1})
+        assert rig.via(mode, prompt) == ref, f"{mode}: corrupted KV was served"
+    finally:
+        rig.no_faults()
+    ver = rig.wait_events("d0", "kv_verify", d0)
+    assert [(v["mode"], v["result"], v["corrupted"], v["mismatched"]) for v in ver] == \
+        [(mode, "mismatch", True, [0])], ver
+    failed = rig.wait_events("d0", "recv_failed", d0)
+    assert len(failed) == 1 and failed[0]["reason"].startswith("KvIntegrityError"), failed
+    assert usage_back_to_zero(rig.s.p) == 0.0
+
+
+def test_late_staged_answer_is_refused_and_pools_recover(rig: Rig) -> None:
+    """Prefill answers decode's staged READ after decode's deadline (8 s): decode
+    recomputes, prefill's late chunks are acked but not scattered (decode's blocks are
+    free again), and the next staged pull is correct."""
+    prompt = _ids(70, 300)
+    ref = rig.single(prompt)
+    d_base = rig.d_usage()
+    d0, p0 = rig.s.event_count("d0"), rig.s.event_count("p0")
+    try:
+        rig.faults(delay_staged_serve_s=9.0)
+        assert rig.via("pull", prompt) == ref
+        failed = rig.wait_events("d0", "recv_failed", d0)
+        assert len(failed) == 1 and "TimeoutError" in failed[0]["reason"], failed
+        served = rig.wait_events("p0", "staged_serve", p0, timeout_s=15.0)
+        assert len(served) == 1, served  # the late answer completed: every chunk acked
+    finally:
+        rig.no_faults()
+    assert not rig.s.events("d0", "kv_verify", since=d0)  # nothing landed to verify
+    assert usage_back_to_zero(rig.s.p) == 0.0
+    assert rig.d_usage() == d_base
+    prompt2 = _ids(71, 300)
+    d1 = rig.s.event_count("d0")
+    assert rig.via("pull", prompt2) == rig.single(prompt2)
+    recv = rig.wait_events("d0", "recv_done", d1)
+    assert len(recv) == 1 and recv[0]["strategy"] == "pack", recv
+    ver = rig.wait_events("d0", "kv_verify", d1)
+    assert [v["result"] for v in ver] == ["ok"], ver
