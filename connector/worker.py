@@ -905,6 +905,10 @@ class TransferThread:
             arrived = self._push_arrived.pop(tid_s, None)
             if arrived is not None:
                 ld.nbytes = arrived[1]
+                # a staged push completed (every chunk scattered) before its notification
+                # was sent, so its completion is already here
+                if self._staged_done.pop(push_xfer_id(tid_s), None) is not None:
+                    ld.strategy = "pack"
                 if self.fp is not None:
                     if not arrived[2]:
                         raise KvIntegrityError("the writer sent no fingerprints (verify_kv off there?)")
@@ -1260,7 +1264,7 @@ class TransferThread:
         if ok and ld.spec.local_block_ids:
             self.stats.record("recv_done", transfer_id=ld.spec.transfer_id, req_id=ld.req_id,
                               nbytes=ld.nbytes, num_descs=ld.num_descs, mode=ld.spec.mode,
-                              strategy=ld.strategy if ld.spec.mode != MODE_PUSH else "",
+                              strategy=ld.strategy,
                               num_blocks=len(ld.spec.local_block_ids), duration_s=round(dur, 6))
         elif ok:
             self.stats.record("release_sent", transfer_id=ld.spec.transfer_id, req_id=ld.req_id)

@@ -170,6 +170,7 @@ def test_pd_transfer_is_staged(rig: Rig, mode: str) -> None:
         sent = rig.wait_events("p0", "send_done", p0, transfer_id=tid)
         assert [(e["strategy"], e["mode"]) for e in sent] == [("pack", "push")], sent
         assert sent[0]["chunks"] >= 2, sent
+        assert recv[0]["strategy"] == "pack", recv  # decode saw the staged completion first
     else:
         assert recv[0]["strategy"] == "pack", recv
         served = rig.wait_events("p0", "staged_serve", p0)
