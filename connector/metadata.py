@@ -35,6 +35,7 @@ NOTIF_FPA = b"kvb:fpa:"
 
 MODE_PULL = "pull"
 MODE_PUSH = "push"
+STAGING_AUTO, STAGING_ALWAYS, STAGING_NEVER = "auto", "always", "never"
 MODE_REUSE = "reuse"  # a LoadSpec that READs a decode engine's retained blocks (D→P)
 
 #: The longest pin the lease service grants (services/domain/limits.MAX_PIN_TTL_MS): a
@@ -77,6 +78,25 @@ class KvbatonSettings:
     #: Test-only fault injection: a JSON file the worker re-reads (see worker.Faults).
     #: Never set in production.
     fault_file: str = ""
+    # Pack path for fragmented transfers (connector/staging.py): "auto" lets
+    # staging.choose_strategy pick per transfer (keeps coalesced runs on host memory with
+    # vLLM's block sizes), "always" packs every transfer with a peer that has a pool,
+    # "never" (the default) allocates no pool and always moves runs. Opt in only where one
+    # prefill engine at a time sends packed data to a decode engine: the receive slots are
+    # chosen by the sender, so two senders packing into one receiver at once could overwrite
+    # each other's chunks (verify_kv would catch it; without it the KV would be wrong).
+    staging: str = STAGING_NEVER
+    # Staging pool per engine (one send + one receive pool of these, registered once).
+    # 0 = default by device: 2 MiB x 4 on host memory, 32 MiB x 4 on GPUs.
+    staging_slot_bytes: int = 0
+    staging_slots: int = 0
+    staging_target_chunks: int = 16
+
+    def staging_pool(self, device: str) -> tuple[int, int]:
+        """(slot bytes, slots) of this engine's pools on ``device`` ("cpu"/"cuda")."""
+        cuda = device == "cuda"
+        slot = self.staging_slot_bytes or ((32 << 20) if cuda else (2 << 20))
+        return int(slot), int(self.staging_slots or 4)
 
     @property
     def hard_cap_s(self) -> float:
@@ -95,6 +115,9 @@ class KvbatonSettings:
             raise ValueError("kvbaton: kv_connector_extra_config.control_plane (address) is required")
         # vLLM's own engine_id is a uuid shared by the 3 processes; an explicit one is
         # nicer in the registrar and in logs.
+        staging = str(get("staging", STAGING_NEVER) or STAGING_NEVER).lower()
+        if staging not in (STAGING_AUTO, STAGING_ALWAYS, STAGING_NEVER):
+            raise ValueError(f"kvbaton: staging must be 'auto', 'always' or 'never', got {staging!r}")
         engine_id = str(get("engine_id", "") or kv_transfer_config.engine_id or "")
         if not engine_id:
             raise ValueError("kvbaton: no engine_id")
@@ -113,7 +136,11 @@ class KvbatonSettings:
                    complete_from_worker=_flag(get("complete_from_worker", False)),
                    verify_kv=_flag(get("verify_kv", False)),
                    verify_kv_alg=str(get("verify_kv_alg", "") or ""),
-                   fault_file=str(get("fault_file", "") or ""))
+                   fault_file=str(get("fault_file", "") or ""),
+                   staging=staging,
+                   staging_slot_bytes=int(get("staging_slot_bytes", 0) or 0),
+                   staging_slots=int(get("staging_slots", 0) or 0),
+                   staging_target_chunks=int(get("staging_target_chunks", 16) or 16))
 
 
 def _flag(v: Any) -> bool:

@@ -420,6 +420,7 @@ class StagedPeer:
                     raise
         self._acks: dict[str, set[int]] = {}
         self._recv_counts: dict[str, int] = {}
+        self._cancelled: dict[str, None] = {}  # insertion-ordered set (see cancel)
         self._unpacking: collections.deque[_Unpack] = collections.deque()
         self.completed: dict[str, str] = {}  # xfer_id → peer, for finished incoming transfers
         self._pulls: collections.deque[tuple[str, str, StagingInfo, np.ndarray, np.ndarray]] = \
@@ -447,6 +448,18 @@ class StagedPeer:
         """Drop receive-side state of an incoming transfer whose sender gave up."""
         self._recv_counts.pop(xfer_id, None)
         self.completed.pop(xfer_id, None)
+
+    def cancel(self, xfer_id: str) -> None:
+        """The receiver gave up on an incoming transfer (its blocks may be freed and reused):
+        chunks of it that still arrive are acked (the sender's slots come free) but never
+        scattered. Remembered for a bounded number of ids."""
+        self.forget(xfer_id)
+        self._cancelled[xfer_id] = None
+        if self._unpack_stream is not None:
+            # scatters of it already enqueued finish before the caller frees the blocks
+            self._unpack_stream.synchronize()
+        while len(self._cancelled) > 1024:
+            self._cancelled.pop(next(iter(self._cancelled)))
 
     def progress(self) -> bool:
         """Poll notifications and finish scatters whose events fired (acks, completions).
@@ -633,6 +646,11 @@ class StagedPeer:
             time.sleep(delay)
             delay = min(delay * 2, poll_max)
 
+    def take_pull(self) -> tuple[str, str, StagingInfo, np.ndarray, np.ndarray] | None:
+        """The oldest queued pull request ``(peer, xfer_id, info, src ids, dst ids)``, or
+        None: for owners that serve pulls themselves (after checks) with :meth:`send`."""
+        return self._pulls.popleft() if self._pulls else None
+
     def serve_pulls(self, *, timeout_s: float, idle: Callable[[], object] | None = None) -> int:
         """Answer queued pull requests with staged WRITEs; returns how many were served.
 
@@ -656,6 +674,9 @@ class StagedPeer:
             ids = np.frombuffer(body, dtype="<i8")
             check_ids(ids, self.layout.num_blocks, side="staged destination", unique=True)
             slot = int(slot_s)
+            if xfer_id in self._cancelled:  # the receiver gave up: free the slot, keep the blocks
+                self.ep.send_notif(peer, _ACK + f"{xfer_id} {slot} {seq}".encode())
+                return
             if not self.cuda:
                 unpack_blocks(self.views[int(r0):int(r1)], torch.from_numpy(ids.copy()),
                               self.recv_pool.slot(slot))

@@ -31,6 +31,35 @@ Reuse (prefill reads a conversation's history from decode's retained blocks):
   a mismatch or a failed/late READ fails the load: vLLM recomputes (never garbage).
 * Decode only counts the ``kvb:reuse:`` notification; its blocks belong to the lease.
 
+Pack path (``staging``, :mod:`.staging`): fragmented transfers can go gather → one NIXL
+WRITE per chunk → scatter → ack instead of one descriptor per coalesced run.
+
+* Pools: at ``register_kv_caches`` this thread allocates one send and one receive pool
+  (``staging_slot_bytes`` × ``staging_slots``, on the KV's device) and registers them
+  with the agent once (:class:`StagedPeer`); the receive pool is published with the rank
+  (``EngineRank.staging``), and peers read it with the rest of the rank in :meth:`_peer`.
+  ``staging: never`` allocates nothing and publishes nothing.
+* Per transfer :func:`pick_strategy`: ``always`` packs whenever both sides have a pool,
+  ``auto`` asks :func:`staging.choose_strategy` from the coalesced plan (descriptor count,
+  bytes; keeps runs on host memory with vLLM's block sizes), ``never`` keeps runs.
+* Push (prefill): the staged WRITE runs on this thread until decode acked every chunk
+  (each ack means the chunk is scattered into decode's blocks), bounded by the hold's
+  deadline; only then the ``kvb:push:`` notification (with the fingerprints) goes out,
+  so decode's existing "push arrived" path still means "the blocks are complete". Its id
+  is derived from the transfer id, so a decode that gave up cancels it: late chunks are
+  acked but never scattered into blocks vLLM has freed.
+* Pull (decode) and reuse (prefill): the reader sends ``KVBS/P`` (a staged READ request),
+  the owner looks the reader up and answers with a staged WRITE (``_progress_serves``,
+  on its transfer thread); the reader reports the load (verifying first with
+  ``verify_kv``) once the last chunk is scattered, then sends the notification the runs
+  READ carried (``kvb:done:`` → prefill frees; ``kvb:reuse:`` → decode counts). Timeouts
+  are the load's (``timeout_s``; reuse: half the pin TTL); failure → the usual failed load
+  (recompute, blocks freed) and the transfer is cancelled in the receive pool.
+* The receive slots are addressed by the sender, so a reader runs staged READs from one
+  owner engine at a time (others wait, bounded by their deadlines). Staged messages from
+  an agent we have no metadata for (push: decode never looked prefill up) wait for its
+  registrar lookup before they are processed (acks need it).
+
 KV integrity (``verify_kv``, :mod:`.integrity`): the owner of the bytes fingerprints the
 blocks it exposes, on the ``kvbaton-verify`` thread, as soon as it learns of them (prefill:
 the SendSpec of a push or pull; decode: the hold ids the scheduler passes in
@@ -67,6 +96,7 @@ import os
 import queue
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -82,6 +112,8 @@ from .metadata import (
     MODE_PUSH,
     MODE_REUSE,
     NOTIF_DONE,
+    STAGING_ALWAYS,
+    STAGING_NEVER,
     NOTIF_FPA,
     NOTIF_FPQ,
     NOTIF_PUSH,
@@ -96,6 +128,10 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
 
     from .nixl_agent import NixlEndpoint, Transfer
+    from .staging import StagedPeer, StagingInfo
+
+#: staging.PREFIX (not imported at module level: staging imports torch)
+STAGED_PREFIX = b"KVBS/"
 
 log = logging.getLogger("kvbaton.connector.worker")
 
@@ -107,6 +143,50 @@ _IDLE_POLL_S = 0.01
 
 def agent_name(engine_id: str, tp_rank: int) -> str:
     return f"kvb-{engine_id}-r{tp_rank}"
+
+
+def pick_strategy(setting: str, num_descs: int, nbytes: int, *, device: str,
+                  local_pool: bool, remote_pool: bool) -> str:
+    """``"runs"`` or ``"pack"`` for one transfer, from the ``staging`` setting.
+
+    Pack needs a staging pool on both sides (the peer's is published with its rank; an
+    engine without one, e.g. ``staging: never`` or an older connector, gets runs).
+    ``auto`` asks :func:`staging.choose_strategy` (per-descriptor cost vs pack cost),
+    which keeps vLLM's large CPU blocks on runs.
+    """
+    if setting == STAGING_NEVER or not local_pool or not remote_pool or nbytes <= 0:
+        return "runs"
+    if setting == STAGING_ALWAYS:
+        return "pack"
+    from .staging import choose_strategy
+
+    return choose_strategy(num_descs, nbytes, device=device)
+
+
+def push_xfer_id(transfer_id: str) -> str:
+    """Staged-protocol id of a push's WRITE: derived from the transfer id, so a decode that
+    gave up on the transfer can refuse its late chunks (:meth:`StagedPeer.cancel`)."""
+    if transfer_id and not any(c.isspace() for c in transfer_id):
+        return "w" + transfer_id
+    return "w" + uuid.uuid4().hex
+
+
+def engine_of_agent(agent: str) -> str:
+    """Inverse of :func:`agent_name` (``kvb-<engine>-r<rank>`` → engine id)."""
+    core = agent.removeprefix("kvb-")
+    head, sep, rank = core.rpartition("-r")
+    return head if sep and rank.isdigit() else core
+
+
+def staging_from_rank(rank: Any) -> StagingInfo | None:
+    """A peer's published receive pool (``EngineRank.staging``), None when it has none."""
+    from .staging import StagingInfo
+
+    st = rank.staging if rank.HasField("staging") else None
+    if st is None or not st.num_slots or not st.slot_bytes:
+        return None
+    return StagingInfo(int(st.base_addr), int(st.slot_bytes), int(st.num_slots), st.mem_type or "DRAM",
+                       int(st.device_id))
 
 
 def _outcome(ok: bool, reason: str = "") -> str:
@@ -134,7 +214,9 @@ class Faults:
     ``{"corrupt_landed": {"reuse": 1, "pull": 1, "push": 1}, "delay_reuse_read_s": 2.5}``:
     ``corrupt_landed[mode]`` = how many loads of that mode get their first landed block
     corrupted after the owner fingerprinted it (before the reader verifies);
-    ``delay_reuse_read_s`` = how long a reuse READ waits, pin held, before it is posted.
+    ``delay_reuse_read_s`` = how long a reuse READ waits, pin held, before it is posted;
+    ``delay_staged_serve_s`` = how long an owner waits before answering a staged READ
+    request (past the reader's deadline: exercises the reader's cancel).
     Counts are consumed in this process only (the file is not rewritten).
     """
 
@@ -195,6 +277,11 @@ class _Load:
     fp_owner: Fingerprints | None = None
     fp_local: concurrent.futures.Future[Any] | None = None
     corrupted: bool = False
+    # staged READ (pack path): our id of the incoming staged transfer, and what to tell the
+    # owner once every chunk is scattered into our blocks
+    strategy: str = "runs"
+    staged_xid: str = ""
+    staged_notif: bytes = b""
 
 
 @dataclasses.dataclass
@@ -210,6 +297,35 @@ class _Held:
     nbytes: int = 0
     num_descs: int = 0
     t_post: float = 0.0  # when the NIXL WRITE was posted
+    strategy: str = "runs"
+    chunks: int = 0  # staged: chunks the WRITE was cut into
+
+
+@dataclasses.dataclass
+class _Serve:
+    """Owner side of a staged READ: a peer asked us to push blocks into its staging slots."""
+
+    agent: str
+    engine_id: str
+    xfer_id: str
+    info: Any  # StagingInfo of the requester's receive pool
+    src: Any  # our block ids (numpy)
+    dst: Any  # its block ids (numpy)
+    deadline: float
+    t0: float
+    peer_future: concurrent.futures.Future[Any] | None = None
+
+
+@dataclasses.dataclass
+class _StagedWait:
+    """Staged-protocol messages from an agent we have no NIXL metadata for yet (a push's
+    writer: decode never looked prefill up). Kept, in order, until the registrar lookup
+    lets us answer (acks need the sender's metadata); its data waits in our slot."""
+
+    agent: str
+    msgs: list[bytes]
+    deadline: float
+    peer_future: concurrent.futures.Future[Any] | None = None
 
 
 @dataclasses.dataclass
@@ -264,7 +380,8 @@ class TransferThread:
     """The NIXL owner thread (see module docstring)."""
 
     def __init__(self, settings: KvbatonSettings, tp_rank: int, layout: KvLayout,
-                 control: ControlThread, stats: StatsLog, fingerprinter: Fingerprinter | None = None) -> None:
+                 control: ControlThread, stats: StatsLog, fingerprinter: Fingerprinter | None = None,
+                 tensors: list[torch.Tensor] | None = None) -> None:
         self.metrics = connector_metrics()  # counted next to each stats record below
         self.fp = fingerprinter  # verify_kv (None: off)
         self.faults = Faults(settings.fault_file)
@@ -291,6 +408,15 @@ class TransferThread:
         self._push_failed: dict[str, tuple[float, str]] = {}  # rendezvous said the push is off
         self._peers: dict[str, tuple[str, KvLayout]] = {}  # engine_id -> (agent, layout)
         self._ep: NixlEndpoint | None = None
+        # Pack path (staging.py): created on this thread with the agent, when staging is on.
+        self._tensors = tensors or []
+        self._staged: StagedPeer | None = None
+        self.staging_info: StagingInfo | None = None  # our receive pool, published with the rank
+        self._peer_staging: dict[str, StagingInfo | None] = {}  # engine_id -> its receive pool
+        self._staged_done: dict[str, float] = {}  # incoming staged transfers fully scattered
+        self._staged_src: dict[str, int] = {}  # agent -> our staged READs it is answering
+        self._serves: list[_Serve] = []  # staged READs of our blocks waiting for their peer
+        self._staged_wait: dict[str, _StagedWait] = {}  # agent -> its messages, until we know it
         self._thread = threading.Thread(target=self._run, name=f"kvbaton-xfer-{settings.engine_id}",
                                         daemon=True)
 
@@ -320,6 +446,7 @@ class TransferThread:
             ep.on_notif(NOTIF_REUSE, self._on_reuse_served)
             ep.on_notif(NOTIF_FPQ, self._on_fp_question)
             ep.on_notif(NOTIF_FPA, self._on_fp_answer)
+            self._init_staging(ep)
             self.metadata = ep.metadata()
             self._ep = ep
         except BaseException as exc:  # noqa: BLE001 - surfaced by start()
@@ -329,7 +456,7 @@ class TransferThread:
         self._ready.set()
         try:
             while not self._stop.is_set():
-                busy = bool(self._loads or self._held or self._fp_answers)
+                busy = bool(self._loads or self._held or self._fp_answers or self._serves or self._staged_wait)
                 try:
                     cmd = self.inbox.get(timeout=_BUSY_POLL_S if busy else _IDLE_POLL_S)
                     self._handle(cmd)
@@ -338,9 +465,14 @@ class TransferThread:
                 except queue.Empty:
                     pass
                 try:
-                    ep.poll_notifs()
+                    if self._staged is not None:
+                        self._staged.progress()  # poll_notifs + (CUDA) finished scatters → acks
+                    else:
+                        ep.poll_notifs()
                 except Exception:  # noqa: BLE001 - keep the thread alive
                     log.exception("kvbaton: poll_notifs failed")
+                self._progress_staged_wait()
+                self._progress_serves()
                 self._progress_loads()
                 self._progress_writes()
                 self._progress_fp_answers()
@@ -348,7 +480,155 @@ class TransferThread:
         finally:
             for ld in self._loads:
                 self._finish_load(ld, ok=False, reason="shutdown")
+            if self._staged is not None:
+                self._staged.close()
             ep.close()
+
+    # ------------------------------------------------------------------ staging (pack path)
+    def _init_staging(self, ep: NixlEndpoint) -> None:
+        """Allocate and register this engine's staging pools once, next to the KV cache."""
+        if self.settings.staging == STAGING_NEVER or not self._tensors:
+            return
+        from .staging import StagedPeer
+
+        slot, nslots = self.settings.staging_pool(self.layout.device)
+        slot = max(slot, self.layout.bytes_per_block)  # a tile holds at least one block row
+        # Ours first (the first matching prefix wins): staged messages from an agent we
+        # cannot answer yet wait for its registrar lookup (see _StagedWait).
+        ep.on_notif(STAGED_PREFIX, self._on_staged_notif)
+        try:
+            self._staged = StagedPeer(ep, self._tensors, self.layout, slot_bytes=slot, num_slots=nslots,
+                                      target_chunks=self.settings.staging_target_chunks,
+                                      min_chunk_bytes=min(4 << 20, slot), on_complete=self._on_staged_complete)
+        except Exception:  # noqa: BLE001 - no pool: runs only (published as absent)
+            log.exception("kvbaton: staging pool not available; moving KV with coalesced runs only")
+            self._staged = None
+            return
+        self.staging_info = self._staged.info()
+        log.info("kvbaton: staging pools %d x %d B (%s), mode %s", nslots, self._staged.recv_pool.slot_bytes,
+                 self.staging_info.mem_type, self.settings.staging)
+
+    def _on_staged_notif(self, peer: str, msg: bytes) -> None:
+        if self._staged is None:
+            return
+        wait = self._staged_wait.get(peer)
+        if wait is None and peer in self._ep.peers:
+            self._staged._on_notif(peer, msg)  # noqa: SLF001 - we own the routing of its prefix
+            return
+        if wait is None:
+            wait = self._staged_wait[peer] = _StagedWait(peer, [], time.monotonic() + self.settings.timeout_s)
+        wait.msgs.append(msg)
+
+    def _progress_staged_wait(self) -> None:
+        """Deliver held staged messages once their sender's metadata is known."""
+        if not self._staged_wait or self._staged is None:
+            return
+        now = time.monotonic()
+        for agent, wait in list(self._staged_wait.items()):
+            try:
+                got = self._peer(engine_of_agent(agent), wait, now)
+                if got is None:
+                    continue
+                if got[0] != agent:
+                    raise LookupError(f"{engine_of_agent(agent)} is registered as {got[0]}, not {agent}")
+                del self._staged_wait[agent]
+                for m in wait.msgs:
+                    self._staged._on_notif(agent, m)  # noqa: SLF001
+            except Exception as exc:  # noqa: BLE001 - the sender times out, the load recomputes
+                self._staged_wait.pop(agent, None)
+                log.warning("kvbaton: dropped %d staged messages from %s: %r", len(wait.msgs), agent, exc)
+                self.stats.record("staged_dropped", peer=agent, num_msgs=len(wait.msgs),
+                                  reason=f"{type(exc).__name__}: {exc}"[:300])
+
+    def _on_staged_complete(self, peer: str, xfer_id: str) -> None:
+        """Receiver: every chunk of an incoming staged transfer is scattered into our blocks."""
+        assert self._staged is not None
+        self._staged.completed.pop(xfer_id, None)  # tracked here (bounded by _expire_held)
+        self._staged_done[xfer_id] = time.monotonic()
+
+    def _strategy(self, num_descs: int, nbytes: int, engine_id: str) -> str:
+        return pick_strategy(self.settings.staging, num_descs, nbytes, device=self.layout.device,
+                             local_pool=self._staged is not None,
+                             remote_pool=self._peer_staging.get(engine_id) is not None)
+
+    def _progress_serves(self) -> None:
+        """Owner: answer staged READs (``KVBS/P``) with staged WRITEs, once the requester's
+        NIXL metadata is known. The WRITE runs on this thread until every chunk is acked
+        (bounded by ``timeout_s``); a failure is logged and the reader fails its load at its
+        own deadline (recompute)."""
+        if self._staged is None:
+            return
+        now = time.monotonic()
+        while True:
+            got = self._staged.take_pull()
+            if got is None:
+                break
+            agent, xid, info, src, dst = got
+            self._serves.append(_Serve(agent, engine_of_agent(agent), xid, info, src, dst,
+                                       now + self.settings.timeout_s, now))
+        keep: list[_Serve] = []
+        delay = self.faults.value("delay_staged_serve_s") if self.faults.path else 0.0
+        for sv in self._serves:
+            if delay and now < sv.t0 + delay:  # test-only fault
+                keep.append(sv)
+                continue
+            try:
+                peer = self._peer(sv.engine_id, sv, now)
+                if peer is None:
+                    keep.append(sv)
+                    continue
+                if peer[0] != sv.agent:
+                    raise LookupError(f"engine {sv.engine_id} is registered as {peer[0]}, not {sv.agent}")
+                t0 = time.monotonic()
+                nbytes = self._staged.send(sv.agent, sv.info, sv.src, sv.dst, sv.xfer_id,
+                                           timeout_s=max(0.001, sv.deadline + delay - t0))
+                self.stats.record("staged_serve", xfer_id=sv.xfer_id, peer=sv.engine_id, strategy="pack",
+                                  nbytes=nbytes, num_blocks=int(len(sv.src)), chunks=self._staged.last_send_chunks,
+                                  duration_s=round(time.monotonic() - t0, 6))
+            except Exception as exc:  # noqa: BLE001 - the reader gives up at its deadline
+                log.warning("kvbaton: staged answer %s to %s failed: %r", sv.xfer_id, sv.engine_id, exc)
+                self.stats.record("staged_serve_failed", xfer_id=sv.xfer_id, peer=sv.engine_id,
+                                  reason=f"{type(exc).__name__}: {exc}"[:300])
+                self._forget_peer(sv.engine_id)
+        self._serves = keep
+
+    def _start_staged_read(self, ld: _Load, notif: bytes) -> bool:
+        """Reader: ask the owner to push ``remote_block_ids`` into our ``local_block_ids``
+        through our receive pool. False while another peer is answering a staged READ of
+        ours (the receive slots are addressed by the sender: one sending engine at a time)."""
+        assert self._staged is not None and self._ep is not None
+        if any(n > 0 for a, n in self._staged_src.items() if a != ld.peer):
+            return False
+        ld.staged_xid = "s" + uuid.uuid4().hex
+        ld.staged_notif = notif
+        ld.strategy = "pack"
+        self._staged_src[ld.peer] = self._staged_src.get(ld.peer, 0) + 1
+        self._staged.request_pull(ld.peer, ld.spec.remote_block_ids, ld.spec.local_block_ids, ld.staged_xid)
+        return True
+
+    def _poll_staged(self, ld: _Load, now: float, deadline: float, engine_id: str) -> bool:
+        """Reader: True once every chunk is scattered into our blocks (then tell the owner)."""
+        if self._staged_done.pop(ld.staged_xid, None) is None:
+            if now >= deadline:
+                self._forget_peer(engine_id)  # dead or restarted owner: look it up again
+                raise TimeoutError(f"staged READ {ld.staged_xid} from {ld.peer} not complete in time")
+            return False
+        self._end_staged(ld, ok=True)
+        if ld.staged_notif:
+            self._ep.send_notif(ld.peer, ld.staged_notif)  # prefill frees / decode counts
+        return True
+
+    def _end_staged(self, ld: _Load, *, ok: bool) -> None:
+        if not ld.staged_xid:
+            return
+        n = self._staged_src.get(ld.peer, 0) - 1
+        if n > 0:
+            self._staged_src[ld.peer] = n
+        else:
+            self._staged_src.pop(ld.peer, None)
+        if not ok and self._staged is not None:
+            self._staged.cancel(ld.staged_xid)  # late chunks are acked, never scattered
+        ld.staged_xid = ""
 
     def _handle(self, cmd: tuple[str, str, Any]) -> None:
         kind, req_id, spec = cmd
@@ -448,7 +728,7 @@ class TransferThread:
                 self.metrics.transfers.labels(held.spec.mode, "prefill", "timeout").inc()
                 self.results.put(("sent", held.req_id, False, ()))
         for box in (self._early_acks, self._push_arrived, self._push_failed, self._early_matches,
-                    self._fp_replies):
+                    self._fp_replies, self._staged_done):
             for tid, v in list(box.items()):
                 t = v if isinstance(v, float) else v[0]
                 if now - t > 2 * self.settings.timeout_s:
@@ -511,6 +791,22 @@ class TransferThread:
             held.nbytes, held.num_descs = plan.nbytes, plan.num_descs
             msg = NOTIF_PUSH + f"{tid}:{plan.nbytes}{fps}".encode()
             held.t_post = time.monotonic()
+            held.strategy = self._strategy(plan.num_descs, plan.nbytes, offer.engine_id)
+            if held.strategy == "pack":
+                # Staged WRITE: returns once decode acked every chunk (scattered into its
+                # blocks); only then the push notification, so its arrival still means the
+                # blocks are complete. Runs on this thread, bounded by the hold's deadline.
+                assert self._staged is not None
+                rinfo = self._peer_staging[offer.engine_id]
+                try:
+                    self._staged.send(peer, rinfo, local[skip:], remote[skip:], push_xfer_id(tid),
+                                      timeout_s=max(0.001, held.deadline - time.monotonic()))
+                    held.chunks = self._staged.last_send_chunks
+                    self._ep.send_notif(peer, msg)
+                except Exception:
+                    self._forget_peer(offer.engine_id)
+                    raise
+                return True
             try:
                 held.xfer = self._ep.write(plan, peer, msg)
             except Exception:
@@ -538,7 +834,8 @@ class TransferThread:
 
         self.stats.record("send_done" if ok else "send_failed", transfer_id=held.spec.transfer_id,
                           req_id=held.req_id, mode=MODE_PUSH, write_nbytes=held.nbytes,
-                          num_descs=held.num_descs, error=error, held_s=round(dur, 6))
+                          num_descs=held.num_descs, error=error, held_s=round(dur, 6),
+                          strategy=held.strategy, chunks=held.chunks)
         self.metrics.transfers.labels(MODE_PUSH, "prefill", _outcome(ok, error)).inc()
         if ok:
             self.metrics.transfer_bytes.labels(MODE_PUSH, "write").inc(held.nbytes)
@@ -574,6 +871,7 @@ class TransferThread:
         layout = KvLayout.from_proto_fields(**geometry_fields(rank))
         self._ep.add_peer(rank.agent_name, rank.agent_metadata)
         self._peers[eid] = (rank.agent_name, layout)
+        self._peer_staging[eid] = staging_from_rank(rank)
         return self._peers[eid]
 
     # ------------------------------------------------------------------ loads
@@ -587,6 +885,7 @@ class TransferThread:
             except Exception as exc:  # noqa: BLE001 - any failure → recompute
                 if ld.xfer is not None:
                     self._ep.release(ld.xfer)
+                self._end_staged(ld, ok=False)
                 self._finish_load(ld, ok=False, reason=f"{type(exc).__name__}: {exc}")
                 done = True
             if not done:
@@ -606,6 +905,10 @@ class TransferThread:
             arrived = self._push_arrived.pop(tid_s, None)
             if arrived is not None:
                 ld.nbytes = arrived[1]
+                # a staged push completed (every chunk scattered) before its notification
+                # was sent, so its completion is already here
+                if self._staged_done.pop(push_xfer_id(tid_s), None) is not None:
+                    ld.strategy = "pack"
                 if self.fp is not None:
                     if not arrived[2]:
                         raise KvIntegrityError("the writer sent no fingerprints (verify_kv off there?)")
@@ -617,6 +920,10 @@ class TransferThread:
             if now >= ld.deadline:
                 raise TimeoutError(f"no push WRITE for {tid_s} after {self.settings.timeout_s}s")
             return False
+        if ld.staged_xid:
+            if not self._poll_staged(ld, now, ld.deadline, eid):
+                return False
+            return self._landed(ld, now)
         if ld.xfer is None:
             got = self._peer(eid, ld, now)
             if got is None:
@@ -633,6 +940,14 @@ class TransferThread:
             ld.nbytes, ld.num_descs = plan.nbytes, plan.num_descs
             # verify_kv: ask first, so the owner answers in the same poll that serves the READ
             # (while it still holds the blocks and polls fast), not one idle poll later.
+            if self._strategy(plan.num_descs, plan.nbytes, eid) == "pack":
+                if ld.t_post == 0.0:
+                    self._ask_fingerprints(ld, f"t:{ld.spec.transfer_id}", -1)
+                    ld.t_post = time.monotonic()
+                if not self._start_staged_read(ld, NOTIF_DONE + tid):  # another sender is busy
+                    if now >= ld.deadline:
+                        raise TimeoutError("staging pool busy with another peer")
+                return False
             self._ask_fingerprints(ld, f"t:{ld.spec.transfer_id}", -1)  # the owner finds the run
             ld.t_post = time.monotonic()
             try:
@@ -676,6 +991,10 @@ class TransferThread:
                                    f"not {src.retention_id!r}")
         if now >= ld.read_deadline:
             raise TimeoutError(f"reuse READ from {src.engine_id} not done within half the pin TTL")
+        if ld.staged_xid:
+            if not self._poll_staged(ld, now, ld.read_deadline, src.engine_id):
+                return False
+            return self._landed(ld, now)
         if ld.xfer is None and self.faults.path:  # test-only: widen the READ window, pin held
             if not ld.delay_until:
                 ld.delay_until = now + self.faults.value("delay_reuse_read_s")
@@ -695,6 +1014,12 @@ class TransferThread:
             ld.nbytes, ld.num_descs = plan.nbytes, plan.num_descs
             msg = NOTIF_REUSE + f"{src.conversation_id}:{plan.nbytes}".encode()
             first = src.num_tokens // self.layout.tokens_per_block - len(ld.spec.remote_block_ids)
+            if self._strategy(plan.num_descs, plan.nbytes, src.engine_id) == "pack":
+                if ld.t_post == 0.0:
+                    self._ask_fingerprints(ld, f"r:{src.conversation_id}", first)
+                    ld.t_post = time.monotonic()
+                self._start_staged_read(ld, msg)  # False: another sender busy (read deadline bounds it)
+                return False
             self._ask_fingerprints(ld, f"r:{src.conversation_id}", first)  # verify_kv (before the READ)
             ld.t_post = time.monotonic()
             try:
@@ -894,6 +1219,7 @@ class TransferThread:
             "kvbaton: Unpin failed (the pin lapses by itself): %r", f.exception()))
 
     def _forget_peer(self, eid: str) -> None:
+        self._peer_staging.pop(eid, None)
         got = self._peers.pop(eid, None)
         if got is not None and self._ep is not None:
             try:
@@ -919,6 +1245,7 @@ class TransferThread:
             m.reused_tokens.inc(len(ld.spec.local_block_ids) * self.layout.tokens_per_block)
 
     def _finish_load(self, ld: _Load, *, ok: bool, reason: str = "") -> None:
+        self._end_staged(ld, ok=ok)
         now = time.monotonic()
         dur = now - ld.t0
         self._count_load(ld, ok=ok, reason=reason, now=now)
@@ -927,7 +1254,7 @@ class TransferThread:
             src = ld.spec.reuse
             if ok:
                 self.stats.record("reuse_read", conversation_id=src.conversation_id if src else "",
-                                  req_id=ld.req_id, nbytes=ld.nbytes, num_descs=ld.num_descs,
+                                  req_id=ld.req_id, nbytes=ld.nbytes, num_descs=ld.num_descs, strategy=ld.strategy,
                                   num_blocks=len(ld.spec.local_block_ids), duration_s=round(dur, 6))
             else:
                 self.stats.record("reuse_failed", conversation_id=src.conversation_id if src else "",
@@ -936,13 +1263,17 @@ class TransferThread:
             return
         if ok and ld.spec.local_block_ids:
             self.stats.record("recv_done", transfer_id=ld.spec.transfer_id, req_id=ld.req_id,
-                              nbytes=ld.nbytes, num_descs=ld.num_descs,
+                              nbytes=ld.nbytes, num_descs=ld.num_descs, mode=ld.spec.mode,
+                              strategy=ld.strategy,
                               num_blocks=len(ld.spec.local_block_ids), duration_s=round(dur, 6))
         elif ok:
             self.stats.record("release_sent", transfer_id=ld.spec.transfer_id, req_id=ld.req_id)
         else:
             self.stats.record("recv_failed", transfer_id=ld.spec.transfer_id, req_id=ld.req_id,
                               reason=reason, duration_s=round(dur, 6))
+            if ld.spec.mode == MODE_PUSH and ld.spec.transfer_id and self._staged is not None:
+                # a staged WRITE still in flight must not land in blocks vLLM frees now
+                self._staged.cancel(push_xfer_id(ld.spec.transfer_id))
             if ld.spec.mode == MODE_PUSH and ld.spec.transfer_id:
                 # Tell the rendezvous we gave up, so a late match is refused and prefill
                 # frees its blocks (a write already in flight can still land: not fenced yet).
@@ -984,7 +1315,8 @@ class KvbatonWorker:
         layout = KvLayout.from_tensors(tensors, block_size, block_dim=0)
         self._control = ControlThread(self.settings.control_plane)
         fp = Fingerprinter(layout, tensors, self.settings.verify_kv_alg) if self.settings.verify_kv else None
-        self._xfer = TransferThread(self.settings, self.tp_rank, layout, self._control, self.stats, fp)
+        self._xfer = TransferThread(self.settings, self.tp_rank, layout, self._control, self.stats, fp,
+                                    tensors=tensors)
         self._xfer.start()
         from kvbaton.v1 import common_pb2, registrar_pb2
 
@@ -993,6 +1325,11 @@ class KvbatonWorker:
             tp_rank=self.tp_rank, agent_name=self._xfer.name, agent_metadata=self._xfer.metadata,
             geometry=common_pb2.KvGeometry(**layout.to_proto_fields()),
             labels={"mode": self.settings.mode})
+        si = self._xfer.staging_info
+        if si is not None:  # where peers WRITE staged chunks into us (pack path)
+            rank.staging.CopyFrom(common_pb2.KvStaging(base_addr=si.base_addr, slot_bytes=si.slot_bytes,
+                                                       num_slots=si.num_slots, mem_type=si.mem_type,
+                                                       device_id=si.device_id))
         self._control.register_rank(rank, self.settings.ttl_ms)
         inbox = self._xfer.inbox
         self._control.subscribe(self.settings.engine_id, self.tp_rank,

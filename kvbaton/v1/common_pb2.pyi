@@ -43,6 +43,20 @@ class KvGeometry(_message.Message):
     block_stride_bytes: int
     def __init__(self, region_base_addrs: _Optional[_Iterable[int]] = ..., bytes_per_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., tokens_per_block: _Optional[int] = ..., dtype: _Optional[str] = ..., layout: _Optional[str] = ..., fingerprint: _Optional[str] = ..., device: _Optional[str] = ..., device_id: _Optional[int] = ..., block_stride_bytes: _Optional[int] = ...) -> None: ...
 
+class KvStaging(_message.Message):
+    __slots__ = ("base_addr", "slot_bytes", "num_slots", "mem_type", "device_id")
+    BASE_ADDR_FIELD_NUMBER: _ClassVar[int]
+    SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    MEM_TYPE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    base_addr: int
+    slot_bytes: int
+    num_slots: int
+    mem_type: str
+    device_id: int
+    def __init__(self, base_addr: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., num_slots: _Optional[int] = ..., mem_type: _Optional[str] = ..., device_id: _Optional[int] = ...) -> None: ...
+
 class BlockIds(_message.Message):
     __slots__ = ("ids",)
     IDS_FIELD_NUMBER: _ClassVar[int]

@@ -10,7 +10,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class EngineRank(_message.Message):
-    __slots__ = ("engine_id", "role", "tp_size", "tp_rank", "agent_name", "agent_metadata", "geometry", "labels", "registered_at_ms", "incarnation")
+    __slots__ = ("engine_id", "role", "tp_size", "tp_rank", "agent_name", "agent_metadata", "geometry", "labels", "registered_at_ms", "incarnation", "staging")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -28,6 +28,7 @@ class EngineRank(_message.Message):
     LABELS_FIELD_NUMBER: _ClassVar[int]
     REGISTERED_AT_MS_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    STAGING_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     role: _common_pb2.EngineRole
     tp_size: int
@@ -38,7 +39,8 @@ class EngineRank(_message.Message):
     labels: _containers.ScalarMap[str, str]
     registered_at_ms: int
     incarnation: str
-    def __init__(self, engine_id: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.EngineRole, str]] = ..., tp_size: _Optional[int] = ..., tp_rank: _Optional[int] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., geometry: _Optional[_Union[_common_pb2.KvGeometry, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., registered_at_ms: _Optional[int] = ..., incarnation: _Optional[str] = ...) -> None: ...
+    staging: _common_pb2.KvStaging
+    def __init__(self, engine_id: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.EngineRole, str]] = ..., tp_size: _Optional[int] = ..., tp_rank: _Optional[int] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., geometry: _Optional[_Union[_common_pb2.KvGeometry, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., registered_at_ms: _Optional[int] = ..., incarnation: _Optional[str] = ..., staging: _Optional[_Union[_common_pb2.KvStaging, _Mapping]] = ...) -> None: ...
 
 class RegisterEngineRequest(_message.Message):
     __slots__ = ("rank", "ttl_ms")

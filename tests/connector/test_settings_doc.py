@@ -27,6 +27,8 @@ def _other_value(f: dataclasses.Field) -> object:
     d = f.default
     if f.name == "mode":
         return "push"
+    if f.name == "staging":
+        return "always"
     if isinstance(d, bool):
         return not d
     if isinstance(d, int):

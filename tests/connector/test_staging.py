@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 
 import numpy as np
 import pytest
@@ -181,5 +182,48 @@ def test_staged_rejects_bad_ids() -> None:
         with pytest.raises(TimeoutError):
             # B is never progressed, so no ack can come back
             p.sa.send(p.b.name, p.sb.info(), np.arange(20), np.arange(20), "stuck", timeout_s=0.3)
+    finally:
+        p.close()
+
+
+@pytest.mark.nixl
+def test_cancelled_transfer_is_acked_not_scattered() -> None:
+    """A receiver that gave up (its blocks may be reused) frees the sender's slots but never
+    scatters late chunks; a later transfer with another id lands normally."""
+    block_bytes = LAYERS * 2 * TPB * 2 * 8 * 2
+    p = StagedPair("kv", slot_bytes=2 * block_bytes, num_slots=2)
+    try:
+        src, dst = np.arange(1, 9), np.arange(30, 38)
+        p.sb.cancel("gone")
+        moved = p.sa.send(p.b.name, p.sb.info(), src, dst, "gone", timeout_s=20, idle=p.b.poll_notifs)
+        assert moved == 8 * block_bytes  # every chunk acked: no slot leaks on the sender
+        assert "gone" not in p.sb.completed
+        assert all(int(t.abs().sum()) == 0 for t in p.tb)  # nothing scattered
+        p.sa.send(p.b.name, p.sb.info(), src, dst, "next", timeout_s=20, idle=p.b.poll_notifs)
+        assert p.sb.completed.pop("next") == p.a.name
+        assert checksum(p.tb, dst, p.bd) == checksum(p.ta, src, p.bd)
+    finally:
+        p.close()
+
+
+@pytest.mark.nixl
+def test_take_pull_hands_out_requests_in_order() -> None:
+    p = StagedPair("kv", slot_bytes=1 << 16, num_slots=2)
+    try:
+        assert p.sa.take_pull() is None
+        p.sb.request_pull(p.a.name, [1, 2], [5, 6], "q1")
+        p.sb.request_pull(p.a.name, [3], [7], "q2")
+        got = []
+        for _ in range(500):
+            p.b.poll_notifs()  # progresses the sender's UCX too
+            p.a.poll_notifs()
+            time.sleep(0.002)
+            while (x := p.sa.take_pull()) is not None:
+                got.append(x)
+            if len(got) == 2:
+                break
+        assert [(g[0], g[1], list(g[3]), list(g[4])) for g in got] == \
+            [(p.b.name, "q1", [1, 2], [5, 6]), (p.b.name, "q2", [3], [7])]
+        assert got[0][2] == p.sb.info()
     finally:
         p.close()

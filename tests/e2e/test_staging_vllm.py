@@ -1,0 +1,262 @@
+"""The pack path (``staging: always``) inside real vLLM workers, on CPU, with NIXL.
+
+One stack: control plane, prefill (prefix caching off, so reused history really comes
+from decode) and decode, both with ``staging: always`` and ``verify_kv: true``, and small
+staging slots (2 block rows of the tiny model) so every transfer is cut into several
+chunks that reuse the 2-slot pool. Checked for push, pull and a reuse READ:
+
+- output equals the prefill engine alone;
+- the stats say the staged path moved it (``strategy: pack``; push: prefill's
+  ``send_done``, several chunks; pull/reuse: the reader's ``recv_done`` / ``reuse_read``
+  and the owner's ``staged_serve``);
+- every transfer verified against the owner's fingerprints after the scatter, 0 mismatches;
+- prefill's KV usage returns to 0 and decode's to its baseline.
+
+Failure paths (test-only faults, ``worker.Faults``): a block corrupted after the scatter is
+caught by the reader's verification (recompute, output equal); an owner that answers a
+staged READ only after the reader's deadline ends in a recompute, its late chunks are
+acked but never scattered, and the next staged transfer works (the pools are not wedged).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvbaton.tinymodel import ensure_tiny_model
+from tests.harness.pd_stack import PdStack, post_json, usage_back_to_zero
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
+
+BLOCK = 128
+ROW = 131072  # bytes of one block of one layer (tiny model, float32)
+SLOT = 2 * ROW
+
+
+class Rig:
+    def __init__(self, stack: PdStack, fault_file: Path) -> None:
+        self.s = stack
+        self.fault_file = fault_file
+
+    def faults(self, **conf: Any) -> None:
+        tmp = self.fault_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(conf))
+        os.replace(tmp, self.fault_file)
+
+    def no_faults(self) -> None:
+        self.fault_file.unlink(missing_ok=True)
+
+    @staticmethod
+    def body(prompt: list[int], max_tokens: int = 40, **extra: Any) -> dict[str, Any]:
+        return {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+                "ignore_eos": True, "return_token_ids": True, **extra}
+
+    def single(self, prompt: list[int]) -> list[int]:
+        status, raw = post_json(f"{self.s.p.base_url}/v1/completions", self.body(prompt), 120)
+        assert status == 200, raw[:500]
+        return json.loads(raw)["choices"][0]["token_ids"]
+
+    def via(self, mode: str, prompt: list[int], conv: str = "") -> list[int]:
+        body = self.body(prompt, **({"conversation_id": conv} if conv else {}))
+        status, raw = post_json(f"{self.s.routers[mode]}/v1/completions", body, 120)
+        assert status == 200, raw[:500]
+        return json.loads(raw)["choices"][0]["token_ids"]
+
+    def wait_events(self, engine: str, event: str, since: int, n: int = 1, timeout_s: float = 10.0,
+                    **match: Any) -> list[dict[str, Any]]:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            evs = [e for e in self.s.events(engine, event, since=since)
+                   if all(e.get(k) == v for k, v in match.items())]
+            if len(evs) >= n or time.monotonic() > deadline:
+                return evs
+            time.sleep(0.05)
+
+    def d_usage(self) -> float:
+        """Decode's KV usage after a 1-token request (an idle engine frees ended leases at
+        its next step, connector/reuse.py)."""
+        status, raw = post_json(f"{self.s.d.base_url}/v1/completions",
+                                {"model": "tiny", "prompt": [5], "max_tokens": 1}, 30)
+        assert status == 200, raw[:300]
+        time.sleep(0.3)
+        return self.s.d.metric("vllm:kv_cache_usage_perc") or 0.0
+
+    def revoke(self, conv: str) -> None:
+        import asyncio
+
+        from kvbaton.client import KvbatonClient
+        from kvbaton.v1 import lease_pb2
+
+        async def go() -> None:
+            async with KvbatonClient(self.s.cp_address) as kv:
+                try:
+                    await kv.lease.Revoke(lease_pb2.RevokeRequest(conversation_id=conv, reason="test done"), timeout=5)
+                except Exception:  # noqa: BLE001 - already gone
+                    pass
+        asyncio.run(go())
+
+    def wait_retained(self, conv: str, timeout_s: float = 10.0) -> None:
+        import asyncio
+
+        from kvbaton.client import KvbatonClient
+        from kvbaton.v1 import registrar_pb2
+
+        async def look() -> bool:
+            async with KvbatonClient(self.s.cp_address) as kv:
+                try:
+                    r = await kv.registrar.LookupRetained(registrar_pb2.LookupRetainedRequest(conversation_id=conv),
+                                                          timeout=5)
+                    return bool(r.retained.block_ids)
+                except Exception:  # noqa: BLE001 - NOT_FOUND yet
+                    return False
+        deadline = time.monotonic() + timeout_s
+        while not asyncio.run(look()):
+            assert time.monotonic() < deadline, f"{conv}: no retention registered"
+            time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
+    model = ensure_tiny_model(Path(os.environ.get("KVBATON_TINY_MODEL", "/tmp/kvbaton-tiny-model")))
+    work = tmp_path_factory.mktemp("staging")
+    fault_file = work / "faults.json"
+    extra = {"staging": "always", "staging_slot_bytes": SLOT, "staging_slots": 2, "verify_kv": True,
+             "lease_ttl_s": 5.0, "pin_ttl_s": 6.0, "kv_recompute_threshold": 64, "fault_file": str(fault_file)}
+    with PdStack(model, work, router_modes=("pull", "push"), timeout_s=8.0, extra_config=extra,
+                 prefill_args=["--no-enable-prefix-caching"], router_control_plane=True) as s:
+        yield Rig(s, fault_file)
+
+
+def _ids(seed: int, n: int) -> list[int]:
+    rnd = random.Random(seed)
+    return [rnd.randrange(10, 4000) for _ in range(n)]
+
+
+def test_staging_published(rig: Rig) -> None:
+    """Both ranks carry their receive pool in the registrar (the peer's WRITE target)."""
+    import asyncio
+
+    from kvbaton.client import KvbatonClient
+    from kvbaton.v1 import registrar_pb2
+
+    async def go() -> list[Any]:
+        async with KvbatonClient(rig.s.cp_address) as kv:
+            return [(await kv.registrar.GetEngine(registrar_pb2.GetEngineRequest(engine_id=e), timeout=5)).ranks[0]
+                    for e in ("p0", "d0")]
+    for rank in asyncio.run(go()):
+        assert rank.HasField("staging"), rank.engine_id
+        assert (rank.staging.slot_bytes, rank.staging.num_slots, rank.staging.mem_type) == (SLOT, 2, "DRAM")
+        assert rank.staging.base_addr > 0
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_pd_transfer_is_staged(rig: Rig, mode: str) -> None:
+    prompt = _ids(40 if mode == "pull" else 41, 420)  # 4 blocks x 2 layers = 8 rows: 4 chunks of 2
+    ref = rig.single(prompt)
+    d_base = rig.d_usage()
+    d0, p0 = rig.s.event_count("d0"), rig.s.event_count("p0")
+    assert rig.via(mode, prompt) == ref
+    recv = rig.wait_events("d0", "recv_done", d0)
+    assert len(recv) == 1 and recv[0]["num_blocks"] >= 3, recv
+    tid = recv[0]["transfer_id"]
+    if mode == "push":
+        sent = rig.wait_events("p0", "send_done", p0, transfer_id=tid)
+        assert [(e["strategy"], e["mode"]) for e in sent] == [("pack", "push")], sent
+        assert sent[0]["chunks"] >= 2, sent
+        assert recv[0]["strategy"] == "pack", recv  # decode saw the staged completion first
+    else:
+        assert recv[0]["strategy"] == "pack", recv
+        served = rig.wait_events("p0", "staged_serve", p0)
+        assert len(served) == 1 and served[0]["chunks"] >= 2 and served[0]["peer"] == "d0", served
+        assert served[0]["num_blocks"] == recv[0]["num_blocks"], (served, recv)
+        assert rig.wait_events("p0", "send_done", p0, transfer_id=tid), "prefill never freed"
+    ver = rig.wait_events("d0", "kv_verify", d0)
+    assert [(v["transfer_id"], v["mode"], v["result"], v["num_blocks"]) for v in ver] == \
+        [(tid, mode, "ok", recv[0]["num_blocks"])], ver
+    assert not rig.s.events("d0", "recv_failed", since=d0)
+    assert not rig.s.events("p0", "staged_serve_failed", since=p0)
+    assert not rig.s.events("p0", "send_failed", since=p0)
+    assert usage_back_to_zero(rig.s.p) == 0.0
+    assert rig.d_usage() == d_base
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_reuse_read_is_staged(rig: Rig, mode: str) -> None:
+    conv = f"staging-reuse-{mode}"
+    d_base = rig.d_usage()
+    prompt = _ids(50 if mode == "pull" else 51, 300)
+    got = rig.via(mode, prompt, conv)
+    rig.wait_retained(conv)
+    prompt2 = prompt + got + _ids(52, 100)
+    p0, d0 = rig.s.event_count("p0"), rig.s.event_count("d0")
+    assert rig.via(mode, prompt2, conv) == rig.single(prompt2)
+    reads = rig.wait_events("p0", "reuse_read", p0, conversation_id=conv)
+    assert len(reads) == 1 and reads[0]["strategy"] == "pack" and reads[0]["nbytes"] > 0, reads
+    served = rig.wait_events("d0", "staged_serve", d0)
+    assert len(served) == 1 and served[0]["peer"] == "p0" and served[0]["chunks"] >= 2, served
+    assert served[0]["num_blocks"] == reads[0]["num_blocks"], (served, reads)
+    ver = rig.wait_events("p0", "kv_verify", p0, mode="reuse")
+    assert [(v["conversation_id"], v["result"], v["num_blocks"]) for v in ver] == \
+        [(conv, "ok", reads[0]["num_blocks"])], ver
+    assert not rig.s.events("p0", "reuse_failed", since=p0)
+    assert not rig.s.events("d0", "staged_serve_failed", since=d0)
+    rig.revoke(conv)
+    assert usage_back_to_zero(rig.s.p) == 0.0
+    deadline = time.monotonic() + 15.0
+    while (u := rig.d_usage()) != d_base and time.monotonic() < deadline:
+        time.sleep(0.3)
+    assert u == d_base
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_corruption_after_scatter_is_detected(rig: Rig, mode: str) -> None:
+    prompt = _ids(60 if mode == "pull" else 61, 300)
+    ref = rig.single(prompt)
+    d0 = rig.s.event_count("d0")
+    try:
+        rig.faults(corrupt_landed={mode: 1})
+        assert rig.via(mode, prompt) == ref, f"{mode}: corrupted KV was served"
+    finally:
+        rig.no_faults()
+    ver = rig.wait_events("d0", "kv_verify", d0)
+    assert [(v["mode"], v["result"], v["corrupted"], v["mismatched"]) for v in ver] == \
+        [(mode, "mismatch", True, [0])], ver
+    failed = rig.wait_events("d0", "recv_failed", d0)
+    assert len(failed) == 1 and failed[0]["reason"].startswith("KvIntegrityError"), failed
+    assert usage_back_to_zero(rig.s.p) == 0.0
+
+
+def test_late_staged_answer_is_refused_and_pools_recover(rig: Rig) -> None:
+    """Prefill answers decode's staged READ after decode's deadline (8 s): decode
+    recomputes, prefill's late chunks are acked but not scattered (decode's blocks are
+    free again), and the next staged pull is correct."""
+    prompt = _ids(70, 300)
+    ref = rig.single(prompt)
+    d_base = rig.d_usage()
+    d0, p0 = rig.s.event_count("d0"), rig.s.event_count("p0")
+    try:
+        rig.faults(delay_staged_serve_s=9.0)
+        assert rig.via("pull", prompt) == ref
+        failed = rig.wait_events("d0", "recv_failed", d0)
+        assert len(failed) == 1 and "TimeoutError" in failed[0]["reason"], failed
+        served = rig.wait_events("p0", "staged_serve", p0, timeout_s=15.0)
+        assert len(served) == 1, served  # the late answer completed: every chunk acked
+    finally:
+        rig.no_faults()
+    assert not rig.s.events("d0", "kv_verify", since=d0)  # nothing landed to verify
+    assert usage_back_to_zero(rig.s.p) == 0.0
+    assert rig.d_usage() == d_base
+    prompt2 = _ids(71, 300)
+    d1 = rig.s.event_count("d0")
+    assert rig.via("pull", prompt2) == rig.single(prompt2)
+    recv = rig.wait_events("d0", "recv_done", d1)
+    assert len(recv) == 1 and recv[0]["strategy"] == "pack", recv
+    ver = rig.wait_events("d0", "kv_verify", d1)
+    assert [v["result"] for v in ver] == ["ok"], ver
