@@ -39,7 +39,7 @@ from typing import Any
 import pytest
 
 from kvbaton.tinymodel import ensure_tiny_model
-from tests.harness.pd_stack import PdStack, post_json, usage_back_to_zero
+from tests.harness.pd_stack import PdStack, post_json, revoke_lease, usage_back_to_zero
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
@@ -129,16 +129,7 @@ class Rig:
                 "tokens_per_block": ret.tokens_per_block, "block_hashes": [h.hex() for h in ret.block_hashes]}
 
     def revoke(self, conv: str) -> None:
-        from kvbaton.client import KvbatonClient
-        from kvbaton.v1 import lease_pb2
-
-        async def go() -> None:
-            async with KvbatonClient(self.s.cp_address) as kv:
-                try:
-                    await kv.lease.Revoke(lease_pb2.RevokeRequest(conversation_id=conv, reason="test done"), timeout=5)
-                except Exception:  # noqa: BLE001 - already gone
-                    pass
-        asyncio.run(go())
+        revoke_lease(self.s.cp_address, conv)
 
     def d_usage(self) -> float:
         """Decode's KV usage after a 1-token request (an idle engine frees ended leases at

@@ -40,6 +40,7 @@ import pytest
 
 from kvbaton.tinymodel import ensure_tiny_model
 from tests.harness.vllm_server import VllmServer, free_port, small_engine_args
+from tests.harness.pd_stack import revoke_lease
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(400)]
 
@@ -156,15 +157,7 @@ class Rig:
             time.sleep(0.05)
 
     def revoke(self, conv: str) -> None:
-        from kvbaton.client import KvbatonClient
-        from kvbaton.v1 import lease_pb2
-
-        async def go() -> None:
-            async with KvbatonClient(self.cp) as kv:
-                with contextlib.suppress(Exception):
-                    await kv.lease.Revoke(lease_pb2.RevokeRequest(conversation_id=conv, reason="test done"),
-                                          timeout=5)
-        asyncio.run(go())
+        revoke_lease(self.cp, conv)
 
     def d_usage(self) -> float:
         """Decode's KV usage after one tiny request (which makes the idle engine step)."""

@@ -31,7 +31,7 @@ from typing import Any
 import pytest
 
 from kvbaton.tinymodel import ensure_tiny_model
-from tests.harness.pd_stack import PdStack, post_json, usage_back_to_zero
+from tests.harness.pd_stack import PdStack, post_json, revoke_lease, usage_back_to_zero
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
@@ -89,18 +89,7 @@ class Rig:
         return self.s.d.metric("vllm:kv_cache_usage_perc") or 0.0
 
     def revoke(self, conv: str) -> None:
-        import asyncio
-
-        from kvbaton.client import KvbatonClient
-        from kvbaton.v1 import lease_pb2
-
-        async def go() -> None:
-            async with KvbatonClient(self.s.cp_address) as kv:
-                try:
-                    await kv.lease.Revoke(lease_pb2.RevokeRequest(conversation_id=conv, reason="test done"), timeout=5)
-                except Exception:  # noqa: BLE001 - already gone
-                    pass
-        asyncio.run(go())
+        revoke_lease(self.s.cp_address, conv)
 
     def wait_retained(self, conv: str, timeout_s: float = 10.0) -> None:
         import asyncio

@@ -107,6 +107,22 @@ def _nixl_env(side_channel_port: int) -> dict[str, str]:
 
 # ---------------------------------------------------------------------- processes
 
+def revoke_lease(cp_address: str, conversation_id: str, reason: str = "test done") -> None:
+    """Revoke a conversation's lease (if any) so decode frees its retained blocks; a lease
+    already gone is fine (tests call it in cleanup)."""
+    import asyncio
+
+    from kvbaton.client import KvbatonClient
+    from kvbaton.v1 import lease_pb2
+
+    async def go() -> None:
+        async with KvbatonClient(cp_address) as kv:
+            with contextlib.suppress(Exception):
+                await kv.lease.Revoke(lease_pb2.RevokeRequest(conversation_id=conversation_id, reason=reason),
+                                      timeout=5)
+    asyncio.run(go())
+
+
 def wait_port(port: int, proc: subprocess.Popen[bytes], timeout_s: float = 30.0) -> None:
     """Wait until something listens on ``port``; fail early if ``proc`` died."""
     deadline = time.monotonic() + timeout_s
