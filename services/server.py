@@ -23,6 +23,7 @@ from grpc_reflection.v1alpha import reflection
 from kvbaton.v1 import lease_pb2, lease_pb2_grpc, registrar_pb2, registrar_pb2_grpc, rendezvous_pb2, rendezvous_pb2_grpc
 
 from .api.lease import LeaseServicer
+from .api.overload import CORE_BACKLOG_OPTIONS, LoopLag
 from .api.registrar import RegistrarServicer
 from .api.rendezvous import RendezvousServicer
 from .domain.clock import Clock, WallClock
@@ -71,6 +72,9 @@ class ServerConfig:
     metrics_address: str | None = None
     # A separate host:port for the status page and /api/state; None: served with /metrics.
     web_address: str | None = None
+    # Load shedding: while the event loop runs more than this many ms behind, messages that
+    # would open a new transfer are refused with RESOURCE_EXHAUSTED (0: never shed).
+    shed_lag_ms: float = 20.0
     # OpenTelemetry collector (OTLP/gRPC) for traces; None: $KVBATON_OTLP_ENDPOINT; "": off.
     # Tracing already configured in this process (tests: an in-memory exporter) is kept.
     otlp_endpoint: str | None = None
@@ -97,6 +101,7 @@ class ControlPlane:
         self.metrics = ServiceMetrics(CollectorRegistry())
         self._engine_counts: tuple[dict[tuple[str, ...], float], dict[tuple[str, ...], float]] = ({}, {})
         self.web = None  # services.web.WebServer once started
+        self.load = LoopLag(max_lag_ms=config.shed_lag_ms)
 
     @property
     def address(self) -> str:
@@ -112,7 +117,7 @@ class ControlPlane:
         store = InstrumentedStore(self.store, self.metrics)
         opts = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES), ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.keepalive_time_ms", 20_000), ("grpc.http2.max_pings_without_data", 0),
-                ("grpc.keepalive_permit_without_calls", 1)]
+                ("grpc.keepalive_permit_without_calls", 1), *CORE_BACKLOG_OPTIONS]
         from .api.guard import Guard, GuardConfig
         from .auth import TokenBook
 
@@ -134,7 +139,9 @@ class ControlPlane:
             self.rendezvous = RendezvousService(store, clock=self.clock, config=self.config.rendezvous,
                                                 engine_exists=self.registrar.engine_exists, metrics=self.metrics)
             await self.rendezvous.start(run_sweeper=True)
-            rendezvous_pb2_grpc.add_RendezvousServicer_to_server(RendezvousServicer(self.rendezvous), self.server)
+            self.load.start()
+            rendezvous_pb2_grpc.add_RendezvousServicer_to_server(RendezvousServicer(self.rendezvous, load=self.load),
+                                                                 self.server)
         if "lease" in self.config.services:
             self.lease = LeaseService(store, clock=self.clock, config=self.config.lease, metrics=self.metrics,
                                       engine_alive=self.registrar.engine_exists)
@@ -276,6 +283,7 @@ class ControlPlane:
             task.cancel()
             await bounded(asyncio.gather(task, return_exceptions=True), "campaign")
             await bounded(election.resign(), "resign")
+        await bounded(self.load.stop(), "loop-lag")
         for domain in (self.lease, self.rendezvous):
             if domain is not None:
                 await bounded(domain.stop(), type(domain).__name__)
