@@ -226,12 +226,38 @@ def healthy(r: dict, p99_ms: float) -> bool:
             and r["achieved_rate"] >= 0.9 * r["target_rate"])
 
 
-async def run_store(args, store_url: str, store_pids: list[int]) -> dict:
+def export_baseline(commit: str) -> pathlib.Path:
+    """The tree of ``commit`` in a temp dir, importable as ``kvbaton`` (with its
+    ``kvbaton.services`` and ``kvbaton.connector``) ahead of this checkout's editable install."""
+    import tempfile
+
+    dest = pathlib.Path(tempfile.mkdtemp(prefix="kvbaton-baseline-"))
+    archive = subprocess.run(["git", "archive", commit], cwd=ROOT, capture_output=True, check=True, timeout=60).stdout
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True, timeout=60)
+    for name in ("services", "connector"):
+        link = dest / "kvbaton" / name
+        if not link.exists():
+            link.symlink_to(dest / name, target_is_directory=True)
+    return dest
+
+
+async def run_store(args, store_url: str, store_pids: list[int], variant: str = "current") -> dict:
     port = free_port()
     env = dict(os.environ, KVBATON_LOG_LEVEL="WARNING")
+    cwd = None
+    if variant == "baseline":
+        cwd = str(args.baseline_dir)
+        env["PYTHONPATH"] = cwd
     server = subprocess.Popen([sys.executable, "-m", "kvbaton.cli", "serve", "--insecure", "--listen", f"127.0.0.1:{port}",
-                               "--store", store_url, *args.server_arg], env=env, start_new_session=True)
-    out: dict = {"store_url": store_url, "loadavg_at_start": os.getloadavg(), "points": [], "summary": {}}
+                               "--store", store_url, *(args.server_arg if variant == "current" else [])],
+                              env=env, start_new_session=True, cwd=cwd)
+    profiler = None
+    if args.profile:  # py-spy on the server for this store's whole run (its own CPU is not the server's)
+        profiler = subprocess.Popen([str(ROOT / ".venv" / "bin" / "py-spy"), "record", "-p", str(server.pid), "-r", "200",
+                                     "-f", "raw", "-o", f"{args.profile}.{len(args.profiled)}.txt", "--nonblocking"],
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        args.profiled.append(store_url)
+    out: dict = {"variant": variant, "store_url": store_url, "loadavg_at_start": os.getloadavg(), "points": [], "summary": {}}
     addr = f"127.0.0.1:{port}"
     channels = [grpc.aio.insecure_channel(addr, options=[("grpc.use_local_subchannel_pool", 1)])
                 for _ in range(args.channels)]
@@ -267,6 +293,13 @@ async def run_store(args, store_url: str, store_pids: list[int]) -> dict:
     finally:
         for c in channels:
             await c.close(grace=0)
+        if profiler is not None:
+            profiler.send_signal(signal.SIGINT)
+            try:
+                profiler.wait(30)
+            except subprocess.TimeoutExpired:
+                profiler.kill()
+                profiler.wait(5)
         os.killpg(server.pid, signal.SIGTERM)
         try:
             server.wait(10)
@@ -314,13 +347,22 @@ def main() -> int:
     p.add_argument("--stop-when-saturated", action=argparse.BooleanOptionalAction, default=True,
                    help="skip a path's higher rates once achieved < 80%% of offered")
     p.add_argument("--server-arg", action="append", default=[], help="extra `kvbaton serve` argument (repeatable)")
+    p.add_argument("--baseline", default="",
+                   help="also run every store against `kvbaton serve` of this commit (after the current tree, same run)")
+    p.add_argument("--profile", default="", help="py-spy the server (raw folded stacks to PROFILE.<n>.txt)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "control_plane.json"))
     args = p.parse_args()
     args.rate = args.rate or [250.0, 500.0, 750.0, 1000.0, 1500.0]
     args.path = args.path or ["unary", "session"]
+    args.profiled = []
+    args.baseline_dir = export_baseline(args.baseline) if args.baseline else None
+    if args.baseline:
+        args.baseline_commit = subprocess.run(["git", "rev-parse", args.baseline], cwd=ROOT, capture_output=True,
+                                              text=True, timeout=10).stdout.strip()
     results = {"script": "benchmarks/control_plane.py", "argv": sys.argv[1:], "commit": git_commit(),
                "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": f"{os.cpu_count()} cores",
-               "config": {k: v for k, v in vars(args).items() if k != "out"}, "stores": []}
+               "config": {k: (str(v) if isinstance(v, pathlib.Path) else v) for k, v in vars(args).items() if k != "out"},
+               "stores": []}
     for store in args.store or ["memory://"]:
         cluster = None
         store_pids: list[int] = []
@@ -331,11 +373,12 @@ def main() -> int:
             store_url, store_pids = cluster.url, [m.proc.pid for m in cluster.members if m.proc is not None]
         else:
             store_url = store
-        print(f"[{store}]", flush=True)
         try:
-            r = asyncio.run(run_store(args, store_url, store_pids))
-            r["store"] = f"etcd ({store[-1]} member{'s' if store == 'etcd3' else ''}, loopback)" if cluster else store
-            results["stores"].append(r)
+            for variant in ["current", *(["baseline"] if args.baseline else [])]:
+                print(f"[{store}] {variant}", flush=True)
+                r = asyncio.run(run_store(args, store_url, store_pids, variant))
+                r["store"] = f"etcd ({store[-1]} member{'s' if store == 'etcd3' else ''}, loopback)" if cluster else store
+                results["stores"].append(r)
         finally:
             if cluster is not None:
                 cluster.stop()
