@@ -277,7 +277,7 @@ def main() -> int:
     for store in args.store or ["memory://"]:
         cluster = None
         if store == "etcd3":
-            from tests.harness.etcd_cluster import EtcdCluster
+            from kvbaton.stack.etcd_cluster import EtcdCluster
 
             cluster = EtcdCluster(3).start()
             store = cluster.url

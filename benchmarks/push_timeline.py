@@ -37,7 +37,7 @@ if str(ROOT) not in sys.path:
 
 from benchmarks.pd_compare import VOCAB_HI, VOCAB_LO
 from benchmarks.sweep import CpuMeter, stack_components
-from tests.harness.pd_stack import PdStack, stream_request
+from kvbaton.stack.pd_stack import PdStack, stream_request
 
 
 def _median(rows: list[dict[str, Any]], key: str) -> float | None:

@@ -46,8 +46,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from kvbaton.tinymodel import ensure_tiny_model
-from tests.harness.pd_stack import stop_group, stream_request, wait_port
-from tests.harness.vllm_server import VllmServer, free_port, small_engine_args
+from kvbaton.stack.pd_stack import stop_group, stream_request, wait_port
+from kvbaton.stack.vllm_server import VllmServer, free_port, small_engine_args
 
 PY = sys.executable
 BLOCK = 128

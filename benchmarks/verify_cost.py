@@ -65,7 +65,7 @@ def throughput(layers: int, layer_block_bytes: int, cache_blocks: int, sample: i
 
 def ttft_pair(first_tokens: int, new_tokens: int) -> list[dict[str, Any]]:
     from kvbaton.tinymodel import ensure_tiny_model
-    from tests.harness.pd_stack import PdStack, post_json, stream_request
+    from kvbaton.stack.pd_stack import PdStack, post_json, stream_request
 
     model = ensure_tiny_model(Path(os.environ.get("KVBATON_TINY_MODEL", "/tmp/kvbaton-tiny-model")))
     rnd = random.Random(5)

@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from benchmarks.pd_compare import VOCAB_HI, VOCAB_LO, _pct
-from tests.harness.pd_stack import PdStack, post_json, stream_request
+from kvbaton.stack.pd_stack import PdStack, post_json, stream_request
 
 T = TypeVar("T")
 _INTERESTING = re.compile(r"ERROR|WARNING|Traceback|Exception|[Tt]imed? ?out|expired|fail", re.IGNORECASE)

@@ -22,7 +22,7 @@ import pytest
 import requests
 
 from kvbaton.tinymodel import ensure_tiny_model
-from tests.harness.pd_stack import PdStack, post_json, usage_back_to_zero
+from kvbaton.stack.pd_stack import PdStack, post_json, usage_back_to_zero
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(420)]
 

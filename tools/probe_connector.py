@@ -22,7 +22,7 @@ process; vLLM's multiproc executor puts the worker in a separate process even at
 world size 1), which is why the scheduler only learns about saved tags through
 ``update_connector_output`` (the worker reports them in ``finished_sending``).
 
-Run: ``python -m tests.harness.probe_connector MODEL_DIR`` (starts servers, runs the
+Run: ``python -m tools.probe_connector MODEL_DIR`` (starts servers, runs the
 experiments, prints a JSON report).
 """
 
@@ -427,7 +427,7 @@ def run_connector_experiments(model: str, workdir: str) -> dict[str, Any]:  # pr
     import sys
 
     sys.path.insert(0, _repo_root())
-    from tests.harness.vllm_server import VllmServer, small_engine_args
+    from kvbaton.stack.vllm_server import VllmServer, small_engine_args
 
     report: dict[str, Any] = {}
     os.makedirs(workdir, exist_ok=True)
@@ -436,7 +436,7 @@ def run_connector_experiments(model: str, workdir: str) -> dict[str, Any]:  # pr
         prefix = os.path.join(workdir, f"probe-{policy}")
         cfg = {
             "kv_connector": "ProbeConnector",
-            "kv_connector_module_path": "tests.harness.probe_connector",
+            "kv_connector_module_path": "tools.probe_connector",
             "kv_role": "kv_both",
             "kv_load_failure_policy": policy,
             "kv_connector_extra_config": {"probe_log": prefix, "hello": "world"},
@@ -514,7 +514,7 @@ def run_baseline_measurements(model: str, workdir: str) -> dict[str, Any]:  # pr
     import urllib.request
 
     sys.path.insert(0, _repo_root())
-    from tests.harness.vllm_server import VllmServer, small_engine_args
+    from kvbaton.stack.vllm_server import VllmServer, small_engine_args
 
     prompts = ["Hello there, decode engine 42", "The cache block", "Once upon a time",
                "prefill decode lease token " * 10]
