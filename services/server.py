@@ -36,6 +36,7 @@ from .domain.registrar import role_name
 from .metrics import InstrumentedStore, ServiceMetrics
 from .store import Store, open_store
 from . import tracing
+from .web import WebServer
 
 log = structlog.get_logger(__name__)
 
@@ -96,7 +97,7 @@ class ControlPlane:
         # One registry per plane: several planes in one process each count only their own.
         self.metrics = ServiceMetrics(CollectorRegistry())
         self._engine_counts: tuple[dict[tuple[str, ...], float], dict[tuple[str, ...], float]] = ({}, {})
-        self.web = None  # services.web.WebServer once started
+        self.web: WebServer | None = None  # once started (metrics_address or web_address set)
 
     @property
     def address(self) -> str:
@@ -155,8 +156,6 @@ class ControlPlane:
         await _set(health_servicer, "", health_pb2.HealthCheckResponse.SERVING)
         self.health = health_servicer
         if self.config.metrics_address is not None or self.config.web_address is not None:
-            from .web import WebServer
-
             self.web = WebServer(self)
             await self.web.start()
         log.info("kvbaton.serving", address=self.address, store=store.name, services=list(self.config.services),
@@ -199,7 +198,11 @@ class ControlPlane:
         if "registrar" in self.config.services:
             sources["kvbaton_engines"] = lambda: self._engine_counts[0]
             sources["kvbaton_engine_ranks"] = lambda: self._engine_counts[1]
-        sources["kvbaton_leader"] = lambda: {(e.name,): float(bool(e.is_leader)) for e, _ in self._leadership}
+        sources["kvbaton_leader"] = lambda: {(name,): float(lead) for name, lead in self.leadership().items()}
+
+    def leadership(self) -> dict[str, bool]:
+        """Election name (``lease-expiry``, ``rendezvous-sweeper``) -> whether this replica leads it."""
+        return {e.name: bool(e.is_leader) for e, _ in self._leadership}
 
     async def refresh_state_gauges(self, timeout_s: float = 2.0) -> None:
         """Re-reads what no cache holds (registered engines) for the next scrape. Bounded: a

@@ -8,7 +8,7 @@ from collections.abc import Awaitable, Callable, Iterable
 
 import structlog
 
-from ..store import Store
+from ..store.base import Store
 
 log = structlog.get_logger(__name__)
 

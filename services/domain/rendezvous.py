@@ -32,7 +32,7 @@ import structlog
 from kvbaton.v1 import rendezvous_pb2 as pb
 
 from ..metrics import ServiceMetrics
-from ..store import Compare, EventType, Get, KeyValue, Put, Store, WatchEvent
+from ..store.base import Compare, EventType, Get, KeyValue, Put, Store, WatchEvent
 from . import limits
 from .clock import Clock, WallClock
 from .errors import Code, DomainError, exhausted, invalid, not_found, precondition
