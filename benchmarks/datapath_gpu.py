@@ -362,7 +362,8 @@ class GpuBench:
             ms = timed(fn, dev)
             out.append({"kernel": name, "tiles": len(tiles), "ms": round(ms, 3),
                         "gbps": round(self.nbytes / (ms / 1e3) / GB, 1)})
-        del scratch, vsc
+        cases.clear()  # its closures hold the scratch cache: drop them before empty_cache
+        scratch = vsc = cb = None
         if self.src_dev.type == "cuda":
             torch.cuda.empty_cache()
         return out
