@@ -39,15 +39,22 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402  (torch before nixl: it must own the CUDA context first)
+import numpy as np
+import torch  # torch before nixl: it must own the CUDA context first
 
-import datapath  # noqa: E402  (this directory, put on sys.path above)
-from kvbaton.connector.descriptors import coalesce_runs, plan_transfer  # noqa: E402
-from kvbaton.connector.geometry import KvLayout  # noqa: E402
-from kvbaton.connector.nixl_agent import NixlEndpoint  # noqa: E402
-from kvbaton.connector.staging import (GpuRowCopier, StagedPeer, choose_strategy,  # noqa: E402
-                               pack_blocks, plan_tiles, region_byte_views, unpack_blocks)
+import datapath  # this directory, put on sys.path above
+from kvbaton.connector.descriptors import coalesce_runs, plan_transfer
+from kvbaton.connector.geometry import KvLayout
+from kvbaton.connector.nixl_agent import NixlEndpoint
+from kvbaton.connector.staging import (
+    GpuRowCopier,
+    StagedPeer,
+    choose_strategy,
+    pack_blocks,
+    plan_tiles,
+    region_byte_views,
+    unpack_blocks,
+)
 
 GB = 1e9
 

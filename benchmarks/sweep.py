@@ -225,7 +225,7 @@ def join_connector_stats(stack: PdStack, records: list[dict[str, Any]], since: d
                 continue
             by_rid.setdefault(rid, {})[f"{eng}_{ev['event']}"] = ev
     counts = {"recv_done": 0, "recv_failed": 0, "send_done": 0, "send_failed": 0, "send_expired": 0, "bytes": 0}
-    for eng, lst in evs.items():
+    for lst in evs.values():
         for ev in lst:
             if ev["event"] in counts:
                 counts[ev["event"]] += 1
@@ -261,10 +261,10 @@ def spawn_client(spec: ClientSpec, work: Path) -> dict[str, Any]:
     limit = spec.deadline_s + spec.warmup * spec.request_timeout_s + 60
     try:
         proc.wait(timeout=limit)
-    except subprocess.TimeoutExpired:
+    except subprocess.TimeoutExpired as exc:
         proc.kill()
         proc.wait(timeout=10)
-        raise TimeoutError(f"client process exceeded {limit:.0f}s and was killed")
+        raise TimeoutError(f"client process exceeded {limit:.0f}s and was killed") from exc
     if not out_path.exists():
         raise RuntimeError(f"client exited rc={proc.returncode} without results")
     return json.loads(out_path.read_text())

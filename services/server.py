@@ -16,26 +16,25 @@ from collections.abc import Sequence
 
 import grpc
 import structlog
-from prometheus_client import CollectorRegistry
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry
 
 from kvbaton.v1 import lease_pb2, lease_pb2_grpc, registrar_pb2, registrar_pb2_grpc, rendezvous_pb2, rendezvous_pb2_grpc
 
+from . import tracing
 from .api.lease import LeaseServicer
 from .api.registrar import RegistrarServicer
 from .api.rendezvous import RendezvousServicer
 from .domain.clock import Clock, WallClock
-from .domain.lease import LeaseConfig, LeaseService
-from .domain.registrar import RegistrarService
-from .domain.rendezvous import PENDING as RDV_PENDING
-from .domain.rendezvous import RendezvousConfig, RendezvousService
 from .domain.lease import ACTIVE as LEASE_ACTIVE
 from .domain.lease import DRAINING as LEASE_DRAINING
-from .domain.registrar import role_name
+from .domain.lease import LeaseConfig, LeaseService
+from .domain.registrar import RegistrarService, role_name
+from .domain.rendezvous import PENDING as RDV_PENDING
+from .domain.rendezvous import RendezvousConfig, RendezvousService
 from .metrics import InstrumentedStore, ServiceMetrics
 from .store import Store, open_store
-from . import tracing
 from .web import WebServer
 
 log = structlog.get_logger(__name__)
@@ -211,7 +210,7 @@ class ControlPlane:
             return
         try:
             ranks = await asyncio.wait_for(self.registrar.list_engines(), timeout_s)
-        except Exception as exc:  # store down: keep the last values; store_errors says why
+        except Exception as exc:  # noqa: BLE001 - store down: keep the last values; store_errors says why
             log.debug("metrics.engine_refresh_failed", error=repr(exc))
             return
         engines: dict[tuple[str, ...], set[str]] = {}
@@ -266,7 +265,7 @@ class ControlPlane:
         async def bounded(aw, what: str) -> None:
             try:
                 await asyncio.wait_for(aw, 5.0)
-            except Exception as exc:  # shutting down: log and go on
+            except Exception as exc:  # noqa: BLE001 - shutting down: log and go on
                 log.warning("kvbaton.stop_step_failed", step=what, error=repr(exc))
 
         if self.web is not None:
@@ -295,7 +294,7 @@ async def _campaign_forever(election) -> None:
             log.warning("leader.lost", name=election.name)
         except asyncio.CancelledError:
             raise
-        except Exception as exc:  # store unreachable: try again shortly
+        except Exception as exc:  # noqa: BLE001 - store unreachable: try again shortly
             log.warning("leader.campaign_failed", name=election.name, error=str(exc))
             await asyncio.sleep(0.5)
 

@@ -39,7 +39,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, IO
+from typing import IO, Any
 
 from kvbaton.stack.vllm_server import VllmServer, free_port, small_engine_args
 
