@@ -7,8 +7,7 @@ import time
 import numpy as np
 import pytest
 
-from kvbaton.connector.descriptors import (build_descriptors, coalesce_runs, plan_transfer,
-                                           runs_of)
+from kvbaton.connector.descriptors import build_descriptors, coalesce_runs, plan_transfer, runs_of
 from kvbaton.connector.geometry import KvLayout, KvLayoutMismatch
 
 
