@@ -24,7 +24,7 @@ Paths: ``unary`` sends Offer and Complete as unary RPCs spread over ``--channels
 connections; ``session`` sends them over the two engines' Rendezvous/Session streams
 (``KvbatonClient.session``, batched). ``kvbaton serve`` runs in its own process, so the
 server's CPU is its own; ``etcd1``/``etcd3`` start a 1- or 3-member etcd on loopback with
-``tests/harness/etcd_cluster.py``. The results JSON records the configuration, the git
+``kvbaton/stack/etcd_cluster.py``. The results JSON records the configuration, the git
 commit and the load average when each store's runs started.
 """
 
@@ -48,8 +48,8 @@ import grpc
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from kvbaton.client import KvbatonClient  # noqa: E402
-from kvbaton.v1 import common_pb2, registrar_pb2, rendezvous_pb2, rendezvous_pb2_grpc  # noqa: E402
+from kvbaton.client import KvbatonClient
+from kvbaton.v1 import common_pb2, registrar_pb2, rendezvous_pb2, rendezvous_pb2_grpc
 
 MATCH = rendezvous_pb2.RendezvousEvent.TYPE_MATCH
 HEARTBEAT = rendezvous_pb2.RendezvousEvent.TYPE_HEARTBEAT
@@ -367,7 +367,7 @@ def main() -> int:
         cluster = None
         store_pids: list[int] = []
         if store in ("etcd1", "etcd3"):
-            from tests.harness.etcd_cluster import EtcdCluster
+            from kvbaton.stack.etcd_cluster import EtcdCluster
 
             cluster = EtcdCluster(int(store[-1])).start()
             store_url, store_pids = cluster.url, [m.proc.pid for m in cluster.members if m.proc is not None]
