@@ -241,7 +241,8 @@ def export_baseline(commit: str) -> pathlib.Path:
     return dest
 
 
-async def run_store(args, store_url: str, store_pids: list[int], variant: str = "current") -> dict:
+async def run_store(args, store_url: str, store_pids: list[int], variant: str = "current",
+                    serve_args: tuple[str, ...] = ()) -> dict:
     port = free_port()
     env = dict(os.environ, KVBATON_LOG_LEVEL="WARNING")
     cwd = None
@@ -249,7 +250,7 @@ async def run_store(args, store_url: str, store_pids: list[int], variant: str = 
         cwd = str(args.baseline_dir)
         env["PYTHONPATH"] = cwd
     server = subprocess.Popen([sys.executable, "-m", "kvbaton.cli", "serve", "--insecure", "--listen", f"127.0.0.1:{port}",
-                               "--store", store_url, *(args.server_arg if variant == "current" else [])],
+                               "--store", store_url, *serve_args],
                               env=env, start_new_session=True, cwd=cwd)
     profiler = None
     if args.profile:  # py-spy on the server for this store's whole run (its own CPU is not the server's)
@@ -257,7 +258,7 @@ async def run_store(args, store_url: str, store_pids: list[int], variant: str = 
                                      "-f", "raw", "-o", f"{args.profile}.{len(args.profiled)}.txt", "--nonblocking"],
                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         args.profiled.append(store_url)
-    out: dict = {"variant": variant, "store_url": store_url, "loadavg_at_start": os.getloadavg(), "points": [], "summary": {}}
+    out: dict = {"variant": variant, "serve_args": list(serve_args), "store_url": store_url, "loadavg_at_start": os.getloadavg(), "points": [], "summary": {}}
     addr = f"127.0.0.1:{port}"
     channels = [grpc.aio.insecure_channel(addr, options=[("grpc.use_local_subchannel_pool", 1)])
                 for _ in range(args.channels)]
@@ -329,7 +330,37 @@ async def measure(args, kv, peer, stubs, server_pid: int, store_pids: list[int],
     return r
 
 
+def markdown(results: dict) -> str:
+    """The tables the READMEs quote, from one results file (one run)."""
+    p99 = results["config"]["p99_ms"]
+    fmt = lambda v, nd=1: "–" if v is None else f"{v:,.{nd}f}"  # noqa: E731
+    lines = [f"`{results['script']}` {' '.join(results['argv'])} — commit `{results['commit'][:12]}`, "
+             f"started {results['started_utc']}, {results['machine']}.", ""]
+    for st in results["stores"]:
+        lines += [f"**{st['store']}, {st.get('variant', 'current')}** (load average at start "
+                  f"{', '.join(f'{x:.1f}' for x in st['loadavg_at_start'])}):", "",
+                  "| path | offered /s | achieved /s | p50 ms | p99 ms | max ms | answers | lost | server CPU µs/match "
+                  "| generator CPU µs/match" + (" | etcd CPU µs/match" if "etcd" in st["store"] else "") + " |",
+                  "|---|---:|---:|---:|---:|---:|---|---:|---:|---:" + ("|---:" if "etcd" in st["store"] else "") + "|"]
+        for r in st["points"]:
+            answers = ", ".join(f"{k} {v:,}" for k, v in sorted(r["answers"].items()))
+            over = f" (2× {r['overload_of']:,.0f})" if "overload_of" in r else ""
+            lines.append(f"| {r['path']} | {r['target_rate']:,.0f}{over} | {r['achieved_rate']:,.0f} | {fmt(r['p50_ms'], 2)} "
+                         f"| {fmt(r['p99_ms'], 2)} | {fmt(r['max_ms'], 1)} | {answers} | {r['lost']} "
+                         f"| {r['server_cpu_us_per_match']:,.0f} | {r['client_cpu_us_per_match']:,.0f}"
+                         + (f" | {r.get('store_cpu_us_per_match', 0):,.0f}" if "etcd" in st["store"] else "") + " |")
+        for path, sm in st["summary"].items():
+            lines.append(f"\n{path}: highest swept rate with p99 < {p99:g} ms, only OK answers and nothing lost: "
+                         f"{fmt(sm.get(f'max_rate_p99_under_{p99:g}ms'), 0)} /s; highest achieved "
+                         f"{fmt(sm['max_achieved_rate'], 0)} /s.")
+        lines.append("")
+    return "\n".join(lines)
+
+
 def main() -> int:
+    if len(sys.argv) == 3 and sys.argv[1] == "--table":
+        print(markdown(json.loads(pathlib.Path(sys.argv[2]).read_text())))
+        return 0
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--store", action="append",
                    help="memory://, etcd://h:p[,h:p], etcd1 or etcd3 (a 1- or 3-member etcd on loopback started "
@@ -346,15 +377,19 @@ def main() -> int:
                    help="after the sweep, one point at this factor x the highest achieved rate (e.g. 2)")
     p.add_argument("--stop-when-saturated", action=argparse.BooleanOptionalAction, default=True,
                    help="skip a path's higher rates once achieved < 80%% of offered")
-    p.add_argument("--server-arg", action="append", default=[], help="extra `kvbaton serve` argument (repeatable)")
+    p.add_argument("--variant", action="append", default=[],
+                   help="NAME:SERVE-ARGS, a server of this tree run with these extra `kvbaton serve` arguments, e.g. "
+                        "'uvloop:--event-loop uvloop' (repeatable, in this order; default 'current:')")
     p.add_argument("--baseline", default="",
                    help="also run every store against `kvbaton serve` of this commit (after the current tree, same run)")
     p.add_argument("--profile", default="", help="py-spy the server (raw folded stacks to PROFILE.<n>.txt)")
+    p.add_argument("--table", metavar="RESULTS", help="only print the markdown tables of a results file")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "control_plane.json"))
     args = p.parse_args()
     args.rate = args.rate or [250.0, 500.0, 750.0, 1000.0, 1500.0]
     args.path = args.path or ["unary", "session"]
     args.profiled = []
+    args.variant = args.variant or ["current:"]
     args.baseline_dir = export_baseline(args.baseline) if args.baseline else None
     if args.baseline:
         args.baseline_commit = subprocess.run(["git", "rev-parse", args.baseline], cwd=ROOT, capture_output=True,
@@ -374,9 +409,10 @@ def main() -> int:
         else:
             store_url = store
         try:
-            for variant in ["current", *(["baseline"] if args.baseline else [])]:
+            variants = [(v.split(":", 1)[0], tuple(v.split(":", 1)[1].split())) for v in args.variant]
+            for variant, serve_args in [*variants, *([("baseline", ())] if args.baseline else [])]:
                 print(f"[{store}] {variant}", flush=True)
-                r = asyncio.run(run_store(args, store_url, store_pids, variant))
+                r = asyncio.run(run_store(args, store_url, store_pids, variant, serve_args))
                 r["store"] = f"etcd ({store[-1]} member{'s' if store == 'etcd3' else ''}, loopback)" if cluster else store
                 results["stores"].append(r)
         finally:
@@ -385,6 +421,7 @@ def main() -> int:
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2))
+    print(markdown(results))
     print(f"wrote {out}")
     return 0
 

@@ -159,7 +159,12 @@ def _serve(args) -> int:
     if args.web_port is not None:
         config.web_address = f"{host}:{args.web_port}"
     try:
-        asyncio.run(serve(config))
+        if args.event_loop == "uvloop":
+            import uvloop
+
+            uvloop.run(serve(config))
+        else:
+            asyncio.run(serve(config))
     except KeyboardInterrupt:
         pass
     except (ValueError, OSError) as exc:  # bad configuration: say what, not a traceback
@@ -185,6 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--rate-limit", type=float, default=0.0, help="requests/s per client (0: off)")
     s.add_argument("--max-streams-per-client", type=int, default=256)
     s.add_argument("--default-lease-ttl-ms", type=int, default=30_000)
+    s.add_argument("--event-loop", choices=("asyncio", "uvloop"), default="asyncio",
+                   help="the server's event loop; uvloop costs less CPU per call (needs the uvloop package)")
     s.add_argument("--shed-lag-ms", type=float, default=20.0,
                    help="refuse new transfers (RESOURCE_EXHAUSTED) while the server's event loop runs more than "
                         "this many ms behind; 0: never (default %(default)s)")
