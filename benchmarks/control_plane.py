@@ -49,6 +49,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from kvbaton.client import KvbatonClient
+from kvbaton.stack.pd_stack import stop_group
 from kvbaton.v1 import common_pb2, registrar_pb2, rendezvous_pb2, rendezvous_pb2_grpc
 
 MATCH = rendezvous_pb2.RendezvousEvent.TYPE_MATCH
@@ -301,12 +302,7 @@ async def run_store(args, store_url: str, store_pids: list[int], variant: str = 
             except subprocess.TimeoutExpired:
                 profiler.kill()
                 profiler.wait(5)
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(10)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait(5)
+        stop_group(server)
     return out
 
 

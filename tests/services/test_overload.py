@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -19,6 +18,7 @@ import grpc
 import pytest
 
 from kvbaton.client import KvbatonClient
+from kvbaton.stack.pd_stack import stop_group
 from kvbaton.v1 import common_pb2, registrar_pb2, rendezvous_pb2, rendezvous_pb2_grpc
 from services.api.overload import LoopLag
 
@@ -41,12 +41,7 @@ def server_address():
     try:
         yield address
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(5)
+        stop_group(proc)
 
 
 async def _register(kv: KvbatonClient, engine_id: str, role) -> None:
