@@ -18,9 +18,11 @@ import grpc
 import pytest
 
 from kvbaton.client import KvbatonClient
+from kvbaton.services.api.overload import LoopLag
 from kvbaton.stack.pd_stack import stop_group
-from kvbaton.v1 import common_pb2, registrar_pb2, rendezvous_pb2, rendezvous_pb2_grpc
-from services.api.overload import LoopLag
+from kvbaton.v1 import common_pb2, rendezvous_pb2, rendezvous_pb2_grpc
+
+from .helpers import register
 
 OK, SHED = grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED
 BURST = 2_500  # transfers at once: 5,000 unary calls, well past core's old 1,000 pending
@@ -44,20 +46,12 @@ def server_address():
         stop_group(proc)
 
 
-async def _register(kv: KvbatonClient, engine_id: str, role) -> None:
-    rank = registrar_pb2.EngineRank(
-        engine_id=engine_id, role=role, tp_size=1, agent_name=engine_id, agent_metadata=b"m",
-        geometry=common_pb2.KvGeometry(region_base_addrs=[1], bytes_per_block=4096, num_blocks=1000,
-                                       tokens_per_block=16, dtype="bfloat16", fingerprint="t"))
-    await kv.call(kv.registrar.RegisterEngine, registrar_pb2.RegisterEngineRequest(rank=rank, ttl_ms=600_000))
-
-
 async def _burst(kv: KvbatonClient, send, tag: str) -> None:
     """Sends BURST transfers at once through ``send(tid, offer, complete) -> (code, details)``
     pairs and checks the answers, the matches and the ledger."""
     pre, dec = f"pre-{tag}", f"dec-{tag}"
-    await _register(kv, pre, common_pb2.ENGINE_ROLE_PREFILL)
-    await _register(kv, dec, common_pb2.ENGINE_ROLE_DECODE)
+    await register(kv, pre, common_pb2.ENGINE_ROLE_PREFILL)
+    await register(kv, dec, common_pb2.ENGINE_ROLE_DECODE)
     matched: set[str] = set()
     ready = asyncio.Event()
     all_matched = asyncio.Event()
