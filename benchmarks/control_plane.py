@@ -221,6 +221,31 @@ async def open_loop(kv: KvbatonClient, peer: KvbatonClient, stubs: list, *, path
     return result
 
 
+def profile_shares(path: pathlib.Path) -> dict:
+    """From py-spy's raw (folded) stacks of the server: how many samples were busy (not
+    waiting in the selector) and what share of those had kvbaton's own code on the stack
+    (services/ or kvbaton/, beyond the ``serve`` entry points that are always there); the
+    rest is gRPC's and the event loop's."""
+    total = idle = ours = 0
+    entry = ("(kvbaton/cli.py:", "serve (services/server.py:")
+    if not path.exists():
+        return {"error": "no profile written"}
+    for line in path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        n = int(count)
+        frames = stack.split(";")
+        total += n
+        if "(selectors.py:" in frames[-1] or frames[-1].startswith("LoopLag._wrap_selector"):
+            idle += n
+            continue
+        mine = [f for f in frames if ("(services/" in f or "(kvbaton/" in f) and not any(e in f for e in entry)]
+        ours += bool(mine)
+    busy = total - idle
+    return {"samples": total, "busy_samples": busy, "kvbaton_share_of_busy": ours / busy if busy else None}
+
+
 def healthy(r: dict, p99_ms: float) -> bool:
     ok_only = set(r["answers"]) <= {"OK"}
     return (ok_only and r["lost"] == 0 and r["p99_ms"] is not None and r["p99_ms"] < p99_ms
@@ -255,8 +280,9 @@ async def run_store(args, store_url: str, store_pids: list[int], variant: str = 
                               env=env, start_new_session=True, cwd=cwd)
     profiler = None
     if args.profile:  # py-spy on the server for this store's whole run (its own CPU is not the server's)
+        profile_path = f"{args.profile}.{len(args.profiled)}.txt"
         profiler = subprocess.Popen([str(ROOT / ".venv" / "bin" / "py-spy"), "record", "-p", str(server.pid), "-r", "200",
-                                     "-f", "raw", "-o", f"{args.profile}.{len(args.profiled)}.txt", "--nonblocking"],
+                                     "-f", "raw", "-o", profile_path, "--nonblocking"],
                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         args.profiled.append(store_url)
     out: dict = {"variant": variant, "serve_args": list(serve_args), "store_url": store_url, "loadavg_at_start": os.getloadavg(), "points": [], "summary": {}}
@@ -302,6 +328,7 @@ async def run_store(args, store_url: str, store_pids: list[int], variant: str = 
             except subprocess.TimeoutExpired:
                 profiler.kill()
                 profiler.wait(5)
+            out["profile"] = {"file": profile_path, **profile_shares(pathlib.Path(profile_path))}
         stop_group(server)
     return out
 

@@ -72,9 +72,11 @@ class ServerConfig:
     metrics_address: str | None = None
     # A separate host:port for the status page and /api/state; None: served with /metrics.
     web_address: str | None = None
-    # Load shedding: while the event loop runs more than this many ms behind, messages that
-    # would open a new transfer are refused with RESOURCE_EXHAUSTED (0: never shed).
-    shed_lag_ms: float = 20.0
+    # Load shedding (services/api/overload.py): while the event loop is saturated or runs
+    # more than this many ms behind, messages that would open a new transfer are refused
+    # with RESOURCE_EXHAUSTED. 0: never. Off for planes built in-process (tests drive them
+    # from their own loop); `kvbaton serve` turns it on (--shed-lag-ms, default 20).
+    shed_lag_ms: float = 0.0
     # OpenTelemetry collector (OTLP/gRPC) for traces; None: $KVBATON_OTLP_ENDPOINT; "": off.
     # Tracing already configured in this process (tests: an in-memory exporter) is kept.
     otlp_endpoint: str | None = None
