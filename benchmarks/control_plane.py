@@ -297,12 +297,15 @@ async def run_store(args, store_url: str, store_pids: list[int], variant: str = 
             for c in channels:
                 await asyncio.wait_for(c.channel_ready(), 10)
             n = 0
+            # Transfer and engine ids unique per server: servers of one run may share an
+            # etcd cluster, where another's matched transfers would answer as duplicates.
+            prefix = f"{variant}-"
             for path in args.path:
                 best, top = None, 0.0
                 for rate in args.rate:
                     n += 1
                     r = await measure(args, kv, peer, stubs, server.pid, store_pids, path=path, rate=rate,
-                                      tag=f"{path[0]}{n}", seed=n)
+                                      tag=f"{prefix}{path[0]}{n}", seed=n)
                     out["points"].append(r)
                     top = max(top, r["achieved_rate"])
                     if healthy(r, args.p99_ms):
@@ -313,7 +316,7 @@ async def run_store(args, store_url: str, store_pids: list[int], variant: str = 
                 if args.overload:
                     n += 1
                     r = await measure(args, kv, peer, stubs, server.pid, store_pids, path=path,
-                                      rate=round(args.overload * top), tag=f"{path[0]}{n}", seed=n)
+                                      rate=round(args.overload * top), tag=f"{prefix}{path[0]}{n}", seed=n)
                     r["overload_of"] = top
                     out["points"].append(r)
                     summary["overload"] = {"rate": r["target_rate"], "answers": r["answers"], "lost": r["lost"]}
