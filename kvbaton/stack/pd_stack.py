@@ -288,6 +288,12 @@ class PdStack:
         self._procs.append(proc)
         return proc
 
+    def engines(self) -> tuple[VllmServer, VllmServer]:
+        """(prefill, decode) of a started stack."""
+        if self.p is None or self.d is None:
+            raise RuntimeError("the P/D stack is not started")
+        return self.p, self.d
+
     def start(self) -> PdStack:
         """Start everything; on any failure stop what was started and re-raise."""
         self.workdir.mkdir(parents=True, exist_ok=True)
