@@ -99,7 +99,7 @@ def nixl_kv_config(variant: str = "nixl", engine_id: str | None = None) -> str:
 
 
 def _nixl_env(side_channel_port: int) -> dict[str, str]:
-    """Loopback UCX for NixlConnector (measured working: vllm-cpu-notes.md)."""
+    """Loopback UCX for NixlConnector (measured working on the CPU build)."""
     return {"VLLM_HOST_IP": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
             "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel_port),
             "UCX_TLS": "tcp,self,sm", "UCX_NET_DEVICES": "lo"}

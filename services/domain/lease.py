@@ -1,6 +1,6 @@
 """Decode-side leases on retained KV blocks: grant, renew, pin, revoke, expire.
 
-Rules (the invariants of ``shared/design.md``):
+Rules (the lease invariants this service keeps):
 
 - Expiry is decided by this service's clock. A lease ends when ``now >= expires_at``
   and no pin is live; a pin is never granted on an ended lease or one past its deadline.

@@ -645,13 +645,6 @@ class EtcdStore(Store):
         except LeaseNotFoundError:
             pass
 
-    async def lease_ttl(self, lease_id: int) -> float:
-        """Seconds left on a lease (etcd-only helper); raises ``LeaseNotFoundError``."""
-        resp = await self._unary("lease", "LeaseTimeToLive", pb.LeaseTimeToLiveRequest(ID=lease_id), mutation=False)
-        if resp.TTL < 0:
-            raise LeaseNotFoundError(f"lease {lease_id:#x} not found")
-        return float(resp.TTL)
-
     async def _keepalive_stream(self) -> _KeepAliveStream:
         async with self._ka_open_lock:
             if self._ka is None or self._ka.broken:
