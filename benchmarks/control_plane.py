@@ -38,7 +38,6 @@ import os
 import pathlib
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -50,16 +49,11 @@ sys.path.insert(0, str(ROOT))
 
 from kvbaton.client import KvbatonClient
 from kvbaton.stack.pd_stack import stop_group
+from kvbaton.stack.ports import free_port
 from kvbaton.v1 import common_pb2, registrar_pb2, rendezvous_pb2, rendezvous_pb2_grpc
 
 MATCH = rendezvous_pb2.RendezvousEvent.TYPE_MATCH
 HEARTBEAT = rendezvous_pb2.RendezvousEvent.TYPE_HEARTBEAT
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def cpu_seconds(pid: int | None = None) -> float:
