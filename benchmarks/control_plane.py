@@ -356,7 +356,7 @@ def markdown(results: dict) -> str:
     """The tables the READMEs quote, from one results file (one run)."""
     p99 = results["config"]["p99_ms"]
     fmt = lambda v, nd=1: "–" if v is None else f"{v:,.{nd}f}"  # noqa: E731
-    lines = [f"`{results['script']}` {' '.join(results['argv'])} — commit `{results['commit'][:12]}`, "
+    lines = [f"`{results['script']}` {' '.join(results['argv'])} — commit `{results['commit'][:12]}{'-dirty' if results['commit'].endswith('-dirty') else ''}`, "
              f"started {results['started_utc']}, {results['machine']}.", ""]
     for st in results["stores"]:
         lines += [f"**{st['store']}, {st.get('variant', 'current')}** (load average at start "
