@@ -138,16 +138,17 @@ async def test_burst_past_capacity_is_ok_or_resource_exhausted(server_address):
 
 
 def test_loop_lag_sheds_only_while_behind():
-    load = LoopLag(max_lag_ms=20, max_busy=0.95, window=2)
+    load = LoopLag(max_lag_ms=20, max_busy=0.95, window=2, admit_per_tick=1)
     assert load.refuse() is None
     load.observe(1.0, 0.99)
     load.observe(1.0, 0.97)  # busy for the whole window: behind
+    assert load.refuse() is None  # the tick's one admission: a saturated server still makes progress
     reason = load.refuse()
     assert reason is not None and "overloaded" in reason and "97% busy" in reason
     load.observe(1.0, 0.30)  # it waited again: caught up
     assert not load.overloaded
     load.observe(45.0, 0.10)  # one very late timer: a long turn
-    assert load.overloaded and "45 ms behind" in load.refuse()
+    assert load.overloaded and load.refuse() is None and "45 ms behind" in load.refuse()
     load.observe(1.0, 0.1)
     load.observe(1.0, 0.1)
     assert load.refuse() is None
