@@ -163,8 +163,11 @@ def _serve(args) -> int:
         config.web_address = f"{host}:{args.web_port}"
     try:
         if args.event_loop == "uvloop":
-            import uvloop
-
+            try:
+                import uvloop
+            except ImportError:
+                print("kvbaton serve: --event-loop uvloop needs the uvloop package (pip install uvloop)", file=sys.stderr)
+                return 2
             uvloop.run(serve(config))
         else:
             asyncio.run(serve(config))
