@@ -33,10 +33,10 @@ sys.path.insert(0, str(REPO))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402  (before nixl: on GPUs torch must own the CUDA context first)
 
-from connector.descriptors import coalesce_runs, plan_transfer  # noqa: E402
-from connector.geometry import KvLayout  # noqa: E402
-from connector.nixl_agent import NixlEndpoint  # noqa: E402
-from connector.staging import (StagedPeer, choose_strategy, plan_tiles,  # noqa: E402
+from connector.transfer.descriptors import coalesce_runs, plan_transfer  # noqa: E402
+from connector.transfer.geometry import KvLayout  # noqa: E402
+from connector.transfer.nixl_agent import NixlEndpoint  # noqa: E402
+from connector.transfer.staging import (StagedPeer, choose_strategy, plan_tiles,  # noqa: E402
                                region_byte_views)
 
 STRATEGIES = ("per_block", "runs", "pack")

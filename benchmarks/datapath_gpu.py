@@ -43,10 +43,10 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402  (torch before nixl: it must own the CUDA context first)
 
 import datapath  # noqa: E402  (puts the repo root on sys.path)
-from connector.descriptors import coalesce_runs, plan_transfer  # noqa: E402
-from connector.geometry import KvLayout  # noqa: E402
-from connector.nixl_agent import NixlEndpoint  # noqa: E402
-from connector.staging import (GpuRowCopier, StagedPeer, choose_strategy,  # noqa: E402
+from connector.transfer.descriptors import coalesce_runs, plan_transfer  # noqa: E402
+from connector.transfer.geometry import KvLayout  # noqa: E402
+from connector.transfer.nixl_agent import NixlEndpoint  # noqa: E402
+from connector.transfer.staging import (GpuRowCopier, StagedPeer, choose_strategy,  # noqa: E402
                                pack_blocks, plan_tiles, region_byte_views, unpack_blocks)
 
 GB = 1e9

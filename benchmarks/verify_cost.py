@@ -34,8 +34,8 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from kvbaton.connector.geometry import KvLayout  # noqa: E402
-from kvbaton.connector.integrity import ALG_CRC32, ALG_TORCH64, Fingerprinter  # noqa: E402
+from kvbaton.connector.transfer.geometry import KvLayout  # noqa: E402
+from kvbaton.connector.transfer.integrity import ALG_CRC32, ALG_TORCH64, Fingerprinter  # noqa: E402
 
 
 def throughput(layers: int, layer_block_bytes: int, cache_blocks: int, sample: int, tokens: int,

@@ -24,7 +24,7 @@ NOTIF_PUSH = b"kvb:push:"
 #: owned by the lease, not by the reader).
 NOTIF_REUSE = b"kvb:reuse:"
 
-#: ``verify_kv`` (connector/integrity.py): a reader asks the owner of blocks it READs for
+#: ``verify_kv`` (connector/transfer/integrity.py): a reader asks the owner of blocks it READs for
 #: their fingerprints: ``kvb:fpq:<key>|<reader engine id>|<first>|<block ids, comma-separated>``,
 #: key ``t:<transfer_id>`` (pull) or ``r:<conversation_id>`` (reuse); ``first`` is the
 #: position of the first block id in the owner's record if the reader knows it (reuse reads
@@ -71,14 +71,14 @@ class KvbatonSettings:
     # Push: prefill's Rendezvous.Complete goes out from the worker process (rank 0) when
     # it receives the send, instead of from the engine-core process at request_finished.
     complete_from_worker: bool = False
-    # KV integrity (connector/integrity.py): owners fingerprint the blocks they expose,
+    # KV integrity (connector/transfer/integrity.py): owners fingerprint the blocks they expose,
     # readers verify what landed before reporting a load finished; a mismatch recomputes.
     verify_kv: bool = False
     verify_kv_alg: str = ""  # "" = crc32 on host memory, torch64 on GPUs
     #: Test-only fault injection: a JSON file the worker re-reads (see worker.Faults).
     #: Never set in production.
     fault_file: str = ""
-    # Pack path for fragmented transfers (connector/staging.py): "auto" lets
+    # Pack path for fragmented transfers (connector/transfer/staging.py): "auto" lets
     # staging.choose_strategy pick per transfer (keeps coalesced runs on host memory with
     # vLLM's block sizes), "always" packs every transfer with a peer that has a pool,
     # "never" (the default) allocates no pool and always moves runs. Opt in only where one

@@ -104,9 +104,9 @@ from kvbaton.services.metrics import connector_metrics
 from kvbaton.services.tracing import grpc_metadata
 
 from .control import ControlThread, geometry_fields, role_of
-from .descriptors import plan_transfer
-from .geometry import KvLayout
-from .integrity import Fingerprinter, Fingerprints, KvIntegrityError, compare, corrupt_block
+from .transfer.descriptors import plan_transfer
+from .transfer.geometry import KvLayout
+from .transfer.integrity import Fingerprinter, Fingerprints, KvIntegrityError, compare, corrupt_block
 from .metadata import (
     MODE_PULL,
     MODE_PUSH,
@@ -127,8 +127,8 @@ from .metadata import (
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-    from .nixl_agent import NixlEndpoint, Transfer
-    from .staging import StagedPeer, StagingInfo
+    from .transfer.nixl_agent import NixlEndpoint, Transfer
+    from .transfer.staging import StagedPeer, StagingInfo
 
 #: staging.PREFIX (not imported at module level: staging imports torch)
 STAGED_PREFIX = b"KVBS/"
@@ -158,7 +158,7 @@ def pick_strategy(setting: str, num_descs: int, nbytes: int, *, device: str,
         return "runs"
     if setting == STAGING_ALWAYS:
         return "pack"
-    from .staging import choose_strategy
+    from .transfer.staging import choose_strategy
 
     return choose_strategy(num_descs, nbytes, device=device)
 
@@ -180,7 +180,7 @@ def engine_of_agent(agent: str) -> str:
 
 def staging_from_rank(rank: Any) -> StagingInfo | None:
     """A peer's published receive pool (``EngineRank.staging``), None when it has none."""
-    from .staging import StagingInfo
+    from .transfer.staging import StagingInfo
 
     st = rank.staging if rank.HasField("staging") else None
     if st is None or not st.num_slots or not st.slot_bytes:
@@ -435,7 +435,7 @@ class TransferThread:
 
     # ------------------------------------------------------------------ thread body
     def _run(self) -> None:
-        from .nixl_agent import NixlEndpoint  # heavy import, only in the worker process
+        from .transfer.nixl_agent import NixlEndpoint  # heavy import, only in the worker process
 
         try:
             ep = NixlEndpoint(self.name, net_devices=self.settings.ucx_net_devices,
@@ -489,7 +489,7 @@ class TransferThread:
         """Allocate and register this engine's staging pools once, next to the KV cache."""
         if self.settings.staging == STAGING_NEVER or not self._tensors:
             return
-        from .staging import StagedPeer
+        from .transfer.staging import StagedPeer
 
         slot, nslots = self.settings.staging_pool(self.layout.device)
         slot = max(slot, self.layout.bytes_per_block)  # a tile holds at least one block row

@@ -1,4 +1,4 @@
-"""KV integrity fingerprints (connector/integrity.py) on randomized layouts, no vLLM.
+"""KV integrity fingerprints (connector/transfer/integrity.py) on randomized layouts, no vLLM.
 
 Every layout is real memory (numpy / torch buffers) addressed the way NIXL addresses it
 (region base + block * stride), so the crc32 path reads exactly the bytes a transfer moves.
@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvbaton.connector.geometry import KvLayout
-from kvbaton.connector.integrity import (
+from kvbaton.connector.transfer.geometry import KvLayout
+from kvbaton.connector.transfer.integrity import (
     ALG_CRC32,
     ALG_TORCH64,
     Fingerprinter,
@@ -202,7 +202,7 @@ def test_owner_finds_the_run_a_reader_asks_about() -> None:
 
 
 def test_torch64_chunking_does_not_change_fingerprints(monkeypatch: pytest.MonkeyPatch) -> None:
-    import kvbaton.connector.integrity as integrity
+    import kvbaton.connector.transfer.integrity as integrity
 
     layout, tensors, _ = _random_cache(random.Random(17))
     ids = list(range(layout.num_blocks))

@@ -17,9 +17,9 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("nixl")
 
-from kvbaton.connector.descriptors import plan_transfer  # noqa: E402
-from kvbaton.connector.geometry import KvLayout  # noqa: E402
-from kvbaton.connector.nixl_agent import NixlEndpoint  # noqa: E402
+from kvbaton.connector.transfer.descriptors import plan_transfer  # noqa: E402
+from kvbaton.connector.transfer.geometry import KvLayout  # noqa: E402
+from kvbaton.connector.transfer.nixl_agent import NixlEndpoint  # noqa: E402
 
 pytestmark = pytest.mark.nixl
 

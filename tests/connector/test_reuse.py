@@ -147,7 +147,7 @@ def control_plane() -> Iterator[str]:
 
 def _register_decode(addr: str, engine_id: str) -> None:
     import torch
-    from kvbaton.connector.geometry import KvLayout
+    from kvbaton.connector.transfer.geometry import KvLayout
 
     from kvbaton.client import KvbatonClient
     from kvbaton.v1 import common_pb2, registrar_pb2
