@@ -29,8 +29,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from .metadata import KvbatonMeta, KvbatonSettings
+from .metadata import KvbatonMeta
 from .scheduler import KvbatonScheduler
+from .settings import KvbatonSettings
 from .stats import CounterDeltas, KvbatonConnectorStats, KvbatonPromMetrics
 from .worker import KvbatonWorker
 

@@ -4,7 +4,7 @@ Decode side (:class:`RetentionManager`, scheduler process ``VLLM::EngineCore``):
 
 * **How blocks are held.** Not by returning ``True`` from ``request_finished`` (that keeps
   the whole request alive in the scheduler, and a held request makes EngineCore and the
-  worker spin a core for as long as it is held — API notes §0.4 — which for a 30 s lease
+  worker spin a core for as long as it is held — VLLM_API_NOTES.md §0.4 — which for a 30 s lease
   on a 2-core machine is unacceptable). Instead the manager takes its own reference on the
   *full* blocks with ``BlockPool.touch`` (the same refcount prefix caching uses), returns
   ``False`` so vLLM frees the request normally, and drops the reference with
@@ -27,7 +27,7 @@ Decode side (:class:`RetentionManager`, scheduler process ``VLLM::EngineCore``):
   (``get_num_new_matched_tokens`` drains first). Nothing needs them before that.
 
 Prefill side: :func:`reusable_blocks` compares the conversation's hash chain with the
-prompt's; the worker (``worker.py``) pins, READs and unpins.
+prompt's; the worker's receive flow (``flows/receive.py``) pins, READs and unpins.
 """
 
 from __future__ import annotations
@@ -45,7 +45,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .metadata import KvbatonSettings
+from .settings import MAX_PIN_S, KvbatonSettings
+from .statslog import StatsLog
 
 if TYPE_CHECKING:  # pragma: no cover
     from vllm.v1.core.block_pool import BlockPool
@@ -127,8 +128,6 @@ class RetentionManager:
         self.stats: dict[str, int] = {"retained": 0, "freed": 0, "hard_cap_freed": 0, "grant_failed": 0,
                                       "revoked_for_pressure": 0, "blocks_held": 0}
         self._started = False
-        from .worker import StatsLog  # the same JSON-lines format as the worker's
-
         #: ``<stats_dir>/<engine>.retention.jsonl``: retained / freed (with why) / hard cap.
         self.events = StatsLog(settings.stats_dir, settings.engine_id, part="retention")
 
@@ -330,8 +329,6 @@ class RetentionManager:
     def _confirm_locked(self, h: Hold, remaining_ms: int) -> None:
         now = time.monotonic()
         h.confirmed = now
-        from .metadata import MAX_PIN_S
-
         h.hard_deadline = now + max(self.settings.hard_cap_s, remaining_ms / 1000 + MAX_PIN_S + 5.0)
 
     def _on_lease_ended(self, lease_id: str, why: str) -> None:

@@ -313,7 +313,7 @@ def test_verify_kv_passes_retained_and_freed_holds_to_the_worker(control_plane: 
 
 
 def test_fault_file_counts_and_reloads(tmp_path: Path) -> None:
-    from kvbaton.connector.worker import Faults
+    from kvbaton.connector.flows.faults import Faults
 
     assert not Faults("").take_corruption("pull") and Faults("").value("delay_reuse_read_s") == 0.0
     f = tmp_path / "faults.json"
