@@ -5,13 +5,10 @@ part of the stats contract (tests and operators read ``<engine>.worker.jsonl``).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from ..settings import MODE_PUSH, MODE_REUSE
 from .context import FlowContext, outcome, recompute_reason
+from .load import Load
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .receive import Load
 
 
 def _moved(ld: Load) -> tuple[int, int, str, float]:

@@ -20,8 +20,6 @@ recomputes it and every block is freed; a push is also cancelled at the rendezvo
 
 from __future__ import annotations
 
-import concurrent.futures
-import dataclasses
 import logging
 import time
 from typing import Any
@@ -36,41 +34,13 @@ from ..metadata import LoadSpec
 from ..settings import MODE_PUSH, MODE_REUSE
 from ..transfer.integrity import Fingerprints, KvIntegrityError
 from .context import FlowContext, error_text, fire_and_forget
+from .load import Load
 from .load_stats import count_load, record_finish
 from .sequence import Move, Mover, push_xfer_id
 from .staged import StagedFlow
 from .verify import Verifier
 
 log = logging.getLogger("kvbaton.connector.receive")
-
-
-@dataclasses.dataclass
-class Load:
-    req_id: str
-    spec: LoadSpec
-    deadline: float
-    t0: float
-    move: Move | None = None
-    peer_future: concurrent.futures.Future[Any] | None = None  # release only: the lookup
-    nbytes: int = 0  # push: what the writer says it wrote
-    strategy: str = "runs"
-    # reuse
-    pin_future: concurrent.futures.Future[Any] | None = None
-    pin_id: str = ""
-    pin_sent: float = 0.0
-    read_deadline: float = 0.0
-    delay_until: float = 0.0  # test-only fault: reuse READ held back until then
-    # verify_kv
-    landed: bool = False  # the data is in our blocks; verification (if on) still to do
-    t_landed: float = 0.0
-    fp_key: str = ""  # pull/reuse: the key of the owner's answer we wait for
-    fp_owner: Fingerprints | None = None
-    fp_local: concurrent.futures.Future[Any] | None = None
-    corrupted: bool = False
-
-    @property
-    def peer(self) -> str:
-        return self.move.peer if self.move is not None else ""
 
 
 class ReceiveFlow:
@@ -145,7 +115,8 @@ class ReceiveFlow:
             if not self._pinned(ld, now):
                 return False
             if now >= ld.read_deadline:
-                raise TimeoutError(f"reuse READ from {ld.spec.reuse.engine_id} not done within half the pin TTL")
+                src = ld.spec.reuse
+                raise TimeoutError(f"reuse READ from {src.engine_id if src else '?'} not done within half the pin TTL")
             if self._fault_delay(ld, now):
                 return False
         elif not ld.spec.local_block_ids:

@@ -113,10 +113,12 @@ class SendFlow:
                 self.ctx.stats.record("send_expired", transfer_id=tid, req_id=held.req_id)
                 self.ctx.metrics.transfers.labels(held.spec.mode, "prefill", "timeout").inc()
                 self.ctx.report("sent", held.req_id, False)
-        for box in (self._early_done, self._early_matches):
-            for tid, v in list(box.items()):
-                if now - (v if isinstance(v, float) else v[0]) > max_age_s:
-                    del box[tid]
+        for tid, t in list(self._early_done.items()):
+            if now - t > max_age_s:
+                del self._early_done[tid]
+        for tid, (t, _) in list(self._early_matches.items()):
+            if now - t > max_age_s:
+                del self._early_matches[tid]
 
     # ------------------------------------------------------------------ push WRITEs
     def progress(self, now: float) -> None:

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import wire
 from ..settings import STAGING_ALWAYS, STAGING_NEVER
-from ..transfer.descriptors import TransferPlan, plan_transfer
+from ..transfer.descriptors import Op, TransferPlan, plan_transfer
 from ..transfer.nixl_agent import Transfer
 from ..transfer.staging import choose_strategy
 from .context import FlowContext
@@ -52,7 +52,7 @@ def pick_strategy(setting: str, num_descs: int, nbytes: int, *, device: str,
 class Move:
     """One movement of blocks: ours ``local`` ⇄ the peer's ``remote``, by ``deadline``."""
 
-    op: str  # "READ" (we pull) | "WRITE" (we push)
+    op: Op  # "READ" (we pull) | "WRITE" (we push)
     engine_id: str  # the peer engine
     local: tuple[int, ...]
     remote: tuple[int, ...]

@@ -32,7 +32,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .. import wire
 from ..settings import MODE_REUSE
@@ -44,9 +44,8 @@ from ..transfer.integrity import (
     corrupt_block,
 )
 from .context import FlowContext
+from .load import Load
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .receive import Load
 
 log = logging.getLogger("kvbaton.connector.verify")
 
