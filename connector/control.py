@@ -103,7 +103,7 @@ class ControlThread:
                         on_event(ev)
                 except asyncio.CancelledError:
                     raise
-                except Exception:  # noqa: BLE001
+                except Exception:
                     log.warning("kvbaton: rendezvous subscription failed; restarting", exc_info=True)
                     await asyncio.sleep(1.0)
         fut = asyncio.run_coroutine_threadsafe(_loop(), self._loop)
@@ -129,7 +129,7 @@ class ControlThread:
                 await self._client.close()
         try:
             asyncio.run_coroutine_threadsafe(_shutdown(), self._loop).result(timeout=2.0)
-        except Exception:  # noqa: BLE001 - shutdown is best effort
+        except Exception:  # shutdown is best effort
             log.debug("kvbaton: control client close failed", exc_info=True)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=2.0)
@@ -144,7 +144,7 @@ def complete_request(engine_id: str, timeout_s: float, transfer_id: str, block_i
                                           timeout_ms=int(timeout_s * 1000), request_id=request_id, writers=1)
 
 
-def role_of(kv_role: str) -> int:
+def role_of(kv_role: str) -> common_pb2.EngineRole:
     """vLLM kv_role → registrar EngineRole."""
     return {"kv_producer": common_pb2.ENGINE_ROLE_PREFILL, "kv_consumer": common_pb2.ENGINE_ROLE_DECODE,
             "kv_both": common_pb2.ENGINE_ROLE_BOTH}.get(kv_role, common_pb2.ENGINE_ROLE_UNSPECIFIED)

@@ -166,7 +166,7 @@ class TransferLoop:
                 self.staged.peer.progress()  # poll_notifs + (CUDA) finished scatters → acks
             else:
                 ep.poll_notifs()
-        except Exception:  # noqa: BLE001 - keep the thread alive
+        except Exception:  # keep the thread alive
             log.exception("kvbaton: poll_notifs failed")
 
     def _step_flows(self, now: float) -> None:

@@ -239,11 +239,12 @@ class RetentionManager:
             except queue.Empty:
                 break
             with self._lock:
-                h = self._holds.pop(hold_id, None)
-                if h is not None and h.lease_id:
-                    self._by_lease.pop(h.lease_id, None)
-            if h is None:
+                ended = self._holds.pop(hold_id, None)
+                if ended is not None and ended.lease_id:
+                    self._by_lease.pop(ended.lease_id, None)
+            if ended is None:
                 continue
+            h = ended
             # Tail blocks first: they are the least likely to be hit as a prefix again.
             self.block_pool.free_blocks([self.block_pool.blocks[i] for i in reversed(h.block_ids)])
             if self.settings.verify_kv:  # the worker drops its fingerprints of them

@@ -43,11 +43,11 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
-from kvbaton.services.metrics import connector_metrics
-from kvbaton.services.tracing import grpc_metadata
 from vllm.v1.request import RequestStatus
 
 from kvbaton import params as P
+from kvbaton.services.metrics import connector_metrics
+from kvbaton.services.tracing import grpc_metadata
 from kvbaton.v1 import rendezvous_pb2 as rpb
 
 from .control import ControlThread, complete_request

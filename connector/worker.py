@@ -17,7 +17,6 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from kvbaton.services.tracing import grpc_metadata
-
 from kvbaton.v1 import common_pb2, registrar_pb2
 
 from .control import ControlThread, complete_request, role_of

@@ -10,7 +10,6 @@ from .context import FlowContext, outcome, recompute_reason
 from .load import Load
 
 
-
 def _moved(ld: Load) -> tuple[int, int, str, float]:
     """(bytes, descriptors, strategy, post time) of a load, from its READ when it had one."""
     mv = ld.move

@@ -93,5 +93,5 @@ class PeerCache:
         if got is not None and self.ep is not None:
             try:
                 self.ep.remove_peer(got[0])
-            except Exception:  # noqa: BLE001 - already gone is fine
+            except Exception:  # already gone is fine
                 log.debug("remove_peer failed", exc_info=True)

@@ -25,7 +25,6 @@ import time
 from typing import Any
 
 from kvbaton.services.tracing import grpc_metadata
-
 from kvbaton.v1 import lease_pb2 as lpb
 from kvbaton.v1 import rendezvous_pb2 as rpb
 
@@ -260,7 +259,7 @@ class ReceiveFlow:
         if ld.peer and self.ctx.ep is not None and self.ctx.peers.known(spec.remote_engine_id):
             try:
                 self.ctx.notify(ld.peer, wire.Done(spec.transfer_id))
-            except Exception:  # noqa: BLE001
+            except Exception:  # best effort: prefill frees at its own timeout
                 log.debug("failure notif not sent", exc_info=True)
 
     def _unpin(self, ld: Load) -> None:

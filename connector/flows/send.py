@@ -19,7 +19,6 @@ import time
 from typing import Any
 
 from kvbaton.services.tracing import grpc_metadata
-
 from kvbaton.v1 import rendezvous_pb2 as rpb
 
 from .. import wire

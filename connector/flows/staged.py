@@ -110,7 +110,7 @@ class StagedFlow:
             self.peer = StagedPeer(ep, self._tensors, layout, slot_bytes=slot, num_slots=nslots,
                                    target_chunks=s.staging_target_chunks, min_chunk_bytes=min(4 << 20, slot),
                                    on_complete=self._on_complete)
-        except Exception:  # noqa: BLE001 - no pool: runs only (published as absent)
+        except Exception:  # no pool: runs only (published as absent)
             log.exception("kvbaton: staging pool not available; moving KV with coalesced runs only")
             self.peer = None
             return
@@ -130,7 +130,7 @@ class StagedFlow:
             return
         wait = self._held_msgs.get(agent)
         if wait is None and agent in self.ctx.endpoint.peers:
-            self.peer._on_notif(agent, msg)  # noqa: SLF001 - we own the routing of its prefix
+            self.peer._on_notif(agent, msg)  # we own the routing of its prefix
             return
         if wait is None:
             now = time.monotonic()
@@ -152,7 +152,7 @@ class StagedFlow:
                     continue
                 del self._held_msgs[agent]
                 for m in wait.msgs:
-                    self.peer._on_notif(agent, m)  # noqa: SLF001
+                    self.peer._on_notif(agent, m)
             except Exception as exc:  # noqa: BLE001 - the sender times out, the load recomputes
                 self._held_msgs.pop(agent, None)
                 log.warning("kvbaton: dropped %d staged messages from %s: %r", len(wait.msgs), agent, exc)

@@ -46,7 +46,6 @@ from ..transfer.integrity import (
 from .context import FlowContext
 from .load import Load
 
-
 log = logging.getLogger("kvbaton.connector.verify")
 
 #: Upper bound on retained-block fingerprint records kept by one worker (oldest dropped):

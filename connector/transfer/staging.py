@@ -41,7 +41,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -332,7 +332,7 @@ class GpuRowCopier:
             blk = min(self.BLOCK, 1 << (self.row_elems - 1).bit_length())
         self.block = blk
         self.even = self.row_elems % self.block == 0
-        self.kernel = _triton_kernel()
+        self.kernel: Any = _triton_kernel()  # a triton JIT function (indexed by its grid)
         if self.kernel is None:
             raise ValueError("triton is not importable")
 

@@ -12,8 +12,13 @@ torch = pytest.importorskip("torch")
 
 from kvbaton.connector.transfer.descriptors import coalesce_runs  # noqa: E402
 from kvbaton.connector.transfer.geometry import KvLayout  # noqa: E402
-from kvbaton.connector.transfer.staging import (choose_strategy, pack_blocks,  # noqa: E402
-                                       plan_tiles, region_byte_views, unpack_blocks)
+from kvbaton.connector.transfer.staging import (  # noqa: E402
+    choose_strategy,
+    pack_blocks,
+    plan_tiles,
+    region_byte_views,
+    unpack_blocks,
+)
 
 LAYERS, NUM_BLOCKS, TPB = 3, 80, 16
 _names = itertools.count()

@@ -6,6 +6,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+
 from kvbaton.connector.flows.peers import engine_of_agent, staging_from_rank
 from kvbaton.connector.flows.sequence import pick_strategy
 from kvbaton.connector.flows.staged import STAGED_PREFIX
