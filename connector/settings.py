@@ -34,14 +34,15 @@ _FALSE = ("0", "false", "no", "off", "")
 
 
 def setting(default: Any, doc: str, *, shown: str | None = None, choices: tuple[str, ...] = (),
-            optional: bool = False) -> Any:
+            optional: bool = False, secret: bool = False) -> Any:
     """One row of the table: a dataclass field whose metadata carries its documentation.
 
     ``shown`` is how the doc writes the default (else derived from it); ``choices`` makes
-    a lower-cased enumeration; ``optional`` keeps ``None`` (UCX's own choice) as a value.
+    a lower-cased enumeration; ``optional`` keeps ``None`` (UCX's own choice) as a value;
+    ``secret`` keeps the value out of ``repr`` (tokens: settings are logged).
     """
-    return dataclasses.field(default=default, metadata={"doc": doc, "shown": shown, "choices": choices,
-                                                         "optional": optional})
+    return dataclasses.field(default=default, repr=not secret,
+                             metadata={"doc": doc, "shown": shown, "choices": choices, "optional": optional})
 
 
 def parse_bool(key: str, value: Any) -> bool:

@@ -11,7 +11,12 @@ one descriptor per coalesced run.
   one at a time (they share the send pool's slots and address the receiver's by number),
   each advanced a step per loop turn (:class:`~..transfer.staging.StagedSend`), so a slow
   staged send never stalls other loads: runs transfers, notifications and other flows keep
-  moving on every turn of the same loop.
+  moving on every turn of the same loop. Why stepped and not a thread of its own: the
+  NIXL agent runs in no-lock mode, so every post, poll and notification must come from its
+  one owner thread (a second thread would need NIXL's locking mode on every call, and
+  notification handlers would then run on either thread). What takes time off that thread
+  already has its own: CPU packing runs on the ``kvbaton-pack`` thread, GPU gathers and
+  scatters on side streams; the owner thread only posts, polls and acks.
 * Staged READs (pull and reuse, reader side): we ask the owner to push into our receive
   pool (:class:`~kvbaton.connector.wire.StagedPull`). The receive slots are addressed by
   the sender, so we run staged READs from one owner engine at a time (others wait, bounded
