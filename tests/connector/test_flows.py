@@ -396,3 +396,116 @@ def test_malformed_messages_are_errors() -> None:
     for raw in (b"kvb/1 done\n{}", b"kvb/1 nope\n{}", b"kvb/1 done\nnot json", b"hello"):
         with pytest.raises(wire.WireError):
             wire.decode(raw)
+
+
+# ---------------------------------------------------------------------------- verify_kv (reader)
+class VerifyRig(Rig):
+    """A reader with verify_kv on: real fingerprints of real (host) tensors."""
+
+    def __init__(self) -> None:
+        import torch
+
+        from kvbaton.connector.transfer.geometry import KvLayout
+        from kvbaton.connector.transfer.integrity import Fingerprinter
+
+        super().__init__()
+        gen = torch.Generator().manual_seed(7)
+        self.tensors = [torch.randn(32, 2, BS, 8, generator=gen)]
+        self.lay = KvLayout.from_tensors(self.tensors, BS, block_dim=0)
+        self.ctx.layout = self.lay
+        self.ctx.fp = self.fp = Fingerprinter(self.lay, self.tensors)
+        self.verifier = Verifier(self.ctx, lambda cmd: None)
+        mover = Mover(self.ctx, None)
+        self.recv = ReceiveFlow(self.ctx, mover, self.verifier, None)
+
+    def landed(self, now: float) -> None:
+        """Post the READ, let it complete: the blocks are 'in' (our tensors)."""
+        self.recv.on_load("req", _pull(), now)
+        self.recv.progress(now)
+        (q,) = self.ep.messages(wire.FpQuestion)  # asked before the READ was posted
+        assert q.key == f"t:{TID}" and q.block_ids == (5, 6, 7) and q.reader == "me"
+        self.ep.xfers[0].state = "DONE"
+        self.recv.progress(now + 0.01)
+
+    def answer(self, owner_blocks: tuple[int, ...]) -> None:
+        fps = self.fp.submit(owner_blocks).result(timeout=10)
+        self.recv_answer(wire.FpAnswer(f"t:{TID}", fps.encode()))
+
+    def recv_answer(self, ans: wire.FpAnswer) -> None:
+        self.verifier.on_answer("kvb-p0-r0", ans)
+
+    def finish(self, now: float) -> list[Any]:
+        self.recv.progress(now)  # starts fingerprinting what landed
+        (ld,) = self.recv.loads
+        assert ld.fp_local is not None
+        ld.fp_local.result(timeout=10)
+        self.recv.progress(now + 0.01)
+        return self.results()
+
+    def close(self) -> None:
+        self.fp.close()
+
+
+def test_verified_load_finishes_only_when_fingerprints_match() -> None:
+    r = VerifyRig()
+    try:
+        r.landed(T0)
+        assert r.results() == []  # landed, not verified yet
+        r.answer((1, 2, 3))  # the owner's bytes equal what landed in our blocks 1, 2, 3
+        assert r.finish(T0 + 0.1) == [("recv", "req", True, (1, 2, 3))]
+    finally:
+        r.close()
+
+
+def test_mismatched_fingerprints_fail_the_load() -> None:
+    r = VerifyRig()
+    before = r.recompute_count("verify_failed")
+    try:
+        r.landed(T0)
+        r.answer((9, 10, 11))  # other bytes
+        assert r.finish(T0 + 0.1) == [("recv", "req", False, (1, 2, 3))]
+        assert r.recompute_count("verify_failed") == before + 1
+    finally:
+        r.close()
+
+
+def test_a_silent_owner_fails_verification_in_bounded_time() -> None:
+    r = VerifyRig()
+    try:
+        r.landed(T0)
+        r.recv.progress(T0 + 4.0)
+        assert r.results() == []
+        r.recv.progress(T0 + 5.02)  # landed + min(timeout_s, 5 s)
+        assert r.results() == [("recv", "req", False, (1, 2, 3))]
+    finally:
+        r.close()
+
+
+def test_an_owner_that_cannot_vouch_fails_the_load() -> None:
+    r = VerifyRig()
+    try:
+        r.landed(T0)
+        r.recv_answer(wire.FpAnswer(f"t:{TID}", refused="no fingerprints of those blocks"))
+        r.recv.progress(T0 + 0.1)
+        assert r.results() == [("recv", "req", False, (1, 2, 3))]
+    finally:
+        r.close()
+
+
+# ---------------------------------------------------------------------------- dispatch
+def test_the_loop_refuses_other_versions_and_routes_its_own() -> None:
+    from kvbaton.connector.loop import TransferLoop
+    from kvbaton.connector.settings import KvbatonSettings
+    from kvbaton.connector.statslog import StatsLog
+
+    lay = layout()
+    loop = TransferLoop(KvbatonSettings(control_plane="cp:1", engine_id="me"), 0, lay, FakeControl(),  # type: ignore[arg-type]
+                        StatsLog("", "me"))
+    got: list[Any] = []
+    handler = loop._typed(lambda peer, msg: got.append((peer, msg)))
+    handler("kvb-p0-r0", b"kvb/2 done\n{\"transfer_id\":\"t\"}")  # a newer peer
+    handler("kvb-p0-r0", b"kvb:done:t")  # an older one
+    loop._refuse("kvb-p0-r0", b"KVBS/A x 1 0")
+    assert got == [] and loop.ctx.stats.counters["wire_refused"] == 3
+    handler("kvb-p0-r0", wire.encode(wire.Done(TID)))
+    assert got == [("kvb-p0-r0", wire.Done(TID))]
