@@ -6,9 +6,9 @@ sends, rendezvous events, retained blocks), polls NIXL's notifications — which
 progresses UCX for peers reading *our* memory, since the agent runs without NIXL's
 spinning progress thread — routes each typed message (:mod:`.wire`) to its flow, and
 gives every flow one non-blocking step (:mod:`.flows`). Results go to the engine on
-``results``. It sleeps on the inbox for 1 ms while any flow has work and 10 ms when idle:
-never a busy loop, and the idle poll bounds how long a peer's READ of our retained blocks
-waits for progress.
+``results``. It sleeps on the inbox for 1 ms while any flow has work (50 µs while a staged
+send runs from GPU memory) and 10 ms when idle: never a busy loop, and the idle poll bounds
+how long a peer's READ of our retained blocks waits for progress.
 """
 
 from __future__ import annotations
@@ -152,9 +152,14 @@ class TransferLoop:
     def busy(self) -> bool:
         return self.receives.busy or self.sends.busy or self.verifier.busy or self.staged.busy
 
+    def _wait_s(self) -> float:
+        if self.staged.sending_on_gpu:
+            return self.staged.poll_s
+        return _BUSY_POLL_S if self.busy else _IDLE_POLL_S
+
     def _take_commands(self) -> None:
         try:
-            self._handle(self.inbox.get(timeout=_BUSY_POLL_S if self.busy else _IDLE_POLL_S))
+            self._handle(self.inbox.get(timeout=self._wait_s()))
             while True:
                 self._handle(self.inbox.get_nowait())
         except queue.Empty:

@@ -39,7 +39,7 @@ import torch
 
 from ..settings import STAGING_NEVER
 from ..transfer.nixl_agent import NixlEndpoint
-from ..transfer.staging import PREFIX, StagedPeer, StagedSend, StagingInfo
+from ..transfer.staging import GPU_POLL_MAX_S, PREFIX, StagedPeer, StagedSend, StagingInfo
 from .context import FlowContext, error_text
 from .peers import engine_of_agent
 
@@ -100,6 +100,14 @@ class StagedFlow:
     @property
     def busy(self) -> bool:
         return bool(self._queue or self._serves or self._held_msgs)
+
+    @property
+    def sending_on_gpu(self) -> bool:
+        """A staged send is running from GPU memory: the loop polls at the GPU pace (a 32 MiB
+        chunk crosses NVLink in ~80 µs; a 1 ms poll would idle the link)."""
+        return bool(self._queue) and self.peer is not None and self.peer.cuda
+
+    poll_s = GPU_POLL_MAX_S
 
     def init_pools(self, ep: NixlEndpoint) -> None:
         """Allocate and register this engine's staging pools once, next to the KV cache."""
