@@ -201,10 +201,13 @@ class RateLimiter:
         self._buckets: dict[str, tuple[float, float]] = {}  # client -> (tokens, updated)
 
     def allow(self, client: str, cost: float = 1.0) -> bool:
+        """Charges ``cost`` (e.g. the renewals in one KeepAlive message). A cost above the
+        burst is admitted from a full bucket and leaves it in debt, so a big message is
+        possible but the client's average rate still holds."""
         now = self.clock()
         tokens, updated = self._buckets.get(client, (self.burst, now))
         tokens = min(self.burst, tokens + (now - updated) * self.rate)
-        ok = tokens >= cost
+        ok = tokens >= min(cost, self.burst)
         if ok:
             tokens -= cost
         if len(self._buckets) >= self.max_clients and client not in self._buckets:

@@ -11,7 +11,8 @@ from kvbaton.v1 import lease_pb2_grpc as pb_grpc
 
 from ..domain.errors import DomainError
 from ..domain.lease import LeaseService
-from .status import grpc_code, streaming, unary, with_heartbeats
+from ..store import StoreError
+from .status import grpc_code, store_unavailable, streaming, unary, with_heartbeats
 
 HEARTBEAT_S = 5.0
 
@@ -43,6 +44,8 @@ class LeaseServicer(pb_grpc.LeaseServicer):
             try:
                 async for req in request_iterator:
                     await results.put((req.seq, asyncio.ensure_future(self.domain.keepalive(req.renewals))))
+            except Exception as exc:  # a refused message (the guard): the handler task ends the call
+                await results.put(exc)
             finally:
                 await results.put(None)
 
@@ -52,11 +55,15 @@ class LeaseServicer(pb_grpc.LeaseServicer):
                 item = await results.get()
                 if item is None:
                     break
+                if isinstance(item, Exception):
+                    raise item
                 seq, fut = item
                 try:
                     renewed = await fut
                 except DomainError as exc:
                     await context.abort(grpc_code(exc.code), exc.message)
+                except StoreError as exc:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, store_unavailable(exc))
                 yield pb.KeepAliveResponse(results=renewed, seq=seq)
         finally:
             reader.cancel()

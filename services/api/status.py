@@ -30,6 +30,12 @@ def grpc_code(code: Code) -> grpc.StatusCode:
     return _CODES[code]
 
 
+def store_unavailable(exc: StoreError) -> str:
+    """The reason given with UNAVAILABLE when the store failed: retry later (another
+    replica, or this one once the store answers again)."""
+    return f"store unavailable ({type(exc).__name__}): {exc}; retry with backoff"
+
+
 def unary(fn: Callable) -> Callable:
     """Turns DomainError/StoreError raised by a unary handler into a status with a reason."""
 
@@ -41,7 +47,7 @@ def unary(fn: Callable) -> Callable:
             await context.abort(_CODES[exc.code], exc.message)
         except StoreError as exc:
             log.warning("store.unavailable", rpc=fn.__name__, error=str(exc))
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"store unavailable: {exc}")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, store_unavailable(exc))
 
     return wrapper
 
@@ -57,7 +63,7 @@ def streaming(fn: Callable) -> Callable:
         except DomainError as exc:
             await context.abort(_CODES[exc.code], exc.message)
         except StoreError as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"store unavailable: {exc}")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, store_unavailable(exc))
 
     return wrapper
 
