@@ -371,20 +371,19 @@ class RetentionManager:
     async def _confirm_loop(self, c: Any) -> None:
         """Every few seconds: List this engine's live leases; confirm ours (pushing the hard
         deadline out by the service's ``remaining_ms``), end holds whose lease is gone."""
-        from kvbaton.v1 import lease_pb2 as lpb
 
         period = max(0.5, min(self.settings.lease_ttl_s / 2, 5.0))
         while True:
             await asyncio.sleep(period)
             try:
-                resp = await c.call(c.lease.List, lpb.ListLeasesRequest(engine_id=self.settings.engine_id),
-                                    retries=0)
+                # Every page: a hold missing from the list is ended below.
+                listed = await c.list_leases(engine_id=self.settings.engine_id, retries=0)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - unreachable: the hard cap takes over
                 log.debug("kvbaton: lease List failed: %r", exc)
                 continue
-            live = {i.lease_id: i for i in resp.leases}
+            live = {i.lease_id: i for i in listed}
             now = time.monotonic()
             with self._lock:
                 for h in list(self._holds.values()):
@@ -404,12 +403,11 @@ class RetentionManager:
         from kvbaton.v1 import lease_pb2 as lpb
 
         try:
-            resp = await c.call(c.lease.List, lpb.ListLeasesRequest(engine_id=self.settings.engine_id),
-                                retries=1)
+            listed = await c.list_leases(engine_id=self.settings.engine_id, retries=1)
         except Exception as exc:  # noqa: BLE001
             log.warning("kvbaton: cannot list leases to relieve pressure: %r", exc)
             return
-        leases = sorted(resp.leases, key=lambda i: i.expires_at_ms - i.ttl_ms)
+        leases = sorted(listed, key=lambda i: i.expires_at_ms - i.ttl_ms)
         for info in leases:
             if excess_blocks <= 0:
                 break

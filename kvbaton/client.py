@@ -247,6 +247,35 @@ class KvbatonClient:
 
         return self._resumable(open_stream, on_event)
 
+    async def _all_pages(self, method, request, field: str, limit: int = 0, retries: int = 3) -> list:
+        """Every item of a paged List (``limit``: stop after that many), one call per page."""
+        out: list = []
+        while True:
+            resp = await self.call(method, request, retries=retries)
+            out.extend(getattr(resp, field))
+            if not resp.next_page_token or (limit and len(out) >= limit):
+                return out[:limit] if limit else out
+            request.page_token = resp.next_page_token
+
+    async def list_leases(self, *, engine_id: str = "", states: Sequence[int] = (), expiring_within_ms: int = 0,
+                          limit: int = 0, page_size: int = 0, retries: int = 3) -> list[lease_pb2.LeaseInfo]:
+        """Every matching lease, following pages (by deadline)."""
+        req = lease_pb2.ListLeasesRequest(engine_id=engine_id, states=states, expiring_within_ms=expiring_within_ms,
+                                          page_size=page_size)
+        return await self._all_pages(self.lease.List, req, "leases", limit, retries)
+
+    async def list_engines(self, role: int = 0, *, page_size: int = 0) -> list:
+        """Every registered engine rank, following pages."""
+        from kvbaton.v1 import registrar_pb2
+
+        return await self._all_pages(self.registrar.ListEngines, registrar_pb2.ListEnginesRequest(role=role, page_size=page_size), "ranks")
+
+    async def list_transfers(self, *, phases: Sequence[int] = (), engine_id: str = "", limit: int = 0,
+                             page_size: int = 0) -> list:
+        """Every matching transfer, following pages (oldest change first)."""
+        req = rendezvous_pb2.ListTransfersRequest(phases=phases, engine_id=engine_id, page_size=page_size)
+        return await self._all_pages(self.rendezvous.ListTransfers, req, "transfers", limit)
+
     async def renew(self, conversation_id: str, *, lease_id: str = "", ttl_ms: int = 0) -> lease_pb2.RenewResult:
         """Renews over the client's one KeepAlive stream, batched with every other renewal
         in flight (an agent framework with a thousand conversations sends a few messages

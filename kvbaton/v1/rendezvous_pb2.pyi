@@ -198,20 +198,26 @@ class GetTransferRequest(_message.Message):
     def __init__(self, transfer_id: _Optional[str] = ...) -> None: ...
 
 class ListTransfersRequest(_message.Message):
-    __slots__ = ("phases", "engine_id", "limit")
+    __slots__ = ("phases", "engine_id", "limit", "page_size", "page_token")
     PHASES_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     LIMIT_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     phases: _containers.RepeatedScalarFieldContainer[TransferPhase]
     engine_id: str
     limit: int
-    def __init__(self, phases: _Optional[_Iterable[_Union[TransferPhase, str]]] = ..., engine_id: _Optional[str] = ..., limit: _Optional[int] = ...) -> None: ...
+    page_size: int
+    page_token: str
+    def __init__(self, phases: _Optional[_Iterable[_Union[TransferPhase, str]]] = ..., engine_id: _Optional[str] = ..., limit: _Optional[int] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
 
 class ListTransfersResponse(_message.Message):
-    __slots__ = ("transfers",)
+    __slots__ = ("transfers", "next_page_token")
     TRANSFERS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     transfers: _containers.RepeatedCompositeFieldContainer[TransferState]
-    def __init__(self, transfers: _Optional[_Iterable[_Union[TransferState, _Mapping]]] = ...) -> None: ...
+    next_page_token: str
+    def __init__(self, transfers: _Optional[_Iterable[_Union[TransferState, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
     __slots__ = ("calls",)

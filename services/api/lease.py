@@ -87,9 +87,10 @@ class LeaseServicer(pb_grpc.LeaseServicer):
 
     @unary
     async def List(self, r: pb.ListLeasesRequest, context):
-        leases = await self.domain.list(engine_id=r.engine_id, states=r.states,
-                                        expiring_within_ms=r.expiring_within_ms, limit=r.limit)
-        return pb.ListLeasesResponse(leases=leases)
+        leases, token = await self.domain.list_page(engine_id=r.engine_id, states=r.states,
+                                                    expiring_within_ms=r.expiring_within_ms, limit=r.limit,
+                                                    page_size=r.page_size, page_token=r.page_token)
+        return pb.ListLeasesResponse(leases=leases, next_page_token=token)
 
     @streaming
     async def Watch(self, r: pb.WatchLeasesRequest, context):

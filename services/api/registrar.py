@@ -36,7 +36,9 @@ class RegistrarServicer(pb_grpc.RegistrarServicer):
 
     @unary
     async def ListEngines(self, request: pb.ListEnginesRequest, context):
-        return pb.ListEnginesResponse(ranks=await self.domain.list_engines(request.role))
+        ranks, token = await self.domain.list_engines_page(request.role, page_size=request.page_size,
+                                                          page_token=request.page_token)
+        return pb.ListEnginesResponse(ranks=ranks, next_page_token=token)
 
     @streaming
     async def WatchEngines(self, request: pb.WatchEnginesRequest, context):

@@ -73,7 +73,9 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
 
     @unary
     async def ListTransfers(self, r: pb.ListTransfersRequest, context):
-        return pb.ListTransfersResponse(transfers=await self.domain.list(phases=r.phases, engine_id=r.engine_id, limit=r.limit))
+        transfers, token = await self.domain.list_page(phases=r.phases, engine_id=r.engine_id, limit=r.limit,
+                                                       page_size=r.page_size, page_token=r.page_token)
+        return pb.ListTransfersResponse(transfers=transfers, next_page_token=token)
 
     async def _session_one(self, call: pb.SessionCall, gate) -> pb.SessionResult:
         """One session call, answered like its unary RPC would be (errors in the result)."""

@@ -34,7 +34,7 @@ from kvbaton.v1 import lease_pb2 as pb
 
 from ..metrics import ServiceMetrics
 from ..store import Compare, CompareOp, CompareTarget, EventType, KeyValue, Put, Store, WatchEvent
-from . import limits
+from . import limits, paging
 from .clock import Clock, WallClock
 from .errors import Code, DomainError, exhausted, invalid, not_found, precondition
 from .background import Tombstones, cancel_all, leader_ticks
@@ -654,9 +654,26 @@ class LeaseService:
     async def list(
         self, *, engine_id: str = "", states: Sequence[int] = (), expiring_within_ms: int = 0, limit: int = 0
     ) -> list[pb.LeaseInfo]:
+        now = self.clock.now_ms()
+        out = await self._matching(engine_id, states, expiring_within_ms, now)
+        if limit:
+            out = out[:limit]
+        return [self._view(i, now) for i in out]
+
+    async def list_page(
+        self, *, engine_id: str = "", states: Sequence[int] = (), expiring_within_ms: int = 0, limit: int = 0,
+        page_size: int = 0, page_token: str = "",
+    ) -> tuple[list[pb.LeaseInfo], str]:
+        """One page, by deadline (then lease id), and the next page's token."""
+        now = self.clock.now_ms()
+        out = await self._matching(engine_id, states, expiring_within_ms, now)
+        page, token = paging.paginate(out, key=lambda i: (i.expires_at_ms, i.lease_id), size=lambda i: i.ByteSize(),
+                                      kind="leases", page_size=paging.page_size(page_size, limit), page_token=page_token)
+        return [self._view(i, now) for i in page], token
+
+    async def _matching(self, engine_id: str, states: Sequence[int], expiring_within_ms: int, now: int) -> list[pb.LeaseInfo]:
         limits.check_id("engine_id", engine_id, required=False)
         wanted = set(states) or set(LIVE_STATES)
-        now = self.clock.now_ms()
         if wanted - set(LIVE_STATES):
             kvs, _ = await self.store.range(self.prefix + b"l/")
             infos = [_parse(kv.value) for kv in kvs]
@@ -669,9 +686,7 @@ class LeaseService:
             and (not expiring_within_ms or i.expires_at_ms - now <= expiring_within_ms)
         ]
         out.sort(key=lambda i: (i.expires_at_ms, i.lease_id))
-        if limit:
-            out = out[:limit]
-        return [self._view(i, now) for i in out]
+        return out
 
     async def watch(self, engine_id: str = "", *, snapshot: bool = False, after_revision: int = 0) -> AsyncIterator[pb.LeaseEvent]:
         limits.check_id("engine_id", engine_id, required=False)

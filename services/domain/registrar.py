@@ -19,7 +19,7 @@ from kvbaton.v1 import registrar_pb2 as pb
 
 from ..metrics import ServiceMetrics
 from ..store import Compare, Delete, EventType, LeaseNotFoundError, Put, Store
-from . import limits
+from . import limits, paging
 from .clock import Clock, WallClock
 from .errors import Code, DomainError, invalid, not_found, precondition
 
@@ -154,6 +154,12 @@ class RegistrarService:
         kvs, _ = await self.store.range(self.prefix + b"e/")
         ranks = [pb.EngineRank.FromString(kv.value) for kv in kvs]
         return [r for r in ranks if not role or r.role == role]
+
+    async def list_engines_page(self, role: int = 0, *, page_size: int = 0, page_token: str = "") -> tuple[list[pb.EngineRank], str]:
+        """One page by (engine, rank), bounded in bytes too (agent metadata may be MiBs)."""
+        ranks = sorted(await self.list_engines(role), key=lambda r: (r.engine_id, r.tp_rank))
+        return paging.paginate(ranks, key=lambda r: (r.engine_id, r.tp_rank), size=lambda r: r.ByteSize(), kind="engines",
+                               page_size=paging.page_size(page_size), page_token=page_token)
 
     async def watch_engines(self, role: int = 0) -> AsyncIterator[pb.EngineEvent]:
         prefix = self.prefix + b"e/"

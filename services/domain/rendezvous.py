@@ -33,7 +33,7 @@ from kvbaton.v1 import rendezvous_pb2 as pb
 
 from ..metrics import ServiceMetrics
 from ..store import Compare, EventType, Get, KeyValue, Put, Store, WatchEvent
-from . import limits
+from . import limits, paging
 from .clock import Clock, WallClock
 from .errors import Code, DomainError, exhausted, invalid, not_found, precondition
 from .background import Tombstones, cancel_all, leader_ticks
@@ -413,6 +413,17 @@ class RendezvousService:
         return t
 
     async def list(self, *, phases: Sequence[int] = (), engine_id: str = "", limit: int = 0) -> list[pb.TransferState]:
+        out = await self._matching(phases, engine_id)
+        return out[:limit] if limit else out
+
+    async def list_page(self, *, phases: Sequence[int] = (), engine_id: str = "", limit: int = 0, page_size: int = 0,
+                        page_token: str = "") -> tuple[list[pb.TransferState], str]:
+        """One page, oldest change first, and the next page's token."""
+        return paging.paginate(await self._matching(phases, engine_id), key=lambda t: (t.updated_at_ms, t.transfer_id),
+                               size=lambda t: t.ByteSize(), kind="transfers", page_size=paging.page_size(page_size, limit),
+                               page_token=page_token)
+
+    async def _matching(self, phases: Sequence[int], engine_id: str) -> list[pb.TransferState]:
         limits.check_id("engine_id", engine_id, required=False)
         wanted = set(phases) or set(PENDING) | {MATCHED}
         if wanted - set(PENDING) - {MATCHED}:
@@ -426,7 +437,7 @@ class RendezvousService:
                 t.revision = rev
                 out.append(t)
         out.sort(key=lambda t: (t.updated_at_ms, t.transfer_id))
-        return out[:limit] if limit else out
+        return out
 
     async def subscribe(self, engine_id: str, tp_rank: int, after_revision: int = 0) -> AsyncIterator[pb.RendezvousEvent]:
         """Pending matches of this engine (when starting fresh), then live events."""
