@@ -12,9 +12,12 @@ from kvbaton.v1 import lease_pb2_grpc as pb_grpc
 from ..domain.errors import DomainError
 from ..domain.lease import LeaseService
 from ..store import StoreError
+from .budget import ByteBudget
 from .status import grpc_code, store_unavailable, streaming, unary, with_heartbeats
 
 HEARTBEAT_S = 5.0
+# What one renewal's answer is reckoned to take (a RenewResult with its LeaseInfo).
+RENEW_REPLY_BYTES = 160
 
 
 class LeaseServicer(pb_grpc.LeaseServicer):
@@ -37,13 +40,17 @@ class LeaseServicer(pb_grpc.LeaseServicer):
 
     async def KeepAlive(self, request_iterator, context: grpc.aio.ServicerContext):
         # Batches are answered in order, but several may be in flight, so one slow write
-        # doesn't stall the stream.
+        # doesn't stall the stream. The replies' bytes are reserved before a batch is read
+        # on and freed once written, so a client that stops reading stops being read.
         results: asyncio.Queue = asyncio.Queue(maxsize=64)
+        budget = ByteBudget()
 
         async def pump() -> None:
             try:
                 async for req in request_iterator:
-                    await results.put((req.seq, asyncio.ensure_future(self.domain.keepalive(req.renewals))))
+                    cost = RENEW_REPLY_BYTES * max(1, len(req.renewals))
+                    await budget.acquire(cost)
+                    await results.put((req.seq, cost, asyncio.ensure_future(self.domain.keepalive(req.renewals))))
             except Exception as exc:  # a refused message (the guard): the handler task ends the call
                 await results.put(exc)
             finally:
@@ -57,7 +64,7 @@ class LeaseServicer(pb_grpc.LeaseServicer):
                     break
                 if isinstance(item, Exception):
                     raise item
-                seq, fut = item
+                seq, cost, fut = item
                 try:
                     renewed = await fut
                 except DomainError as exc:
@@ -65,6 +72,7 @@ class LeaseServicer(pb_grpc.LeaseServicer):
                 except StoreError as exc:
                     await context.abort(grpc.StatusCode.UNAVAILABLE, store_unavailable(exc))
                 yield pb.KeepAliveResponse(results=renewed, seq=seq)
+                budget.release(cost)
         finally:
             reader.cancel()
 

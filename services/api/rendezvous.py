@@ -15,7 +15,8 @@ from ..domain.errors import DomainError
 from ..domain.rendezvous import RendezvousService
 from ..store import StoreError
 from .guard import SESSION_GATE
-from .status import grpc_code, streaming, unary, with_heartbeats
+from .budget import ByteBudget
+from .status import grpc_code, store_unavailable, streaming, unary, with_heartbeats
 
 log = structlog.get_logger(__name__)
 
@@ -102,7 +103,7 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
             return pb.SessionResult(seq=seq, code=grpc_code(exc.code).value[0], reason=exc.message)
         except StoreError as exc:
             log.warning("store.unavailable", rpc="Session", error=str(exc))
-            return pb.SessionResult(seq=seq, code=grpc.StatusCode.UNAVAILABLE.value[0], reason=f"store unavailable: {exc}")
+            return pb.SessionResult(seq=seq, code=grpc.StatusCode.UNAVAILABLE.value[0], reason=store_unavailable(exc))
         except Exception as exc:  # one call's bug must not end every other call's stream
             log.exception("rendezvous.session_error", seq=seq)
             return pb.SessionResult(seq=seq, code=grpc.StatusCode.INTERNAL.value[0], reason=repr(exc)[:500])
@@ -117,12 +118,19 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
         slots = asyncio.Semaphore(SESSION_IN_FLIGHT)
         state = {"finished": False}
 
+        budget = ByteBudget()
+
         async def answer(call: pb.SessionCall) -> None:
+            # The call's slot and its answer's bytes are held until the answer is written,
+            # so a client that stops reading stops being read (bounded server memory).
             try:
-                results.append(await self._session_one(call, gate))
+                result = await self._session_one(call, gate)
+                await budget.acquire(result.ByteSize())
+                results.append(result)
                 ready.set()
-            finally:
+            except BaseException:
                 slots.release()
+                raise
 
         async def pump() -> None:
             # Calls are worked on concurrently (each decided by its own CAS) and answered as
@@ -149,7 +157,11 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
                 if results:
                     batch = results[:]
                     del results[:]
+                    size = sum(r.ByteSize() for r in batch)
                     yield pb.SessionResponse(results=batch)
+                    budget.release(size)
+                    for _ in batch:
+                        slots.release()
                 elif state["finished"]:
                     break
                 else:

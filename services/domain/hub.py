@@ -28,23 +28,51 @@ Route = Hashable
 Deriver = Callable[[WatchEvent], Iterable[tuple[Route, E]]]
 
 _SUBSCRIBER_QUEUE = 100_000
+# Events one subscriber may hold unsent, in bytes: a stream whose client stops reading
+# is ended (it resumes from its last revision) instead of growing server memory.
+SUBSCRIBER_BYTES = 8 * 1024 * 1024
 
 
 class SubscriberOverflow(Exception):
     """A subscriber fell too far behind; it must reconnect with its last revision."""
 
 
+def _size(event: object) -> int:
+    size = getattr(event, "ByteSize", None)
+    return size() if size is not None else 64
+
+
 class _Subscriber(Generic[E]):
-    def __init__(self, route: Route) -> None:
+    def __init__(self, route: Route, max_bytes: int = SUBSCRIBER_BYTES) -> None:
         self.route = route
         self.queue: asyncio.Queue[tuple[int, E] | None] = asyncio.Queue(_SUBSCRIBER_QUEUE)
         self.overflowed = False
+        self.bytes = 0
+        self.max_bytes = max_bytes
 
-    def offer(self, revision: int, event: E) -> None:
+    def offer(self, revision: int, event: E, size: int) -> None:
+        if self.overflowed:
+            return
+        if self.bytes + size > self.max_bytes and self.bytes:
+            self.overflowed = True
+            self._wake()
+            return
         try:
             self.queue.put_nowait((revision, event))
+            self.bytes += size
         except asyncio.QueueFull:
             self.overflowed = True
+            self._wake()
+
+    def _wake(self) -> None:
+        # What it holds is dropped now (it must resume anyway); the sentinel ends its stream.
+        while not self.queue.empty():
+            self.queue.get_nowait()
+        self.bytes = 0
+        self.queue.put_nowait(None)
+
+    def taken(self, event: E) -> None:
+        self.bytes = max(0, self.bytes - _size(event))
 
 
 class PrefixHub(Generic[T, E]):
@@ -136,8 +164,9 @@ class PrefixHub(Generic[T, E]):
         await self._load()
         for subs in self._subs.values():
             for s in subs:
-                s.overflowed = True
-                s.queue.put_nowait(None)
+                if not s.overflowed:
+                    s.overflowed = True
+                    s._wake()
 
     def _apply(self, batch: list[WatchEvent]) -> None:
         for ev in batch:
@@ -149,8 +178,11 @@ class PrefixHub(Generic[T, E]):
                 listener(ev)
             if self._subs:
                 for route, event in self._derive(ev):
-                    for sub in self._subs.get(route, ()):
-                        sub.offer(ev.revision, event)
+                    subs = self._subs.get(route)
+                    if subs:
+                        size = _size(event)
+                        for sub in subs:
+                            sub.offer(ev.revision, event, size)
             self.revision = max(self.revision, ev.revision)
             self.last_event_revision = self.revision
         if self._progress_waiters:
@@ -196,6 +228,7 @@ class PrefixHub(Generic[T, E]):
                 for item in items:
                     if item is None or sub.overflowed:
                         raise SubscriberOverflow(f"{self.name}: subscriber for {route!r} fell behind; resubscribe")
+                    sub.taken(item[1])
                     if item[0] <= joined_at and after_revision:
                         continue  # already replayed
                     yield item
