@@ -78,6 +78,12 @@ class ControlThread:
                     delay = 0.2
                     await asyncio.sleep(max(ttl_ms / 3000, 0.2))
                 except grpc.aio.AioRpcError as exc:
+                    if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                        # Refused for what it is (e.g. metadata over the store's size limit):
+                        # the same registration can never succeed, so don't retry it forever.
+                        log.error("kvbaton: registration of engine %s rank %d refused: %s",
+                                  rank.engine_id, rank.tp_rank, exc.details())
+                        raise
                     if exc.code() == grpc.StatusCode.NOT_FOUND:
                         incarnation = ""  # lease lapsed: register again
                     log.warning("kvbaton: registrar call failed (%s); retrying in %.1fs",

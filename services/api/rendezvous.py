@@ -13,10 +13,10 @@ from kvbaton.v1 import rendezvous_pb2_grpc as pb_grpc
 
 from ..domain.errors import DomainError
 from ..domain.rendezvous import RendezvousService
-from ..store import StoreError
+from ..store import RequestTooLargeError, StoreError
 from .guard import SESSION_GATE
 from .budget import ByteBudget
-from .status import grpc_code, store_unavailable, streaming, unary, with_heartbeats
+from .status import grpc_code, store_unavailable, too_large, streaming, unary, with_heartbeats
 
 log = structlog.get_logger(__name__)
 
@@ -101,6 +101,8 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
                                     reason="session call has no body (offer, complete, report_outcome or cancel)")
         except DomainError as exc:
             return pb.SessionResult(seq=seq, code=grpc_code(exc.code).value[0], reason=exc.message)
+        except RequestTooLargeError as exc:
+            return pb.SessionResult(seq=seq, code=_INVALID, reason=too_large(exc))
         except StoreError as exc:
             log.warning("store.unavailable", rpc="Session", error=str(exc))
             return pb.SessionResult(seq=seq, code=grpc.StatusCode.UNAVAILABLE.value[0], reason=store_unavailable(exc))

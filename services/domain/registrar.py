@@ -100,6 +100,13 @@ class RegistrarService:
         rec.registered_at_ms = self.clock.now_ms()
         rec.incarnation = secrets.token_hex(8)
         key = self._ekey(rank.engine_id, rank.tp_rank)
+        limit = self.store.max_request_bytes
+        if limit and rec.ByteSize() + len(key) + 64 > limit:
+            # Refused up front: the store can never hold it, so a retry could never succeed.
+            raise invalid(
+                f"engine {rank.engine_id} rank {rank.tp_rank}: the registration is {rec.ByteSize()} bytes "
+                f"(agent_metadata {len(rank.agent_metadata)} bytes) but this control plane's store ({self.store.name}) "
+                f"takes at most {limit} bytes per write; shrink the NIXL metadata or raise the store's request limit")
         old = await self.store.get(key)
         store_lease = await self.store.grant_lease(ttl / 1000)
         await self.store.put(key, rec.SerializeToString(), lease=store_lease)

@@ -13,6 +13,7 @@ import asyncio
 import bisect
 import collections
 import itertools
+import secrets
 import time
 from collections.abc import AsyncIterator, Sequence
 
@@ -107,6 +108,7 @@ class MemoryStore(Store):
 
     def __init__(self, *, clock=time.monotonic, history_bytes: int = HISTORY_BYTES, watch_bytes: int = WATCH_BYTES) -> None:
         self._clock = clock
+        self.incarnation = "mem-" + secrets.token_hex(8)
         self.history_bytes = history_bytes
         self.watch_bytes = watch_bytes
         self._history_size = 0
