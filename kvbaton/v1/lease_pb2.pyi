@@ -227,14 +227,16 @@ class ListLeasesResponse(_message.Message):
     def __init__(self, leases: _Optional[_Iterable[_Union[LeaseInfo, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
 
 class WatchLeasesRequest(_message.Message):
-    __slots__ = ("engine_id", "snapshot", "after_revision")
+    __slots__ = ("engine_id", "snapshot", "after_revision", "incarnation")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     AFTER_REVISION_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     snapshot: bool
     after_revision: int
-    def __init__(self, engine_id: _Optional[str] = ..., snapshot: _Optional[bool] = ..., after_revision: _Optional[int] = ...) -> None: ...
+    incarnation: str
+    def __init__(self, engine_id: _Optional[str] = ..., snapshot: _Optional[bool] = ..., after_revision: _Optional[int] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class LeaseEvent(_message.Message):
     __slots__ = ("type", "lease", "revision")

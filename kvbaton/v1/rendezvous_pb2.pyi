@@ -136,14 +136,16 @@ class RendezvousResponse(_message.Message):
     def __init__(self, state: _Optional[_Union[TransferState, _Mapping]] = ..., matched_now: _Optional[bool] = ..., duplicate: _Optional[bool] = ...) -> None: ...
 
 class SubscribeRequest(_message.Message):
-    __slots__ = ("engine_id", "tp_rank", "after_revision")
+    __slots__ = ("engine_id", "tp_rank", "after_revision", "incarnation")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     TP_RANK_FIELD_NUMBER: _ClassVar[int]
     AFTER_REVISION_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     tp_rank: int
     after_revision: int
-    def __init__(self, engine_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., after_revision: _Optional[int] = ...) -> None: ...
+    incarnation: str
+    def __init__(self, engine_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., after_revision: _Optional[int] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class RendezvousEvent(_message.Message):
     __slots__ = ("type", "transfer", "revision")

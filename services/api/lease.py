@@ -12,6 +12,7 @@ from kvbaton.v1 import lease_pb2_grpc as pb_grpc
 from ..domain.errors import DomainError
 from ..domain.lease import LeaseService
 from ..store import StoreError
+from . import incarnation
 from .budget import ByteBudget
 from .status import grpc_code, store_unavailable, streaming, unary, with_heartbeats
 
@@ -56,6 +57,7 @@ class LeaseServicer(pb_grpc.LeaseServicer):
             finally:
                 await results.put(None)
 
+        await incarnation.announce(context, self.domain.store)
         reader = asyncio.ensure_future(pump())
         try:
             while True:
@@ -103,5 +105,10 @@ class LeaseServicer(pb_grpc.LeaseServicer):
     @streaming
     async def Watch(self, r: pb.WatchLeasesRequest, context):
         heartbeat = lambda: pb.LeaseEvent(type=pb.LeaseEvent.TYPE_HEARTBEAT, revision=self.domain.hub.revision)  # noqa: E731
-        async for event in with_heartbeats(self.domain.watch(r.engine_id, snapshot=r.snapshot, after_revision=r.after_revision), heartbeat, HEARTBEAT_S):
+        after = await incarnation.resume_from(self.domain.store, r.after_revision, r.incarnation, "lease_watch")
+        if after == incarnation.FIRST_REVISION and r.after_revision != after:
+            after = 0  # a new store incarnation: start from what is live now (a snapshot)
+        snapshot = r.snapshot or (r.after_revision > 0 and after == 0)
+        await incarnation.announce(context, self.domain.store)
+        async for event in with_heartbeats(self.domain.watch(r.engine_id, snapshot=snapshot, after_revision=after), heartbeat, HEARTBEAT_S):
             yield event

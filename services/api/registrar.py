@@ -9,6 +9,7 @@ from kvbaton.v1 import registrar_pb2_grpc as pb_grpc
 
 from ..domain.registrar import RegistrarService
 from .status import streaming, unary
+from . import incarnation
 
 
 class RegistrarServicer(pb_grpc.RegistrarServicer):
@@ -42,6 +43,7 @@ class RegistrarServicer(pb_grpc.RegistrarServicer):
 
     @streaming
     async def WatchEngines(self, request: pb.WatchEnginesRequest, context):
+        await incarnation.announce(context, self.domain.store)
         async for event in self.domain.watch_engines(request.role):
             yield event
 

@@ -15,6 +15,7 @@ from ..domain.errors import DomainError
 from ..domain.rendezvous import RendezvousService
 from ..store import RequestTooLargeError, StoreError
 from .guard import SESSION_GATE
+from . import incarnation
 from .budget import ByteBudget
 from .status import grpc_code, store_unavailable, too_large, streaming, unary, with_heartbeats
 
@@ -54,10 +55,13 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
 
     @streaming
     async def Subscribe(self, r: pb.SubscribeRequest, context):
-        # A heartbeat first: the subscriber knows it is registered before it offers.
-        yield pb.RendezvousEvent(type=pb.RendezvousEvent.TYPE_HEARTBEAT, revision=self.domain.hub.revision)
+        after = await incarnation.resume_from(self.domain.store, r.after_revision, r.incarnation, "subscribe")
+        await incarnation.announce(context, self.domain.store)
+        # A heartbeat first: the subscriber knows it is registered before it offers. Its
+        # revision is where the stream starts (events replayed after a restart come next).
+        yield pb.RendezvousEvent(type=pb.RendezvousEvent.TYPE_HEARTBEAT, revision=after or self.domain.hub.revision)
         heartbeat = lambda: pb.RendezvousEvent(type=pb.RendezvousEvent.TYPE_HEARTBEAT, revision=self.domain.hub.revision)  # noqa: E731
-        async for event in with_heartbeats(self.domain.subscribe(r.engine_id, r.tp_rank, r.after_revision), heartbeat, HEARTBEAT_S):
+        async for event in with_heartbeats(self.domain.subscribe(r.engine_id, r.tp_rank, after), heartbeat, HEARTBEAT_S):
             yield event
 
     @unary
