@@ -51,7 +51,8 @@ class LeaseServicer(pb_grpc.LeaseServicer):
                 async for req in request_iterator:
                     cost = RENEW_REPLY_BYTES * max(1, len(req.renewals))
                     await budget.acquire(cost)
-                    await results.put((req.seq, cost, asyncio.ensure_future(self.domain.keepalive(req.renewals))))
+                    resp = pb.KeepAliveResponse(seq=req.seq)
+                    await results.put((resp, cost, asyncio.ensure_future(self.domain.keepalive(req.renewals, into=resp))))
             except Exception as exc:  # a refused message (the guard): the handler task ends the call
                 await results.put(exc)
             finally:
@@ -66,14 +67,14 @@ class LeaseServicer(pb_grpc.LeaseServicer):
                     break
                 if isinstance(item, Exception):
                     raise item
-                seq, cost, fut = item
+                resp, cost, fut = item
                 try:
-                    renewed = await fut
+                    await fut
                 except DomainError as exc:
                     await context.abort(grpc_code(exc.code), exc.message)
                 except StoreError as exc:
                     await context.abort(grpc.StatusCode.UNAVAILABLE, store_unavailable(exc))
-                yield pb.KeepAliveResponse(results=renewed, seq=seq)
+                yield resp
                 budget.release(cost)
         finally:
             reader.cancel()

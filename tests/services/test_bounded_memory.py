@@ -129,8 +129,9 @@ async def test_a_session_client_that_never_reads_cannot_grow_server_memory(serve
     grown = _rss_mib(proc.pid) - base
     print(f"never-reading client: {sent} messages written, server RSS +{grown:.1f} MiB")
     call.cancel()
-    # Unbounded, 3M answers are ~400 MiB; bounded, the server stops reading after a few MiB.
-    assert sent < 3_000, "the server kept reading although nobody took its answers"
+    # Unbounded, 3M answers are ~400 MiB (100 MiB by 1,000 messages before the fix);
+    # bounded, the server holds a few MiB and stops reading (how soon the client's writes
+    # then stall depends on the client's own gRPC buffers, so that is not asserted).
     assert grown < 64, f"server RSS grew {grown:.0f} MiB for a client that never reads ({sent} messages sent)"
 
 
@@ -147,7 +148,6 @@ async def test_a_keepalive_client_that_never_reads_cannot_grow_server_memory(ser
     print(f"never-reading client: {sent} messages written, server RSS +{grown:.1f} MiB")
     call.cancel()
     # Unbounded, 1,500 answers of 2,000 renewals are ~350 MiB.
-    assert sent < 1_500, "the server kept reading although nobody took its answers"
     assert grown < 64, f"server RSS grew {grown:.0f} MiB for a client that never reads ({sent} messages sent)"
 
 
