@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from connector.control import ControlThread
+from kvbaton.connector.control import ControlThread
 from kvbaton.client import KvbatonClient, LeaseKeeper, LeaseLost
 from kvbaton.v1 import common_pb2, lease_pb2, registrar_pb2, rendezvous_pb2
 from tests.services.helpers import engine_rank, register
