@@ -32,9 +32,9 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.control_plane import cpu_seconds, free_port, pct  # noqa: E402
-from kvbaton.client import KvbatonClient  # noqa: E402
-from kvbaton.v1 import lease_pb2  # noqa: E402
+from benchmarks.control_plane import cpu_seconds, free_port, pct
+from kvbaton.client import KvbatonClient
+from kvbaton.v1 import lease_pb2
 
 
 def rss_mib(pid: int) -> float:

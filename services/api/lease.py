@@ -53,7 +53,7 @@ class LeaseServicer(pb_grpc.LeaseServicer):
                     await budget.acquire(cost)
                     resp = pb.KeepAliveResponse(seq=req.seq)
                     await results.put((resp, cost, asyncio.ensure_future(self.domain.keepalive(req.renewals, into=resp))))
-            except Exception as exc:  # a refused message (the guard): the handler task ends the call
+            except Exception as exc:  # noqa: BLE001 - a refused message (the guard): the handler task ends the call
                 await results.put(exc)
             finally:
                 await results.put(None)

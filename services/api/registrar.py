@@ -8,8 +8,8 @@ from kvbaton.v1 import registrar_pb2 as pb
 from kvbaton.v1 import registrar_pb2_grpc as pb_grpc
 
 from ..domain.registrar import RegistrarService
-from .status import streaming, unary
 from . import incarnation
+from .status import streaming, unary
 
 
 class RegistrarServicer(pb_grpc.RegistrarServicer):

@@ -13,10 +13,10 @@ from kvbaton.v1 import rendezvous_pb2_grpc as pb_grpc
 from ..domain.errors import DomainError
 from ..domain.rendezvous import RendezvousService
 from ..store import RequestTooLargeError, StoreError
-from .guard import SESSION_GATE
 from . import incarnation
 from .budget import ByteBudget
-from .status import grpc_code, store_unavailable, too_large, streaming, unary, with_heartbeats
+from .guard import SESSION_GATE
+from .status import grpc_code, store_unavailable, streaming, too_large, unary, with_heartbeats
 
 log = structlog.get_logger(__name__)
 
@@ -98,8 +98,8 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
                 r = call.report_outcome
                 return pb.SessionResult(seq=seq, state=await self.domain.report_outcome(r.transfer_id, r.attempt, r.outcome))
             if body == "cancel":
-                r = call.cancel
-                return pb.SessionResult(seq=seq, state=await self.domain.cancel(r.transfer_id, r.attempt, r.engine_id, r.reason))
+                c = call.cancel
+                return pb.SessionResult(seq=seq, state=await self.domain.cancel(c.transfer_id, c.attempt, c.engine_id, c.reason))
             return pb.SessionResult(seq=seq, code=_INVALID,
                                     reason="session call has no body (offer, complete, report_outcome or cancel)")
         except DomainError as exc:

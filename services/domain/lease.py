@@ -1,6 +1,6 @@
 """Decode-side leases on retained KV blocks: grant, renew, pin, revoke, expire.
 
-Rules (the invariants of ``shared/design.md``):
+Rules (the lease invariants this service keeps):
 
 - Expiry is decided by this service's clock. A lease ends when ``now >= expires_at``
   and no pin is live; a pin is never granted on an ended lease or one past its deadline.
@@ -23,6 +23,7 @@ tombstone store lease for ``tombstone_s``.
 from __future__ import annotations
 
 import asyncio
+import builtins
 import dataclasses
 import heapq
 import secrets
@@ -203,7 +204,7 @@ class LeaseService:
     def _slack(self, ttl_ms: int) -> int:
         return min(self.config.max_slack_ms, ttl_ms // 4)
 
-    async def _end_ops(self, info: pb.LeaseInfo, state: int, reason: str, now: int) -> list[Put]:
+    async def _end_ops(self, info: pb.LeaseInfo, state: pb.LeaseState, reason: str, now: int) -> list[Put]:
         """The writes that end ``info`` (terminal record and index, under the tombstone)."""
         tomb = await self._tombstones.lease()
         ended = pb.LeaseInfo()
@@ -410,7 +411,7 @@ class LeaseService:
     async def _flush_chunk(self, chunk: list[tuple[str, tuple[int, list[asyncio.Future]]]]) -> None:
         outcomes: dict[str, bool | BaseException] = {}
         try:
-            outcomes = await self._write_batch([(lid, dl) for lid, (dl, _) in chunk])
+            outcomes.update(await self._write_batch([(lid, dl) for lid, (dl, _) in chunk]))
         except Exception as exc:  # noqa: BLE001 - a store hiccup: the per-lease path below decides
             log.debug("lease.batch_flush_failed", error=str(exc))
         rest = [(lid, dl) for lid, (dl, _) in chunk if lid not in outcomes]
@@ -668,7 +669,7 @@ class LeaseService:
     async def list_page(
         self, *, engine_id: str = "", states: Sequence[int] = (), expiring_within_ms: int = 0, limit: int = 0,
         page_size: int = 0, page_token: str = "",
-    ) -> tuple[list[pb.LeaseInfo], str]:
+    ) -> tuple[builtins.list[pb.LeaseInfo], str]:
         """One page, by deadline (then lease id), and the next page's token."""
         now = self.clock.now_ms()
         out = await self._matching(engine_id, states, expiring_within_ms, now)
@@ -676,7 +677,7 @@ class LeaseService:
                                       kind="leases", page_size=paging.page_size(page_size, limit), page_token=page_token)
         return [self._view(i, now) for i in page], token
 
-    async def _matching(self, engine_id: str, states: Sequence[int], expiring_within_ms: int, now: int) -> list[pb.LeaseInfo]:
+    async def _matching(self, engine_id: str, states: Sequence[int], expiring_within_ms: int, now: int) -> builtins.list[pb.LeaseInfo]:
         limits.check_id("engine_id", engine_id, required=False)
         wanted = set(states) or set(LIVE_STATES)
         if wanted - set(LIVE_STATES):
@@ -732,7 +733,7 @@ class LeaseService:
                 ended += await self._end_due(key, info, rev, now)
             except BaseException:
                 # The store failed mid-tick: what was popped but not ended goes back.
-                for k, inf, r in due[i:]:
+                for k, _, r in due[i:]:
                     heapq.heappush(self._deadlines, (now, k, r))
                 raise
         return ended

@@ -27,10 +27,10 @@ async def test_lease_list_pages_by_deadline_and_the_client_follows(kv):
     assert len(first.leases) == paging.DEFAULT_PAGE_SIZE and first.next_page_token
     second = await kv.call(kv.lease.List, lease_pb2.ListLeasesRequest(page_token=first.next_page_token))
     assert len(second.leases) == 150 and not second.next_page_token
-    assert not {l.lease_id for l in first.leases} & {l.lease_id for l in second.leases}
+    assert not {ls.lease_id for ls in first.leases} & {ls.lease_id for ls in second.leases}
     everything = await kv.list_leases(page_size=100)
-    assert len({l.conversation_id for l in everything}) == n
-    keys = [(l.expires_at_ms, l.lease_id) for l in everything]
+    assert len({ls.conversation_id for ls in everything}) == n
+    keys = [(ls.expires_at_ms, ls.lease_id) for ls in everything]
     assert keys == sorted(keys)
     # The old ``limit`` is a page size; a page size over the server's maximum is capped.
     assert len((await kv.call(kv.lease.List, lease_pb2.ListLeasesRequest(limit=7))).leases) == 7

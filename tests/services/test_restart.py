@@ -16,8 +16,8 @@ import time
 
 import pytest
 
-from kvbaton.connector.control import ControlThread
 from kvbaton.client import KvbatonClient, LeaseKeeper, LeaseLost
+from kvbaton.connector.control import ControlThread
 from kvbaton.v1 import common_pb2, lease_pb2, registrar_pb2, rendezvous_pb2
 from tests.services.helpers import engine_rank, register
 
