@@ -135,6 +135,7 @@ RULES: dict[str, Rule] = {
     "/kvbaton.v1.Rendezvous/Subscribe": _engine_field("engine_id", "subscribe"),
     "/kvbaton.v1.Rendezvous/ReportOutcome": _engine_field("outcome.engine_id", "report outcomes"),
     "/kvbaton.v1.Rendezvous/Cancel": _engine_field("engine_id", "cancel"),
+    "/kvbaton.v1.Rendezvous/BeginRead": _engine_field("reader_engine_id", "begin reads"),
     "/kvbaton.v1.Rendezvous/GetTransfer": _roles(*READERS, verb="look up transfers"),
     "/kvbaton.v1.Rendezvous/ListTransfers": _roles("router", "operator", verb="list transfers"),
     "/kvbaton.v1.Lease/Grant": _engine_field("engine_id", "grant leases"),

@@ -64,6 +64,13 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
             yield event
 
     @unary
+    async def BeginRead(self, r: pb.BeginReadRequest, context):
+        return await self.domain.begin_read(
+            kind=r.kind, transfer_id=r.transfer_id, attempt=r.attempt, reader_engine_id=r.reader_engine_id,
+            block_ids=r.block_ids, readers=r.readers, generation=r.generation, conversation_id=r.conversation_id,
+            source_block_ids=r.source_block_ids, request_id=r.request_id)
+
+    @unary
     async def ReportOutcome(self, r: pb.ReportOutcomeRequest, context):
         return await self.domain.report_outcome(r.transfer_id, r.attempt, r.outcome)
 

@@ -230,6 +230,12 @@ class RegistrarService:
             raise not_found(f"no retained blocks for conversation {conversation_id}")
         return pb.RetainedBlocks.FromString(kv.value)
 
+    async def find_retained(self, conversation_id: str) -> pb.RetainedBlocks | None:
+        """The conversation's current retained registration, or None (what reuse reads
+        are fenced against: its ``retention_id`` is the blocks' generation)."""
+        kv = await self.store.get(self._rkey(conversation_id))
+        return pb.RetainedBlocks.FromString(kv.value) if kv is not None else None
+
     async def release_retained(self, conversation_id: str, retention_id: str = "") -> bool:
         limits.check_id("conversation_id", conversation_id)
         limits.check_id("retention_id", retention_id, required=False)
