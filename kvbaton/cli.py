@@ -118,11 +118,15 @@ async def _transfers(args) -> int:
             print(json.dumps([_dump(t) for t in transfers], indent=2))
         else:
             now = int(time.time() * 1000)
-            rows = [[t.transfer_id, str(t.attempt), _enum(rendezvous_pb2.TransferPhase.Name(t.phase), "TRANSFER_PHASE_"),
+            rows = [[t.transfer_id, str(t.attempt),
+                     _enum(rendezvous_pb2.TransferKind.Name(t.kind or rendezvous_pb2.TRANSFER_KIND_PUSH), "TRANSFER_KIND_"),
+                     _enum(rendezvous_pb2.TransferPhase.Name(t.phase), "TRANSFER_PHASE_"),
                      t.offer.engine_id or "-", str(len(t.offer.block_ids)), t.completion.engine_id or "-",
-                     str(len(t.completion.block_ids)), _ms(max(now - t.updated_at_ms, 0)), t.reason]
+                     str(len(t.completion.block_ids)), str(sum(o.bytes for o in t.outcomes)),
+                     _ms(max(now - t.updated_at_ms, 0)), t.reason]
                     for t in transfers]
-            print(_table(rows, ["TRANSFER", "ATT", "PHASE", "DECODE", "D_BLK", "PREFILL", "P_BLK", "AGE", "REASON"]))
+            print(_table(rows, ["TRANSFER", "ATT", "KIND", "PHASE", "DECODE", "D_BLK", "PREFILL", "P_BLK", "BYTES", "AGE",
+                                "REASON"]))
     return 0
 
 

@@ -5,6 +5,7 @@ the owner has freed or re-leased before the READ is posted."""
 from __future__ import annotations
 
 import asyncio
+import sys
 
 import grpc
 import pytest
@@ -74,6 +75,13 @@ async def test_a_pull_read_is_a_transfer_with_its_outcome_and_bytes(kv, engines)
     assert all(e.type == Ev.TYPE_DONE for e in events)
     for w in watchers:
         w.cancel()
+    # The operator's table shows the kind and the bytes moved.
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "kvbaton.cli", "transfers", "list", "--addr", kv.address, "--phase", "succeeded",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(proc.communicate(), 30)
+    row = next(line for line in out.decode().splitlines() if line.startswith("p1 "))
+    assert proc.returncode == 0 and " pull " in row and " 12288 " in row, (out, err)
 
 
 async def test_a_pull_of_a_freed_or_superseded_hold_is_refused(kv, engines):
