@@ -11,6 +11,8 @@ joins the live feed with no gap and no duplicate.
 from __future__ import annotations
 
 import asyncio
+import heapq
+import itertools
 from collections.abc import AsyncIterator, Callable, Hashable, Iterable
 from typing import Generic, TypeVar
 
@@ -104,8 +106,11 @@ class PrefixHub(Generic[T, E]):
         self.last_event_revision = 0
         self._subs: dict[Route, set[_Subscriber[E]]] = {}
         self._task: asyncio.Task | None = None
-        self._progress = asyncio.Condition()
-        self._progress_waiters = 0  # wait_for() callers: no wake-up task per batch without them
+        # wait_for() callers, by the revision they wait for: each applied batch wakes only
+        # those it satisfies (a condition's notify_all would wake every waiter per batch,
+        # quadratic when a KeepAlive batch commits 150 chunks at once).
+        self._waiters: list[tuple[int, int, asyncio.Future]] = []
+        self._waiter_seq = itertools.count()
         self._ready = asyncio.Event()
         self.listeners: list[Callable[[WatchEvent], None]] = []
 
@@ -162,6 +167,7 @@ class PrefixHub(Generic[T, E]):
     async def _resync(self) -> None:
         """History is gone: reload the cache; subscribers must resync from a snapshot."""
         await self._load()
+        self._wake_waiters()
         for subs in self._subs.values():
             for s in subs:
                 if not s.overflowed:
@@ -185,26 +191,25 @@ class PrefixHub(Generic[T, E]):
                             sub.offer(ev.revision, event, size)
             self.revision = max(self.revision, ev.revision)
             self.last_event_revision = self.revision
-        if self._progress_waiters:
-            asyncio.get_running_loop().create_task(self._notify())
+        self._wake_waiters()
 
-    async def _notify(self) -> None:
-        async with self._progress:
-            self._progress.notify_all()
+    def _wake_waiters(self) -> None:
+        waiters = self._waiters
+        while waiters and waiters[0][0] <= self.revision:
+            fut = heapq.heappop(waiters)[2]
+            if not fut.done():
+                fut.set_result(None)
 
     async def wait_for(self, revision: int, timeout_s: float = 5.0) -> bool:
         """Waits until the cache has applied ``revision`` (read-your-writes)."""
         if self.revision >= revision:
             return True
-        self._progress_waiters += 1
+        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._waiters, (revision, next(self._waiter_seq), fut))
         try:
-            async with self._progress:
-                try:
-                    await asyncio.wait_for(self._progress.wait_for(lambda: self.revision >= revision), timeout_s)
-                except TimeoutError:
-                    return False
-        finally:
-            self._progress_waiters -= 1
+            await asyncio.wait_for(fut, timeout_s)
+        except TimeoutError:
+            return self.revision >= revision
         return True
 
     async def subscribe(self, route: Route, after_revision: int = 0) -> AsyncIterator[tuple[int, E]]:
