@@ -32,8 +32,9 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.control_plane import cpu_seconds, free_port, pct
+from benchmarks.control_plane import cpu_seconds, pct
 from kvbaton.client import KvbatonClient
+from kvbaton.stack.ports import free_port
 from kvbaton.v1 import lease_pb2
 
 

@@ -105,7 +105,9 @@ class LeaseServicer(pb_grpc.LeaseServicer):
 
     @streaming
     async def Watch(self, r: pb.WatchLeasesRequest, context):
-        heartbeat = lambda: pb.LeaseEvent(type=pb.LeaseEvent.TYPE_HEARTBEAT, revision=self.domain.hub.revision)  # noqa: E731
+        def heartbeat() -> pb.LeaseEvent:
+            return pb.LeaseEvent(type=pb.LeaseEvent.TYPE_HEARTBEAT, revision=self.domain.hub.revision)
+
         after = await incarnation.resume_from(self.domain.store, r.after_revision, r.incarnation, "lease_watch")
         if after == incarnation.FIRST_REVISION and r.after_revision != after:
             after = 0  # a new store incarnation: start from what is live now (a snapshot)

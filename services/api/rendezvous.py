@@ -59,7 +59,10 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
         # A heartbeat first: the subscriber knows it is registered before it offers. Its
         # revision is where the stream starts (events replayed after a restart come next).
         yield pb.RendezvousEvent(type=pb.RendezvousEvent.TYPE_HEARTBEAT, revision=after or self.domain.hub.revision)
-        heartbeat = lambda: pb.RendezvousEvent(type=pb.RendezvousEvent.TYPE_HEARTBEAT, revision=self.domain.hub.revision)  # noqa: E731
+
+        def heartbeat() -> pb.RendezvousEvent:
+            return pb.RendezvousEvent(type=pb.RendezvousEvent.TYPE_HEARTBEAT, revision=self.domain.hub.revision)
+
         async for event in with_heartbeats(self.domain.subscribe(r.engine_id, r.tp_rank, after), heartbeat, HEARTBEAT_S):
             yield event
 

@@ -7,7 +7,6 @@ import asyncio
 import os
 import pathlib
 import signal
-import socket
 import subprocess
 import sys
 
@@ -18,6 +17,7 @@ from kvbaton.client import KvbatonClient
 from kvbaton.services.domain.hub import SUBSCRIBER_BYTES, SubscriberOverflow
 from kvbaton.services.domain.lease import LeaseService
 from kvbaton.services.store import CompactedError, MemoryStore, StoreError
+from kvbaton.stack.ports import free_port
 from kvbaton.v1 import lease_pb2, rendezvous_pb2
 
 MiB = 1024 * 1024
@@ -91,9 +91,7 @@ def _rss_mib(pid: int) -> float:
 
 @pytest.fixture
 async def server():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "kvbaton.cli", "serve", "--insecure", "--listen", f"127.0.0.1:{port}",
                              "--log-level", "WARNING"], start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

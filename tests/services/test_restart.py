@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ import pytest
 
 from kvbaton.client import KvbatonClient, LeaseKeeper, LeaseLost
 from kvbaton.connector.control import ControlThread
+from kvbaton.stack.ports import free_port
 from kvbaton.v1 import common_pb2, lease_pb2, registrar_pb2, rendezvous_pb2
 from tests.services.helpers import engine_rank, register
 
@@ -28,9 +28,7 @@ class Server:
     """``kvbaton serve`` (memory store) in its own process, restartable on one port."""
 
     def __init__(self) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
 
