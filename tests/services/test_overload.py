@@ -25,7 +25,7 @@ from kvbaton.v1 import common_pb2, rendezvous_pb2, rendezvous_pb2_grpc
 from .helpers import register
 
 OK, SHED = grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED
-BURST = 2_500  # transfers at once: 5,000 unary calls, well past core's old 1,000 pending
+BURST = 1_500  # transfers at once: 3,000 unary calls, past core's old 1,000 pending
 
 
 def _free_port() -> int:
@@ -76,8 +76,9 @@ async def _burst(kv: KvbatonClient, send, tag: str) -> None:
             rendezvous_pb2.CompleteRequest(transfer_id=tid, prefill_engine_id=pre, block_ids=blocks, timeout_ms=60_000))
             for tid in tids))
         codes = [code for pair in answers for code, _ in pair]
-        assert set(codes) <= {OK, SHED}, {c.name: codes.count(c) for c in set(codes)}
-        assert codes.count(OK) > 0
+        counts = {c.name: codes.count(c) for c in set(codes)}
+        assert set(codes) <= {OK, SHED}, (counts, [d for pair in answers for c, d in pair if c not in (OK, SHED)][:3])
+        assert codes.count(OK) > 0, counts
         for pair in answers:
             for code, details in pair:
                 if code == SHED:
@@ -85,15 +86,15 @@ async def _burst(kv: KvbatonClient, send, tag: str) -> None:
         accepted = {tid for tid, pair in zip(tids, answers) if all(code == OK for code, _ in pair)}
         expected.update(accepted)
         if accepted and not accepted <= matched:
-            await asyncio.wait_for(all_matched.wait(), 30)
-        assert accepted <= matched  # no accepted transfer lost
+            await asyncio.wait_for(all_matched.wait(), 60)
+        assert accepted <= matched, f"{len(accepted - matched)} accepted transfers never matched"
         # A transfer with one side accepted is in the ledger, waiting, with a deadline: it
         # will expire with an outcome (EXPIRED), not vanish.
         for tid, pair in zip(tids, answers):
             if [code for code, _ in pair].count(OK) == 1:
                 t = await kv.call(kv.rendezvous.GetTransfer, rendezvous_pb2.GetTransferRequest(transfer_id=tid))
                 side = t.offer if t.offer.engine_id else t.completion
-                assert t.phase in (rendezvous_pb2.TRANSFER_PHASE_OFFERED, rendezvous_pb2.TRANSFER_PHASE_COMPLETED)
+                assert t.phase in (rendezvous_pb2.TRANSFER_PHASE_OFFERED, rendezvous_pb2.TRANSFER_PHASE_COMPLETED), t
                 assert side.deadline_ms > 0
     finally:
         consumer.cancel()
