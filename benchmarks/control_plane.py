@@ -440,6 +440,10 @@ def main() -> int:
         finally:
             if cluster is not None:
                 cluster.stop()
+    if args.baseline_dir is not None:
+        import shutil
+
+        shutil.rmtree(args.baseline_dir, ignore_errors=True)
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2))
