@@ -16,17 +16,15 @@ posts and waits for chunk i's WRITE (UCX copies inside the post call with the GI
 released). On CUDA nothing blocks: each chunk's gather is one Triton launch for all of
 its regions (:class:`GpuRowCopier`, torch per-region fallback) on a side stream, its
 WRITE is posted when the chunk's event fires, and the receiver enqueues the scatter on
-another stream and acks only when that event fires (:meth:`StagedPeer.progress`). Slots are a fixed pool on both sides,
-reused: a slot is free again once its WRITE is done *and* the receiver acked its unpack.
+another stream and acks only when that event fires (:meth:`StagedPeer.progress`). Slots are a
+fixed pool on both sides, reused: a send slot once its WRITE is done, a receive slot once
+the receiver scattered the chunk in it.
 
-Protocol (NIXL notifications, which arrive after the data they follow):
-
-* ``KVBS/C <xfer> <slot> <seq> <nchunks> <r0> <r1>\\n<dst ids int64>`` — regions
-  ``r0..r1`` of blocks ``dst ids`` landed in ``slot``.
-* ``KVBS/A <xfer> <slot> <seq>`` — receiver unpacked it; the slot may be reused.
-* ``KVBS/P <xfer> <n> <base> <slot_bytes> <num_slots> <dev>\\n<src ids><dst ids>`` — pull:
-  please push these blocks to me (the staged form of a READ: the owner of the data must
-  pack, so a staged READ is a request that the peer answers with a staged WRITE).
+Slot grants (:mod:`.staging_grants`, messages in :mod:`.staging_wire`): the receiver owns
+its receive slots and hands them out; a sender WRITEs only into slots granted to it, and
+each chunk's ack says whether the sender keeps that slot. Many senders can pack into one
+receiver at once. A staged READ is a pull request the owner answers with a staged WRITE
+(the owner of the data must pack); the reader sends its grant with the request.
 
 The same code runs on CPU tensors (CI) and CUDA tensors (a side stream per direction).
 All methods run on the endpoint's owner thread except the packing itself.
@@ -37,6 +35,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures as cf
 import dataclasses
+import logging
 import time
 from collections.abc import Callable, Sequence
 from typing import Literal
@@ -48,10 +47,23 @@ import torch
 from .descriptors import as_ids, check_ids, plan_contiguous
 from .geometry import LAYOUT_KV_SPLIT, KvLayout
 from .nixl_agent import POLL_MAX_S, POLL_MIN_S, NixlEndpoint, Transfer
+from .staging_grants import Handout, SlotGrants
+from .staging_wire import (
+    PREFIX,
+    Ack,
+    Chunk,
+    Deny,
+    Grant,
+    GrantRequest,
+    Pull,
+    Release,
+    WireError,
+    decode,
+)
 
 Strategy = Literal["runs", "pack"]
-_CHUNK, _ACK, _PULL = b"KVBS/C ", b"KVBS/A ", b"KVBS/P "
-PREFIX = b"KVBS/"
+log = logging.getLogger(__name__)
+__all__ = ["PREFIX", "StagedPeer", "StagingInfo", "StagingPool", "choose_strategy"]
 
 
 # ---------------------------------------------------------------------------- policy
@@ -360,40 +372,56 @@ class _Unpack:
     peer: str
     xfer_id: str
     slot: int
-    seq: str
+    seq: int
     nchunks: int
     event: object  # torch.cuda.Event
     keep: tuple[torch.Tensor, ...]  # tensors the scatter still reads
 
 
+@dataclasses.dataclass
+class _Outgoing:
+    """Sender side of one staged transfer to one peer: the receiver's slots we hold."""
+
+    created: float
+    grant: Grant | None = None  # the receiver's pool (from its latest grant)
+    idle: collections.deque[int] = dataclasses.field(default_factory=collections.deque)
+    acks: collections.deque[tuple[int, bool]] = dataclasses.field(default_factory=collections.deque)
+    denied: str = ""
+    pulled: bool = False  # a staged READ: the reader granted slots with its request
+
+
 class StagedPeer:
     """Both roles of the pack path for one endpoint: sender (:meth:`send`) and receiver
-    (unpack + ack, driven by :meth:`progress` / :meth:`NixlEndpoint.poll_notifs`).
+    (grants, unpack + ack, driven by :meth:`progress` / :meth:`NixlEndpoint.poll_notifs`).
+
+    Receive slots are granted by the receiver (:mod:`.staging_grants`, messages in
+    :mod:`.staging_wire`): a sender asks for slots, WRITEs only into slots it holds, and
+    gets each slot back (or loses it to another sender) with the chunk's ack. Any number
+    of senders may pack into one receiver at once.
 
     On CUDA nothing blocks on the GPU: the sender enqueues each chunk's gather on a side
-    stream and posts its WRITE once the chunk's event has fired; the receiver enqueues each
-    chunk's scatter on another side stream and acks the chunk (freeing the slot) and
+    stream and posts its WRITE once the chunk's event has fired; a send slot is reused as
+    soon as its WRITE is done (the receiver's slot only once acked). The receiver enqueues
+    each chunk's scatter on another side stream and acks the chunk (freeing the slot) and
     reports the transfer complete only once the scatter's event has fired. Those events
     are checked by :meth:`progress`, which the owner thread must keep calling while
-    transfers are incoming (it also polls notifications); :meth:`send` and
-    :meth:`wait_complete` call it themselves. On CPU the scatter is synchronous inside
-    the notification handler, so ``poll_notifs`` alone is enough.
+    :attr:`busy` (it also polls notifications); :meth:`send` and :meth:`wait_complete`
+    call it themselves. On CPU the scatter is synchronous inside the notification handler.
     """
 
     def __init__(self, endpoint: NixlEndpoint, tensors: Sequence[torch.Tensor],
                  layout: KvLayout, *, slot_bytes: int, num_slots: int = 4,
                  target_chunks: int = 16, min_chunk_bytes: int = 4 << 20,
-                 use_kernel: bool | None = None,
+                 use_kernel: bool | None = None, send_slots: int | None = None,
+                 grant_margin_s: float = 2.0,
                  on_complete: Callable[[str, str], None] | None = None) -> None:
-        """Allocate and register two pools (send and receive, so both directions can run
-        at once without sharing slots) of ``num_slots × slot_bytes`` on the KV's device.
+        """Allocate and register two pools (send: ``send_slots`` (default ``num_slots``),
+        receive: ``num_slots``, both ``slot_bytes``) on the KV's device.
 
         A transfer is cut into about ``target_chunks`` chunks of at least
         ``min_chunk_bytes`` (and at most a slot). ``use_kernel`` picks the one-launch
-        Triton gather/scatter on CUDA (default: when available).
-
-        One incoming staged transfer at a time per :class:`StagedPeer`: the receive slots
-        are addressed by the sender, so concurrent senders need separate peers/pools.
+        Triton gather/scatter on CUDA (default: when available). ``grant_margin_s`` is
+        how long past a sender's deadline its grant is kept (WRITEs still in flight).
         """
         self.ep = endpoint
         self.layout = layout
@@ -401,12 +429,17 @@ class StagedPeer:
         self.device = tensors[0].device
         self.target_chunks = int(target_chunks)
         self.min_chunk_bytes = int(min_chunk_bytes)
-        self.send_pool = StagingPool(slot_bytes, num_slots, self.device)
+        self.send_pool = StagingPool(slot_bytes, send_slots or num_slots, self.device)
         self.recv_pool = StagingPool(slot_bytes, num_slots, self.device)
         self.send_pool.register(endpoint)
         self.recv_pool.register(endpoint)
         self._send_info = self.send_pool.info()
+        self._recv_info = self.recv_pool.info()
+        self.grants = SlotGrants(self.recv_pool.num_slots, margin_s=grant_margin_s)
         self.cuda = self.device.type == "cuda"
+        #: busy-poll (yield only) while chunks are in flight on CUDA: a sleep costs more
+        #: than a chunk's WRITE there (measured: benchmarks/results/datapath_gpu*.md)
+        self.spin = self.cuda
         self._packer = None if self.cuda else cf.ThreadPoolExecutor(
             1, thread_name_prefix="kvbaton-pack")
         self._pack_stream = torch.cuda.Stream(self.device) if self.cuda else None
@@ -418,25 +451,42 @@ class StagedPeer:
             except ValueError:
                 if use_kernel:
                     raise
-        self._acks: dict[str, set[int]] = {}
-        self._recv_counts: dict[str, int] = {}
+        # per receive slot: a pinned host and a device buffer for the chunk's block ids
+        # (no pinned allocation per chunk; a slot's previous scatter is done before its
+        # next chunk can arrive, so reuse is safe)
+        cap = max(1, self.recv_pool.slot_bytes // max(1, layout.bytes_per_block))
+        self._ids_host = ([torch.empty(cap, dtype=torch.int64).pin_memory()
+                           for _ in range(num_slots)] if self.cuda else [])
+        self._ids_dev = ([torch.empty(cap, dtype=torch.int64, device=self.device)
+                          for _ in range(num_slots)] if self.cuda else [])
+        self._outgoing: dict[tuple[str, str], _Outgoing] = {}
+        self._recv_counts: dict[tuple[str, str], int] = {}
         self._cancelled: dict[str, None] = {}  # insertion-ordered set (see cancel)
         self._unpacking: collections.deque[_Unpack] = collections.deque()
         self.completed: dict[str, str] = {}  # xfer_id → peer, for finished incoming transfers
-        self._pulls: collections.deque[tuple[str, str, StagingInfo, np.ndarray, np.ndarray]] = \
+        self._pulls: collections.deque[tuple[str, str, StagingInfo | None, np.ndarray, np.ndarray]] = \
             collections.deque()
         self._on_complete = on_complete
         self.last_send_chunks = 0
+        self.dropped_chunks = 0  # chunks in slots their sender did not hold (never scattered)
+        self.bad_messages = 0
+        #: (perf_counter, event, seq) when a list: where a transfer's time goes
+        self.trace: list[tuple[float, str, int]] | None = None
         endpoint.on_notif(PREFIX, self._on_notif)
 
     def info(self) -> StagingInfo:
-        """Where peers WRITE into us (publish it with the KV geometry)."""
-        return self.recv_pool.info()
+        """Our receive pool (published with the KV geometry; senders get slots by grant)."""
+        return self._recv_info
 
     @property
     def block_bytes(self) -> int:
         """Bytes one block id moves (all regions)."""
         return self.layout.bytes_per_block * self.layout.num_regions
+
+    @property
+    def busy(self) -> bool:
+        """Incoming work the owner must keep calling :meth:`progress` for."""
+        return bool(self.grants.busy or self._unpacking or self._recv_counts)
 
     def close(self) -> None:
         if self._packer is not None:
@@ -446,13 +496,15 @@ class StagedPeer:
 
     def forget(self, xfer_id: str) -> None:
         """Drop receive-side state of an incoming transfer whose sender gave up."""
-        self._recv_counts.pop(xfer_id, None)
+        for k in [k for k in self._recv_counts if k[1] == xfer_id]:
+            del self._recv_counts[k]
         self.completed.pop(xfer_id, None)
 
     def cancel(self, xfer_id: str) -> None:
         """The receiver gave up on an incoming transfer (its blocks may be freed and reused):
         chunks of it that still arrive are acked (the sender's slots come free) but never
-        scattered. Remembered for a bounded number of ids."""
+        scattered, and new grant requests for it are refused. Remembered for a bounded
+        number of ids."""
         self.forget(xfer_id)
         self._cancelled[xfer_id] = None
         if self._unpack_stream is not None:
@@ -462,28 +514,55 @@ class StagedPeer:
             self._cancelled.pop(next(iter(self._cancelled)))
 
     def progress(self) -> bool:
-        """Poll notifications and finish scatters whose events fired (acks, completions).
-
-        Non-blocking; returns whether anything happened. Call it from the owner thread.
-        """
+        """Poll notifications, finish scatters whose events fired (acks, completions),
+        reclaim expired grants. Non-blocking; returns whether anything happened. Call it
+        from the owner thread."""
         got = bool(self.ep.poll_notifs())
-        return self._finish_unpacks() or got
+        done = self._finish_unpacks()
+        if self.grants.busy:
+            self._send_handouts(self.grants.expire())
+        return done or got
 
-    def tile_bytes(self, num_blocks: int, remote: StagingInfo | None = None) -> int:
-        slot = self._send_info.slot_bytes if remote is None else min(
-            self._send_info.slot_bytes, remote.slot_bytes)
+    def tile_bytes(self, num_blocks: int, remote_slot_bytes: int | StagingInfo | None = None) -> int:
+        slot = self._send_info.slot_bytes
+        if isinstance(remote_slot_bytes, StagingInfo):
+            remote_slot_bytes = remote_slot_bytes.slot_bytes
+        if remote_slot_bytes:
+            slot = min(slot, int(remote_slot_bytes))
         return chunk_bytes_for(num_blocks * self.block_bytes, slot, self.layout.bytes_per_block,
                                target_chunks=self.target_chunks,
                                min_chunk_bytes=self.min_chunk_bytes)
 
+    def _want(self, num_blocks: int, slot_bytes: int) -> int:
+        """Receive slots worth asking for: the chunk count, at most a whole pool."""
+        tiles = plan_tiles(num_blocks, self.layout.num_regions, self.layout.bytes_per_block,
+                           self.tile_bytes(num_blocks, slot_bytes))
+        return max(1, len(tiles))
+
+    def _note(self, what: str, seq: int) -> None:
+        if self.trace is not None:
+            self.trace.append((time.perf_counter(), what, seq))
+
+    def _nap(self, delay: float, active: bool, poll_max: float) -> float:
+        """Sleep between polls; returns the next delay. Spins (yields the GIL only) while
+        GPU chunks are in flight and :attr:`spin` is set."""
+        if active and self.spin:
+            time.sleep(0)
+            return POLL_MIN_S
+        time.sleep(delay)
+        return min(delay * 2, poll_max)
+
     # -------------------------------------------------------------- sender
-    def send(self, peer: str, remote: StagingInfo, local_ids: npt.ArrayLike,
+    def send(self, peer: str, remote: StagingInfo | None, local_ids: npt.ArrayLike,
              remote_ids: npt.ArrayLike, xfer_id: str, *, timeout_s: float,
              idle: Callable[[], object] | None = None) -> int:
         """Staged WRITE of local blocks into the peer's blocks; returns bytes moved.
 
-        Returns once the receiver acked every chunk (its blocks hold the data). ``idle``
-        runs on every turn of the loop (tests progress the peer with it).
+        Asks the receiver for slots (unless this answers its pull, which came with a
+        grant), writes only into granted slots, and returns once the receiver acked every
+        chunk (its blocks hold the data). ``remote`` (the peer's published pool) only
+        sizes the request; addresses come from the grant. ``idle`` runs on every turn of
+        the loop (tests progress the peer with it).
         """
         _check_xfer_id(xfer_id)
         lids, rids = as_ids(local_ids), as_ids(remote_ids)
@@ -492,15 +571,26 @@ class StagedPeer:
         check_ids(lids, self.layout.num_blocks, side="local", unique=False)
         if rids.shape[0] and (rids.min() < 0 or np.unique(rids).shape[0] != rids.shape[0]):
             raise ValueError("remote (destination) block ids must be unique and non-negative")
-        mine = self._send_info
-        nslots = min(mine.num_slots, remote.num_slots)
         n = int(lids.shape[0])
+        key = (peer, xfer_id)
+        out = self._outgoing.get(key)
         if n == 0:
+            if out is not None and out.pulled:
+                del self._outgoing[key]
+                self.ep.send_notif(peer, Release(xfer_id).encode())
             return 0
-        tiles = plan_tiles(n, self.layout.num_regions, self.layout.bytes_per_block,
-                           self.tile_bytes(n, remote))
-        nchunks = len(tiles)
-        self.last_send_chunks = nchunks
+        if out is not None and not out.pulled:
+            raise ValueError(f"staged transfer {xfer_id} to {peer} is already in progress")
+        t0 = time.monotonic()
+        deadline = t0 + timeout_s
+        if out is None:
+            out = self._outgoing[key] = _Outgoing(t0)
+            rslot = remote.slot_bytes if remote is not None else self._send_info.slot_bytes
+            want = min(self._want(n, rslot), remote.num_slots if remote is not None else 1 << 30)
+            self.ep.send_notif(peer, GrantRequest(xfer_id, want, max(1, int(timeout_s * 1e3))).encode())
+        self._note("send", 0)
+        out.pulled = False
+        mine = self._send_info
         ids_dev: torch.Tensor | None = None
         if self.cuda:
             assert self._pack_stream is not None
@@ -509,75 +599,96 @@ class StagedPeer:
             with torch.cuda.device(self.device), torch.cuda.stream(self._pack_stream):
                 ids_dev = torch.from_numpy(lids).pin_memory().to(self.device, non_blocking=True)
         poll_max = GPU_POLL_MAX_S if self.cuda else POLL_MAX_S
-        deadline = time.monotonic() + timeout_s
-        acks = self._acks.setdefault(xfer_id, set())
-        free = collections.deque(range(nslots))
-        packing: collections.deque[tuple[int, int, object]] = collections.deque()
-        inflight: dict[int, Transfer] = {}
-        written: set[int] = set()
+        tiles: list[tuple[int, int, int, int]] | None = None
+        nchunks = 0
+        local_free = collections.deque(range(self.send_pool.num_slots))
+        packing: collections.deque[tuple[int, int, int, object]] = collections.deque()
+        inflight: dict[int, tuple[int, Transfer]] = {}  # local slot → (remote slot, WRITE)
         next_c = acked = 0
         delay = POLL_MIN_S
+        ok = False
         try:
-            while acked < nchunks:
-                progressed = False
-                while next_c < nchunks and free:
-                    slot = free.popleft()
-                    r0, r1, b0, b1 = tiles[next_c]
-                    packing.append((next_c, slot, self._start_pack(lids, ids_dev, b0, b1, r0, r1,
-                                                                   slot)))
-                    next_c += 1
-                while packing and self._pack_done(packing[0][2]):
-                    c, slot, handle = packing.popleft()
-                    nbytes = self._pack_result(handle)
-                    r0, r1, b0, b1 = tiles[c]
-                    msg = (_CHUNK + f"{xfer_id} {slot} {c} {nchunks} {r0} {r1}\n".encode()
-                           + rids[b0:b1].astype("<i8").tobytes())
-                    plan = plan_contiguous(mine.slot_addr(slot), remote.slot_addr(slot), nbytes,
-                                           local_dev=mine.device_id, remote_dev=remote.device_id,
-                                           local_mem_type=mine.mem_type,
-                                           remote_mem_type=remote.mem_type)
-                    inflight[slot] = self.ep.write(plan, peer, msg)
-                    progressed = True
-                for slot, x in list(inflight.items()):
-                    st = self.ep.state(x)
-                    if st == "ERR":
-                        raise RuntimeError(f"staged WRITE of slot {slot} to {peer} failed")
-                    if st == "DONE":
-                        self.ep.release(x)
-                        del inflight[slot]
-                        written.add(slot)
+            while True:
+                progressed = self.progress()
+                if out.denied:
+                    raise RuntimeError(f"{peer} refused staged transfer {xfer_id}: {out.denied}")
+                g = out.grant
+                if tiles is None and g is not None:
+                    tiles = plan_tiles(n, self.layout.num_regions, self.layout.bytes_per_block,
+                                       self.tile_bytes(n, g.slot_bytes))
+                    nchunks = len(tiles)
+                    self.last_send_chunks = nchunks
+                    self._note("grant", 0)
+                if tiles is not None and g is not None:
+                    while next_c < nchunks and local_free and out.idle:
+                        ls, rs = local_free.popleft(), out.idle.popleft()
+                        r0, r1, b0, b1 = tiles[next_c]
+                        packing.append((next_c, ls, rs, self._start_pack(lids, ids_dev, b0, b1,
+                                                                         r0, r1, ls)))
+                        self._note("pack", next_c)
+                        next_c += 1
+                    while packing and self._pack_done(packing[0][3]):
+                        c, ls, rs, handle = packing.popleft()
+                        nbytes = self._pack_result(handle)
+                        r0, r1, b0, b1 = tiles[c]
+                        msg = Chunk(xfer_id, rs, c, nchunks, r0, r1, rids[b0:b1]).encode()
+                        plan = plan_contiguous(mine.slot_addr(ls), g.slot_addr(rs), nbytes,
+                                               local_dev=mine.device_id, remote_dev=g.device_id,
+                                               local_mem_type=mine.mem_type,
+                                               remote_mem_type=g.mem_type)
+                        inflight[ls] = (rs, self.ep.write(plan, peer, msg))
+                        self._note("post", c)
                         progressed = True
-                progressed |= self.progress()
-                for slot in list(acks & written):
-                    acks.discard(slot)
-                    written.discard(slot)
-                    free.append(slot)
-                    acked += 1
-                    progressed = True
-                if acked >= nchunks:
-                    break
+                    for ls, (rs, x) in list(inflight.items()):
+                        st = self.ep.state(x)
+                        if st == "ERR":
+                            raise RuntimeError(f"staged WRITE into slot {rs} of {peer} failed")
+                        if st == "DONE":
+                            self.ep.release(x)
+                            del inflight[ls]
+                            local_free.append(ls)  # our copy is out: the send slot is free
+                            self._note("wrote", rs)
+                            progressed = True
+                    while out.acks:
+                        rs, keep = out.acks.popleft()
+                        acked += 1
+                        if keep:
+                            out.idle.append(rs)
+                        progressed = True
+                    if acked >= nchunks:
+                        ok = True
+                        break
                 if time.monotonic() >= deadline:
-                    raise TimeoutError(f"staged transfer {xfer_id} to {peer}: {acked}/{nchunks} "
-                                       f"chunks acked after {timeout_s:.3f}s")
+                    raise TimeoutError(f"staged transfer {xfer_id} to {peer}: {acked}/{nchunks or '?'} "
+                                       f"chunks acked after {timeout_s:.3f}s"
+                                       + ("" if g is not None else " (no grant from the receiver)"))
                 if idle is not None:
                     idle()
                 if progressed:
                     delay = POLL_MIN_S
                     continue
-                if packing and not inflight and isinstance(packing[0][2], cf.Future):
-                    cf.wait([packing[0][2]], timeout=delay)  # sleeps until packed, bounded
+                if packing and not inflight and isinstance(packing[0][3], cf.Future):
+                    cf.wait([packing[0][3]], timeout=delay)  # sleeps until packed, bounded
                 else:
-                    time.sleep(delay)
-                delay = min(delay * 2, poll_max)
+                    delay = self._nap(delay, bool(packing or inflight or next_c), poll_max)
         finally:
-            for x in inflight.values():
+            writes_open = bool(inflight)
+            for _, x in inflight.values():
                 self.ep.release(x)  # cancels anything still in flight
-            for _, _, h in packing:
+            for _, _, _, h in packing:
                 if isinstance(h, cf.Future):
                     h.cancel()
             if self._pack_stream is not None and packing:
                 self._pack_stream.synchronize()  # no gather may still write a slot we reuse
-            self._acks.pop(xfer_id, None)
+            self._outgoing.pop(key, None)
+            if not ok and not writes_open and not out.denied:
+                # nothing of ours can still land: give the receiver its slots back now
+                # (with a WRITE in flight we cannot know that; the grant expires instead)
+                try:
+                    self.ep.send_notif(peer, Release(xfer_id).encode())
+                except Exception as e:  # noqa: BLE001 - best effort; the grant expires anyway
+                    log.debug("kvbaton: release of %s to %s not sent: %r", xfer_id, peer, e)
+            self._note("done", acked)
         return n * self.block_bytes
 
     def _start_pack(self, lids: np.ndarray, ids_dev: torch.Tensor | None, b0: int, b1: int,
@@ -616,17 +727,20 @@ class StagedPeer:
 
     # -------------------------------------------------------------- staged READ
     def request_pull(self, peer: str, remote_ids: npt.ArrayLike, local_ids: npt.ArrayLike,
-                     xfer_id: str) -> None:
-        """Ask ``peer`` to push its ``remote_ids`` into our ``local_ids`` (staged READ)."""
+                     xfer_id: str, *, timeout_s: float = 30.0) -> None:
+        """Ask ``peer`` to push its ``remote_ids`` into our ``local_ids`` (staged READ).
+
+        The request is followed by our grant of receive slots for it (at once when slots
+        are free, else when they come free), valid ``timeout_s``."""
         _check_xfer_id(xfer_id)
         rids, lids = as_ids(remote_ids), as_ids(local_ids)
         if rids.shape != lids.shape:
             raise ValueError("remote and local id counts differ")
         check_ids(lids, self.layout.num_blocks, side="local", unique=True)
-        i = self.info()
-        hdr = f"{xfer_id} {lids.shape[0]} {i.base_addr} {i.slot_bytes} {i.num_slots} {i.mem_type} {i.device_id}\n"
-        self.ep.send_notif(peer, _PULL + hdr.encode() + rids.astype("<i8").tobytes()
-                           + lids.astype("<i8").tobytes())
+        self.ep.send_notif(peer, Pull(xfer_id, rids, lids).encode())
+        if lids.shape[0]:
+            want = self._want(int(lids.shape[0]), self.recv_pool.slot_bytes)
+            self._send_handouts(self.grants.request(peer, xfer_id, want, timeout_s))
 
     def wait_complete(self, xfer_id: str, *, timeout_s: float,
                       idle: Callable[[], object] | None = None) -> str:
@@ -643,13 +757,18 @@ class StagedPeer:
                 raise TimeoutError(f"staged transfer {xfer_id} not complete after {timeout_s:.3f}s")
             if idle is not None:
                 idle()
-            time.sleep(delay)
-            delay = min(delay * 2, poll_max)
+            delay = self._nap(delay, self.busy, poll_max)
 
-    def take_pull(self) -> tuple[str, str, StagingInfo, np.ndarray, np.ndarray] | None:
-        """The oldest queued pull request ``(peer, xfer_id, info, src ids, dst ids)``, or
-        None: for owners that serve pulls themselves (after checks) with :meth:`send`."""
+    def take_pull(self) -> tuple[str, str, StagingInfo | None, np.ndarray, np.ndarray] | None:
+        """The oldest queued pull request ``(peer, xfer_id, None, src ids, dst ids)``, or
+        None: for owners that serve pulls themselves (after checks) with :meth:`send`.
+        (The third field, once the reader's pool, is None: the reader's grant says where.)"""
         return self._pulls.popleft() if self._pulls else None
+
+    def drop_pull(self, peer: str, xfer_id: str) -> None:
+        """An owner will not answer this pull: give the reader's slots back."""
+        if self._outgoing.pop((peer, xfer_id), None) is not None:
+            self.ep.send_notif(peer, Release(xfer_id).encode())
 
     def serve_pulls(self, *, timeout_s: float, idle: Callable[[], object] | None = None) -> int:
         """Answer queued pull requests with staged WRITEs; returns how many were served.
@@ -664,50 +783,101 @@ class StagedPeer:
         return served
 
     # -------------------------------------------------------------- receiver
-    def _on_notif(self, peer: str, msg: bytes) -> None:
-        if msg.startswith(_ACK):
-            xfer_id, slot, _seq = msg[len(_ACK):].decode().split()
-            self._acks.setdefault(xfer_id, set()).add(int(slot))
-        elif msg.startswith(_CHUNK):
-            head, _, body = msg.partition(b"\n")
-            xfer_id, slot_s, seq, nchunks, r0, r1 = head[len(_CHUNK):].decode().split()
-            ids = np.frombuffer(body, dtype="<i8")
-            check_ids(ids, self.layout.num_blocks, side="staged destination", unique=True)
-            slot = int(slot_s)
-            if xfer_id in self._cancelled:  # the receiver gave up: free the slot, keep the blocks
-                self.ep.send_notif(peer, _ACK + f"{xfer_id} {slot} {seq}".encode())
-                return
-            if not self.cuda:
-                unpack_blocks(self.views[int(r0):int(r1)], torch.from_numpy(ids.copy()),
-                              self.recv_pool.slot(slot))
-                self._chunk_done(peer, xfer_id, slot, seq, int(nchunks))
-                return
-            self._unpacking.append(self._start_unpack(peer, xfer_id, slot, seq, int(nchunks),
-                                                      ids, int(r0), int(r1)))
-            self._finish_unpacks()
-        elif msg.startswith(_PULL):
-            head, _, body = msg.partition(b"\n")
-            xfer_id, n, base, slot_bytes, num_slots, mem, dev = head[len(_PULL):].decode().split()
-            ids = np.frombuffer(body, dtype="<i8")
-            k = int(n)
-            info = StagingInfo(int(base), int(slot_bytes), int(num_slots), mem, int(dev))
-            self._pulls.append((peer, xfer_id, info, ids[:k].copy(), ids[k:2 * k].copy()))
+    def _send_handouts(self, handouts: Sequence[Handout]) -> None:
+        i = self._recv_info
+        for h in handouts:
+            self.ep.send_notif(h.peer, Grant(h.xfer_id, h.slots, i.base_addr, i.slot_bytes,
+                                             i.mem_type, i.device_id).encode())
 
-    def _start_unpack(self, peer: str, xfer_id: str, slot: int, seq: str, nchunks: int,
-                      ids: np.ndarray, r0: int, r1: int) -> _Unpack:
+    def _on_notif(self, peer: str, msg: bytes) -> None:
+        try:
+            m = decode(msg)
+        except WireError as e:
+            self.bad_messages += 1
+            log.warning("kvbaton: staging message from %s dropped: %s", peer, e)
+            return
+        key = (peer, m.xfer_id)
+        if isinstance(m, Ack):
+            out = self._outgoing.get(key)
+            if out is not None:
+                out.acks.append((m.slot, m.keep))
+        elif isinstance(m, Grant):
+            out = self._outgoing.get(key)
+            if out is None:  # we gave up on it (or never asked): hand the slots back
+                self.ep.send_notif(peer, Release(m.xfer_id).encode())
+                return
+            out.grant = m
+            out.idle.extend(m.slots)
+        elif isinstance(m, Deny):
+            out = self._outgoing.get(key)
+            if out is not None:
+                out.denied = m.reason or "refused"
+        elif isinstance(m, Chunk):
+            self._on_chunk(peer, m)
+        elif isinstance(m, GrantRequest):
+            if m.xfer_id in self._cancelled:
+                self.ep.send_notif(peer, Deny(m.xfer_id, "cancelled by the receiver").encode())
+                return
+            try:
+                self._send_handouts(self.grants.request(peer, m.xfer_id, m.want, m.ttl_ms / 1e3))
+            except ValueError as e:
+                self.ep.send_notif(peer, Deny(m.xfer_id, str(e)).encode())
+        elif isinstance(m, Release):
+            self._recv_counts.pop(key, None)
+            self._send_handouts(self.grants.release(peer, m.xfer_id))
+        elif isinstance(m, Pull):
+            self._outgoing[key] = _Outgoing(time.monotonic(), pulled=True)
+            self._pulls.append((peer, m.xfer_id, None, m.src_ids, m.dst_ids))
+            while len(self._outgoing) > 4096:  # pulls an owner never took or dropped
+                old = next(iter(self._outgoing))
+                if not self._outgoing[old].pulled:
+                    break
+                del self._outgoing[old]
+
+    def _on_chunk(self, peer: str, m: Chunk) -> None:
+        if not self.grants.owns(peer, m.xfer_id, m.slot):
+            # never scatter a slot its sender does not hold (expired grant, buggy peer)
+            self.dropped_chunks += 1
+            log.warning("kvbaton: staged chunk %s/%d from %s in slot %d it does not hold: dropped",
+                        m.xfer_id, m.seq, peer, m.slot)
+            return
+        if m.xfer_id in self._cancelled:  # the receiver gave up: free the slot, keep the blocks
+            self._chunk_done(peer, m.xfer_id, m.slot, m.seq, m.nchunks)
+            return
+        ids = m.dst_ids
+        nb = (m.r1 - m.r0) * ids.shape[0] * self.layout.bytes_per_block
+        if not (0 <= m.r0 < m.r1 <= self.layout.num_regions) or nb > self.recv_pool.slot_bytes:
+            self.dropped_chunks += 1
+            log.warning("kvbaton: staged chunk %s/%d from %s does not fit slot %d: dropped",
+                        m.xfer_id, m.seq, peer, m.slot)
+            return
+        check_ids(ids, self.layout.num_blocks, side="staged destination", unique=True)
+        self._note("chunk", m.seq)
+        if not self.cuda:
+            unpack_blocks(self.views[m.r0:m.r1], torch.from_numpy(ids.copy()),
+                          self.recv_pool.slot(m.slot))
+            self._chunk_done(peer, m.xfer_id, m.slot, m.seq, m.nchunks)
+            return
+        self._unpacking.append(self._start_unpack(peer, m, ids))
+        self._finish_unpacks()
+
+    def _start_unpack(self, peer: str, m: Chunk, ids: np.ndarray) -> _Unpack:
         """Enqueue a chunk's scatter on the unpack stream; its event says when it is out."""
         assert self._unpack_stream is not None
-        host = torch.from_numpy(ids.copy()).pin_memory()
+        k = int(ids.shape[0])
+        host = self._ids_host[m.slot][:k]
+        host.numpy()[:] = ids
         with torch.cuda.device(self.device), torch.cuda.stream(self._unpack_stream):
-            ids_dev = host.to(self.device, non_blocking=True)
-            src = self.recv_pool.slot(slot)
+            ids_dev = self._ids_dev[m.slot][:k]
+            ids_dev.copy_(host, non_blocking=True)
+            src = self.recv_pool.slot(m.slot)
             if self.copier is not None:
-                self.copier.scatter(ids_dev, r0, r1, src)
+                self.copier.scatter(ids_dev, m.r0, m.r1, src)
             else:
-                unpack_blocks(self.views[r0:r1], ids_dev, src)
+                unpack_blocks(self.views[m.r0:m.r1], ids_dev, src)
             ev = torch.cuda.Event()
             ev.record(self._unpack_stream)
-        return _Unpack(peer, xfer_id, slot, seq, nchunks, ev, (host, ids_dev))
+        return _Unpack(peer, m.xfer_id, m.slot, m.seq, m.nchunks, ev, (host, ids_dev))
 
     def _finish_unpacks(self) -> bool:
         """Ack every chunk whose scatter finished (one stream: they finish in order)."""
@@ -718,17 +888,24 @@ class StagedPeer:
             done = True
         return done
 
-    def _chunk_done(self, peer: str, xfer_id: str, slot: int, seq: str, nchunks: int) -> None:
-        """A chunk is in the KV blocks: free the sender's slot, count the transfer."""
-        self.ep.send_notif(peer, _ACK + f"{xfer_id} {slot} {seq}".encode())
-        got = self._recv_counts.get(xfer_id, 0) + 1
-        if got == nchunks:
-            self._recv_counts.pop(xfer_id, None)
+    def _chunk_done(self, peer: str, xfer_id: str, slot: int, seq: int, nchunks: int) -> None:
+        """A chunk is in the KV blocks: tell the sender (and whether it keeps the slot),
+        hand freed slots to others, count the transfer."""
+        keep, handouts = self.grants.chunk_done(peer, xfer_id, slot, nchunks)
+        self.ep.send_notif(peer, Ack(xfer_id, slot, seq, keep).encode())
+        self._send_handouts(handouts)
+        self._note("acked", seq)
+        key = (peer, xfer_id)
+        got = self._recv_counts.get(key, 0) + 1
+        if got >= nchunks:
+            self._recv_counts.pop(key, None)
+            if xfer_id in self._cancelled:
+                return
             self.completed[xfer_id] = peer
             if self._on_complete is not None:
                 self._on_complete(peer, xfer_id)
         else:
-            self._recv_counts[xfer_id] = got
+            self._recv_counts[key] = got
 
 
 def _check_xfer_id(xfer_id: str) -> None:

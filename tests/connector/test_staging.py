@@ -187,21 +187,24 @@ def test_staged_rejects_bad_ids() -> None:
 
 
 @pytest.mark.nixl
-def test_cancelled_transfer_is_acked_not_scattered() -> None:
-    """A receiver that gave up (its blocks may be reused) frees the sender's slots but never
-    scatters late chunks; a later transfer with another id lands normally."""
+def test_cancelled_transfer_is_refused_not_scattered() -> None:
+    """A receiver that gave up on a transfer (its blocks may be freed and reused) refuses to
+    grant slots for it: the sender fails fast, nothing is scattered, no slot leaks on either
+    side, and a later transfer with another id lands normally."""
     block_bytes = LAYERS * 2 * TPB * 2 * 8 * 2
     p = StagedPair("kv", slot_bytes=2 * block_bytes, num_slots=2)
     try:
         src, dst = np.arange(1, 9), np.arange(30, 38)
         p.sb.cancel("gone")
-        moved = p.sa.send(p.b.name, p.sb.info(), src, dst, "gone", timeout_s=20, idle=p.b.poll_notifs)
-        assert moved == 8 * block_bytes  # every chunk acked: no slot leaks on the sender
+        with pytest.raises(RuntimeError, match="refused.*cancelled"):
+            p.sa.send(p.b.name, p.sb.info(), src, dst, "gone", timeout_s=20, idle=p.b.poll_notifs)
         assert "gone" not in p.sb.completed
         assert all(int(t.abs().sum()) == 0 for t in p.tb)  # nothing scattered
+        assert not p.sb.grants.busy and p.sb.grants.free_slots() == 2
         p.sa.send(p.b.name, p.sb.info(), src, dst, "next", timeout_s=20, idle=p.b.poll_notifs)
         assert p.sb.completed.pop("next") == p.a.name
         assert checksum(p.tb, dst, p.bd) == checksum(p.ta, src, p.bd)
+        assert not p.sb.grants.busy and p.sb.grants.free_slots() == 2  # all slots came back
     finally:
         p.close()
 
@@ -224,6 +227,15 @@ def test_take_pull_hands_out_requests_in_order() -> None:
                 break
         assert [(g[0], g[1], list(g[3]), list(g[4])) for g in got] == \
             [(p.b.name, "q1", [1, 2], [5, 6]), (p.b.name, "q2", [3], [7])]
-        assert got[0][2] == p.sb.info()
+        assert got[0][2] is None  # the reader's grant, not the request, says where to write
+        for g in got:
+            p.sa.drop_pull(g[0], g[1])  # not answering: the reader gets its slots back
+        for _ in range(500):
+            p.a.poll_notifs()
+            p.sb.progress()
+            if not p.sb.grants.busy:
+                break
+            time.sleep(0.002)
+        assert not p.sb.grants.busy and p.sb.grants.free_slots() == 2
     finally:
         p.close()
