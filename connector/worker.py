@@ -55,10 +55,11 @@ WRITE per chunk → scatter → ack instead of one descriptor per coalesced run.
   READ carried (``kvb:done:`` → prefill frees; ``kvb:reuse:`` → decode counts). Timeouts
   are the load's (``timeout_s``; reuse: half the pin TTL); failure → the usual failed load
   (recompute, blocks freed) and the transfer is cancelled in the receive pool.
-* The receive slots are addressed by the sender, so a reader runs staged READs from one
-  owner engine at a time (others wait, bounded by their deadlines). Staged messages from
-  an agent we have no metadata for (push: decode never looked prefill up) wait for its
-  registrar lookup before they are processed (acks need it).
+* The receiver grants its receive slots (:mod:`.staging_grants`): a pusher asks first, a
+  reader's pull request carries its grant, so any number of engines may pack into one
+  engine at once. Staged messages from an agent we have no metadata for (push: decode
+  never looked prefill up) wait for its registrar lookup before they are processed
+  (grants and acks need it).
 
 KV integrity (``verify_kv``, :mod:`.integrity`): the owner of the bytes fingerprints the
 blocks it exposes, on the ``kvbaton-verify`` thread, as soon as it learns of them (prefill:
@@ -139,6 +140,10 @@ _BUSY_POLL_S = 0.001
 # Idle poll: also what progresses UCX when a peer READs our retained blocks (no NIXL
 # progress thread), so it bounds a reuse READ's latency. 100 cheap wakeups/s.
 _IDLE_POLL_S = 0.01
+# While staged chunks come in (grants out, scatters in flight), each chunk's ack waits for
+# this loop's next progress(): at _BUSY_POLL_S that capped a 4-slot pool at 4 chunks per
+# ms. 50 µs keeps the sender's slots turning (benchmarks/results/datapath_gpu*.md).
+_STAGED_POLL_S = 50e-6
 
 
 def agent_name(engine_id: str, tp_rank: int) -> str:
@@ -457,8 +462,10 @@ class TransferThread:
         try:
             while not self._stop.is_set():
                 busy = bool(self._loads or self._held or self._fp_answers or self._serves or self._staged_wait)
+                staged_in = self._staged is not None and self._staged.busy
                 try:
-                    cmd = self.inbox.get(timeout=_BUSY_POLL_S if busy else _IDLE_POLL_S)
+                    cmd = self.inbox.get(timeout=_STAGED_POLL_S if staged_in
+                                         else _BUSY_POLL_S if busy else _IDLE_POLL_S)
                     self._handle(cmd)
                     while True:
                         self._handle(self.inbox.get_nowait())
@@ -589,22 +596,21 @@ class TransferThread:
                 log.warning("kvbaton: staged answer %s to %s failed: %r", sv.xfer_id, sv.engine_id, exc)
                 self.stats.record("staged_serve_failed", xfer_id=sv.xfer_id, peer=sv.engine_id,
                                   reason=f"{type(exc).__name__}: {exc}"[:300])
+                self._staged.drop_pull(sv.agent, sv.xfer_id)  # the reader's slots go back
                 self._forget_peer(sv.engine_id)
         self._serves = keep
 
-    def _start_staged_read(self, ld: _Load, notif: bytes) -> bool:
+    def _start_staged_read(self, ld: _Load, notif: bytes) -> None:
         """Reader: ask the owner to push ``remote_block_ids`` into our ``local_block_ids``
-        through our receive pool. False while another peer is answering a staged READ of
-        ours (the receive slots are addressed by the sender: one sending engine at a time)."""
+        through our receive pool; the request carries our grant of receive slots, so any
+        number of owners may answer staged READs of ours at once."""
         assert self._staged is not None and self._ep is not None
-        if any(n > 0 for a, n in self._staged_src.items() if a != ld.peer):
-            return False
         ld.staged_xid = "s" + uuid.uuid4().hex
         ld.staged_notif = notif
         ld.strategy = "pack"
         self._staged_src[ld.peer] = self._staged_src.get(ld.peer, 0) + 1
-        self._staged.request_pull(ld.peer, ld.spec.remote_block_ids, ld.spec.local_block_ids, ld.staged_xid)
-        return True
+        self._staged.request_pull(ld.peer, ld.spec.remote_block_ids, ld.spec.local_block_ids, ld.staged_xid,
+                                  timeout_s=max(0.001, (ld.read_deadline or ld.deadline) - time.monotonic()))
 
     def _poll_staged(self, ld: _Load, now: float, deadline: float, engine_id: str) -> bool:
         """Reader: True once every chunk is scattered into our blocks (then tell the owner)."""
@@ -944,9 +950,7 @@ class TransferThread:
                 if ld.t_post == 0.0:
                     self._ask_fingerprints(ld, f"t:{ld.spec.transfer_id}", -1)
                     ld.t_post = time.monotonic()
-                if not self._start_staged_read(ld, NOTIF_DONE + tid):  # another sender is busy
-                    if now >= ld.deadline:
-                        raise TimeoutError("staging pool busy with another peer")
+                self._start_staged_read(ld, NOTIF_DONE + tid)
                 return False
             self._ask_fingerprints(ld, f"t:{ld.spec.transfer_id}", -1)  # the owner finds the run
             ld.t_post = time.monotonic()
@@ -1018,7 +1022,7 @@ class TransferThread:
                 if ld.t_post == 0.0:
                     self._ask_fingerprints(ld, f"r:{src.conversation_id}", first)
                     ld.t_post = time.monotonic()
-                self._start_staged_read(ld, msg)  # False: another sender busy (read deadline bounds it)
+                self._start_staged_read(ld, msg)
                 return False
             self._ask_fingerprints(ld, f"r:{src.conversation_id}", first)  # verify_kv (before the READ)
             ld.t_post = time.monotonic()
