@@ -102,6 +102,32 @@ def choose_strategy(num_runs: int, total_bytes: int, *, device: str = "cpu",
     return "pack" if t_pack < t_runs else "runs"
 
 
+# ---------------------------------------------------------------------------- defaults
+@dataclasses.dataclass(frozen=True)
+class PoolDefaults:
+    """Staging pools an engine allocates when the settings leave them at 0."""
+
+    slot_bytes: int
+    slots: int          # receive slots (granted to senders)
+    send_slots: int     # send slots (a slot is free again once its WRITE is done)
+    target_chunks: int  # chunks a transfer aims to be cut into (at most a slot each)
+
+    @property
+    def total_bytes(self) -> int:
+        """Staging memory per engine (both pools)."""
+        return self.slot_bytes * (self.slots + self.send_slots)
+
+
+# Chosen from benchmarks/results/datapath_gpu.md (one H200): within 256 MiB per engine.
+GPU_POOL = PoolDefaults(slot_bytes=32 << 20, slots=4, send_slots=4, target_chunks=16)
+HOST_POOL = PoolDefaults(slot_bytes=2 << 20, slots=4, send_slots=4, target_chunks=16)
+
+
+def default_pool(device: str) -> PoolDefaults:
+    """The shipped staging pools for ``device`` ("cuda" or "cpu")."""
+    return GPU_POOL if device == "cuda" else HOST_POOL
+
+
 # ---------------------------------------------------------------------------- memory
 _WORDS = ((16, torch.complex128), (8, torch.int64), (4, torch.int32), (2, torch.int16),
           (1, torch.uint8))
@@ -385,7 +411,7 @@ class _Outgoing:
     created: float
     grant: Grant | None = None  # the receiver's pool (from its latest grant)
     idle: collections.deque[int] = dataclasses.field(default_factory=collections.deque)
-    acks: collections.deque[tuple[int, bool]] = dataclasses.field(default_factory=collections.deque)
+    acks: collections.deque[tuple[int, int, bool]] = dataclasses.field(default_factory=collections.deque)
     denied: str = ""
     pulled: bool = False  # a staged READ: the reader granted slots with its request
 
@@ -603,7 +629,7 @@ class StagedPeer:
         nchunks = 0
         local_free = collections.deque(range(self.send_pool.num_slots))
         packing: collections.deque[tuple[int, int, int, object]] = collections.deque()
-        inflight: dict[int, tuple[int, Transfer]] = {}  # local slot → (remote slot, WRITE)
+        inflight: dict[int, tuple[int, int, Transfer]] = {}  # local slot → (remote slot, seq, WRITE)
         next_c = acked = 0
         delay = POLL_MIN_S
         ok = False
@@ -636,10 +662,10 @@ class StagedPeer:
                                                local_dev=mine.device_id, remote_dev=g.device_id,
                                                local_mem_type=mine.mem_type,
                                                remote_mem_type=g.mem_type)
-                        inflight[ls] = (rs, self.ep.write(plan, peer, msg))
+                        inflight[ls] = (rs, c, self.ep.write(plan, peer, msg))
                         self._note("post", c)
                         progressed = True
-                    for ls, (rs, x) in list(inflight.items()):
+                    for ls, (rs, c, x) in list(inflight.items()):
                         st = self.ep.state(x)
                         if st == "ERR":
                             raise RuntimeError(f"staged WRITE into slot {rs} of {peer} failed")
@@ -647,10 +673,11 @@ class StagedPeer:
                             self.ep.release(x)
                             del inflight[ls]
                             local_free.append(ls)  # our copy is out: the send slot is free
-                            self._note("wrote", rs)
+                            self._note("wrote", c)
                             progressed = True
                     while out.acks:
-                        rs, keep = out.acks.popleft()
+                        rs, seq, keep = out.acks.popleft()
+                        self._note("ack", seq)
                         acked += 1
                         if keep:
                             out.idle.append(rs)
@@ -673,7 +700,7 @@ class StagedPeer:
                     delay = self._nap(delay, bool(packing or inflight or next_c), poll_max)
         finally:
             writes_open = bool(inflight)
-            for _, x in inflight.values():
+            for _, _, x in inflight.values():
                 self.ep.release(x)  # cancels anything still in flight
             for _, _, _, h in packing:
                 if isinstance(h, cf.Future):
@@ -800,7 +827,7 @@ class StagedPeer:
         if isinstance(m, Ack):
             out = self._outgoing.get(key)
             if out is not None:
-                out.acks.append((m.slot, m.keep))
+                out.acks.append((m.slot, m.seq, m.keep))
         elif isinstance(m, Grant):
             out = self._outgoing.get(key)
             if out is None:  # we gave up on it (or never asked): hand the slots back
