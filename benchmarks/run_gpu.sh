@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# GPU tests of the pack path + benchmarks/datapath_gpu.py from a plain checkout on a GPU
+# machine (nothing installed: kvbaton.connector is mapped onto connector/ through a
+# temporary package dir; nixl must be importable). Logs and results go to $OUT.
+#   OUT=/tmp/out bash benchmarks/run_gpu.sh [--tests-only] [datapath_gpu.py args...]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/kvb-gpu-out}
+mkdir -p "$OUT"
+PKG=$(mktemp -d)
+mkdir -p "$PKG/kvbaton"
+cp kvbaton/__init__.py "$PKG/kvbaton/"
+ln -s "$PWD/connector" "$PKG/kvbaton/connector"
+export PYTHONPATH="$PKG:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+python3 -m pytest --noconftest -p no:cacheprovider -q -rs tests/connector/test_staging_gpu.py \
+  tests/connector/test_staging.py tests/connector/test_staging_grants.py 2>&1 | tee "$OUT/tests.log"
+[ "${1:-}" = "--tests-only" ] && exit 0
+python3 benchmarks/datapath_gpu.py --out "$OUT/datapath_gpu.json" "$@" 2>&1 | grep -v "NIXL INFO" | tee "$OUT/bench.log"
