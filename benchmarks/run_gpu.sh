@@ -12,7 +12,7 @@ mkdir -p "$PKG/kvbaton"
 cp kvbaton/__init__.py "$PKG/kvbaton/"
 ln -s "$PWD/connector" "$PKG/kvbaton/connector"
 export PYTHONPATH="$PKG:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-python3 -m pytest --noconftest -p no:cacheprovider -q -rs tests/connector/test_staging_gpu.py \
+timeout "${TEST_TIMEOUT:-600}" python3 -m pytest --noconftest -p no:cacheprovider -q -rs tests/connector/test_staging_gpu.py \
   tests/connector/test_staging.py tests/connector/test_staging_grants.py 2>&1 | tee "$OUT/tests.log"
 [ "${1:-}" = "--tests-only" ] && exit 0
-python3 benchmarks/datapath_gpu.py --out "$OUT/datapath_gpu.json" "$@" 2>&1 | grep -v "NIXL INFO" | tee "$OUT/bench.log"
+timeout "${BENCH_TIMEOUT:-3600}" python3 benchmarks/datapath_gpu.py --out "$OUT/datapath_gpu.json" "$@" 2>&1 | grep -v "NIXL INFO" | tee "$OUT/bench.log"
