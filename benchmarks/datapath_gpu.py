@@ -613,6 +613,10 @@ def measure(bench: GpuBench, op: str, strategy: str, sids: np.ndarray, dids: np.
         if i >= warmup:
             times.append(r["ms"])
             plan_ms, descs = r["plan_ms"], r["num_descs"]
+            if r["ms"] > 2000:  # seconds-long cases (per-descriptor READs): one run says enough
+                break
+        elif r["ms"] > 2000:
+            warmup = i + 1  # no more warm-ups for such a case either
     return times, descs, plan_ms, ok_all
 
 

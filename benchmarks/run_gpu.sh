@@ -7,11 +7,11 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/kvb-gpu-out}
 mkdir -p "$OUT"
-PKG=$(mktemp -d)
-mkdir -p "$PKG/kvbaton"
-cp kvbaton/__init__.py "$PKG/kvbaton/"
-ln -s "$PWD/connector" "$PKG/kvbaton/connector"
-export PYTHONPATH="$PKG:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# kvbaton.connector is connector/ (pyproject's package-dir); map it for this run only
+made=""
+if [ ! -e kvbaton/connector ]; then ln -s ../connector kvbaton/connector && made=1; fi
+trap '[ -n "$made" ] && rm -f kvbaton/connector' EXIT
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 timeout "${TEST_TIMEOUT:-600}" python3 -m pytest --noconftest -p no:cacheprovider -q -rs tests/connector/test_staging_gpu.py \
   tests/connector/test_staging.py tests/connector/test_staging_grants.py 2>&1 | tee "$OUT/tests.log"
 [ "${1:-}" = "--tests-only" ] && exit 0

@@ -78,25 +78,30 @@ class KvbatonSettings:
     #: Test-only fault injection: a JSON file the worker re-reads (see worker.Faults).
     #: Never set in production.
     fault_file: str = ""
-    # Pack path for fragmented transfers (connector/staging.py): "auto" lets
-    # staging.choose_strategy pick per transfer (keeps coalesced runs on host memory with
-    # vLLM's block sizes), "always" packs every transfer with a peer that has a pool,
-    # "never" (the default) allocates no pool and always moves runs. Opt in only where one
-    # prefill engine at a time sends packed data to a decode engine: the receive slots are
-    # chosen by the sender, so two senders packing into one receiver at once could overwrite
-    # each other's chunks (verify_kv would catch it; without it the KV would be wrong).
-    staging: str = STAGING_NEVER
-    # Staging pool per engine (one send + one receive pool of these, registered once).
-    # 0 = default by device: 2 MiB x 4 on host memory, 32 MiB x 4 on GPUs.
+    # Pack path for fragmented transfers (connector/staging.py): "auto" (the default) lets
+    # staging.choose_strategy pick per transfer (packs fragmented GPU transfers; keeps
+    # coalesced runs on host memory with vLLM's block sizes), "always" packs every transfer
+    # with a peer that has a pool, "never" allocates no pool and always moves runs. Safe
+    # with any number of senders into one engine: the receiver grants its staging slots.
+    staging: str = STAGING_AUTO
+    # Staging pools per engine (one receive pool of staging_slots and one send pool of
+    # staging_send_slots, all staging_slot_bytes, registered once). 0 = the measured
+    # default by device (staging.default_pool): GPUs 64 MiB x (2 + 2) = 256 MiB, host
+    # memory 2 MiB x (4 + 4) = 16 MiB.
     staging_slot_bytes: int = 0
     staging_slots: int = 0
-    staging_target_chunks: int = 16
+    staging_send_slots: int = 0
+    staging_target_chunks: int = 0
 
-    def staging_pool(self, device: str) -> tuple[int, int]:
-        """(slot bytes, slots) of this engine's pools on ``device`` ("cpu"/"cuda")."""
-        cuda = device == "cuda"
-        slot = self.staging_slot_bytes or ((32 << 20) if cuda else (2 << 20))
-        return int(slot), int(self.staging_slots or 4)
+    def staging_pool(self, device: str) -> tuple[int, int, int, int]:
+        """(slot bytes, receive slots, send slots, target chunks) of this engine's pools on
+        ``device`` ("cpu"/"cuda")."""
+        from .staging import default_pool  # torch: only where pools are built
+
+        d = default_pool("cuda" if device == "cuda" else "cpu")
+        return (int(self.staging_slot_bytes or d.slot_bytes), int(self.staging_slots or d.slots),
+                int(self.staging_send_slots or d.send_slots),
+                int(self.staging_target_chunks or d.target_chunks))
 
     @property
     def hard_cap_s(self) -> float:
@@ -115,7 +120,7 @@ class KvbatonSettings:
             raise ValueError("kvbaton: kv_connector_extra_config.control_plane (address) is required")
         # vLLM's own engine_id is a uuid shared by the 3 processes; an explicit one is
         # nicer in the registrar and in logs.
-        staging = str(get("staging", STAGING_NEVER) or STAGING_NEVER).lower()
+        staging = str(get("staging", STAGING_AUTO) or STAGING_AUTO).lower()
         if staging not in (STAGING_AUTO, STAGING_ALWAYS, STAGING_NEVER):
             raise ValueError(f"kvbaton: staging must be 'auto', 'always' or 'never', got {staging!r}")
         engine_id = str(get("engine_id", "") or kv_transfer_config.engine_id or "")
@@ -140,7 +145,8 @@ class KvbatonSettings:
                    staging=staging,
                    staging_slot_bytes=int(get("staging_slot_bytes", 0) or 0),
                    staging_slots=int(get("staging_slots", 0) or 0),
-                   staging_target_chunks=int(get("staging_target_chunks", 16) or 16))
+                   staging_send_slots=int(get("staging_send_slots", 0) or 0),
+                   staging_target_chunks=int(get("staging_target_chunks", 0) or 0))
 
 
 def _flag(v: Any) -> bool:

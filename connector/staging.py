@@ -118,8 +118,9 @@ class PoolDefaults:
         return self.slot_bytes * (self.slots + self.send_slots)
 
 
-# Chosen from benchmarks/results/datapath_gpu.md (one H200): within 256 MiB per engine.
-GPU_POOL = PoolDefaults(slot_bytes=32 << 20, slots=4, send_slots=4, target_chunks=16)
+# Chosen from benchmarks/results/datapath_gpu.md (one H200): the fastest shape measured
+# within 256 MiB per engine (large chunks: each chunk costs ~0.3 ms of fixed latency there).
+GPU_POOL = PoolDefaults(slot_bytes=64 << 20, slots=2, send_slots=2, target_chunks=8)
 HOST_POOL = PoolDefaults(slot_bytes=2 << 20, slots=4, send_slots=4, target_chunks=16)
 
 
@@ -477,14 +478,13 @@ class StagedPeer:
             except ValueError:
                 if use_kernel:
                     raise
-        # per receive slot: a pinned host and a device buffer for the chunk's block ids
-        # (no pinned allocation per chunk; a slot's previous scatter is done before its
-        # next chunk can arrive, so reuse is safe)
-        cap = max(1, self.recv_pool.slot_bytes // max(1, layout.bytes_per_block))
-        self._ids_host = ([torch.empty(cap, dtype=torch.int64).pin_memory()
-                           for _ in range(num_slots)] if self.cuda else [])
-        self._ids_dev = ([torch.empty(cap, dtype=torch.int64, device=self.device)
-                          for _ in range(num_slots)] if self.cuda else [])
+        #: tiles with fewer regions than this are moved with one torch kernel per region
+        #: (a Triton launch costs more CPU time than a few torch launches)
+        self.kernel_min_regions = 4
+        # Destination ids of incoming transfers, received once (grant request or our pull)
+        # and uploaded once on CUDA; chunks name a range of them (no ids per chunk).
+        self._dst_ids: collections.OrderedDict[tuple[str, str], np.ndarray] = collections.OrderedDict()
+        self._dst_dev: dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]] = {}
         self._outgoing: dict[tuple[str, str], _Outgoing] = {}
         self._recv_counts: dict[tuple[str, str], int] = {}
         self._cancelled: dict[str, None] = {}  # insertion-ordered set (see cancel)
@@ -613,7 +613,8 @@ class StagedPeer:
             out = self._outgoing[key] = _Outgoing(t0)
             rslot = remote.slot_bytes if remote is not None else self._send_info.slot_bytes
             want = min(self._want(n, rslot), remote.num_slots if remote is not None else 1 << 30)
-            self.ep.send_notif(peer, GrantRequest(xfer_id, want, max(1, int(timeout_s * 1e3))).encode())
+            self.ep.send_notif(peer, GrantRequest(xfer_id, want, max(1, int(timeout_s * 1e3)),
+                                                  rids).encode())
         self._note("send", 0)
         out.pulled = False
         mine = self._send_info
@@ -657,7 +658,7 @@ class StagedPeer:
                         c, ls, rs, handle = packing.popleft()
                         nbytes = self._pack_result(handle)
                         r0, r1, b0, b1 = tiles[c]
-                        msg = Chunk(xfer_id, rs, c, nchunks, r0, r1, rids[b0:b1]).encode()
+                        msg = Chunk(xfer_id, rs, c, nchunks, r0, r1, b0, b1).encode()
                         plan = plan_contiguous(mine.slot_addr(ls), g.slot_addr(rs), nbytes,
                                                local_dev=mine.device_id, remote_dev=g.device_id,
                                                local_mem_type=mine.mem_type,
@@ -728,7 +729,7 @@ class StagedPeer:
         with torch.cuda.device(self.device), torch.cuda.stream(self._pack_stream):
             ids = ids_dev[b0:b1]
             out = self.send_pool.slot(slot)
-            if self.copier is not None:
+            if self.copier is not None and r1 - r0 >= self.kernel_min_regions:
                 nbytes = self.copier.gather(ids, r0, r1, out)
             else:
                 nbytes = pack_blocks(self.views[r0:r1], ids, out)
@@ -765,6 +766,7 @@ class StagedPeer:
             raise ValueError("remote and local id counts differ")
         check_ids(lids, self.layout.num_blocks, side="local", unique=True)
         self.ep.send_notif(peer, Pull(xfer_id, rids, lids).encode())
+        self._remember_ids((peer, xfer_id), lids)
         if lids.shape[0]:
             want = self._want(int(lids.shape[0]), self.recv_pool.slot_bytes)
             self._send_handouts(self.grants.request(peer, xfer_id, want, timeout_s))
@@ -846,11 +848,15 @@ class StagedPeer:
                 self.ep.send_notif(peer, Deny(m.xfer_id, "cancelled by the receiver").encode())
                 return
             try:
+                check_ids(m.dst_ids, self.layout.num_blocks, side="staged destination", unique=True)
                 self._send_handouts(self.grants.request(peer, m.xfer_id, m.want, m.ttl_ms / 1e3))
             except ValueError as e:
                 self.ep.send_notif(peer, Deny(m.xfer_id, str(e)).encode())
+                return
+            self._remember_ids(key, m.dst_ids)
         elif isinstance(m, Release):
             self._recv_counts.pop(key, None)
+            self._forget_ids(key)
             self._send_handouts(self.grants.release(peer, m.xfer_id))
         elif isinstance(m, Pull):
             self._outgoing[key] = _Outgoing(time.monotonic(), pulled=True)
@@ -871,40 +877,54 @@ class StagedPeer:
         if m.xfer_id in self._cancelled:  # the receiver gave up: free the slot, keep the blocks
             self._chunk_done(peer, m.xfer_id, m.slot, m.seq, m.nchunks)
             return
-        ids = m.dst_ids
-        nb = (m.r1 - m.r0) * ids.shape[0] * self.layout.bytes_per_block
-        if not (0 <= m.r0 < m.r1 <= self.layout.num_regions) or nb > self.recv_pool.slot_bytes:
+        key = (peer, m.xfer_id)
+        all_ids = self._dst_ids.get(key)
+        nb = (m.r1 - m.r0) * (m.b1 - m.b0) * self.layout.bytes_per_block
+        if (all_ids is None or not (0 <= m.r0 < m.r1 <= self.layout.num_regions)
+                or not (0 <= m.b0 < m.b1 <= all_ids.shape[0]) or nb > self.recv_pool.slot_bytes):
             self.dropped_chunks += 1
-            log.warning("kvbaton: staged chunk %s/%d from %s does not fit slot %d: dropped",
-                        m.xfer_id, m.seq, peer, m.slot)
+            log.warning("kvbaton: staged chunk %s/%d from %s does not match its transfer: dropped",
+                        m.xfer_id, m.seq, peer)
             return
-        check_ids(ids, self.layout.num_blocks, side="staged destination", unique=True)
         self._note("chunk", m.seq)
         if not self.cuda:
-            unpack_blocks(self.views[m.r0:m.r1], torch.from_numpy(ids.copy()),
+            unpack_blocks(self.views[m.r0:m.r1], torch.from_numpy(all_ids[m.b0:m.b1].copy()),
                           self.recv_pool.slot(m.slot))
             self._chunk_done(peer, m.xfer_id, m.slot, m.seq, m.nchunks)
             return
-        self._unpacking.append(self._start_unpack(peer, m, ids))
+        self._unpacking.append(self._start_unpack(peer, m, all_ids))
         self._finish_unpacks()
 
-    def _start_unpack(self, peer: str, m: Chunk, ids: np.ndarray) -> _Unpack:
-        """Enqueue a chunk's scatter on the unpack stream; its event says when it is out."""
+    def _remember_ids(self, key: tuple[str, str], ids: np.ndarray) -> None:
+        self._dst_ids[key] = np.ascontiguousarray(ids, dtype=np.int64)
+        self._dst_dev.pop(key, None)
+        while len(self._dst_ids) > 1024:  # transfers whose sender vanished
+            old, _ = self._dst_ids.popitem(last=False)
+            self._dst_dev.pop(old, None)
+
+    def _forget_ids(self, key: tuple[str, str]) -> None:
+        self._dst_ids.pop(key, None)
+        self._dst_dev.pop(key, None)
+
+    def _start_unpack(self, peer: str, m: Chunk, all_ids: np.ndarray) -> _Unpack:
+        """Enqueue a chunk's scatter on the unpack stream; its event says when it is out.
+        The transfer's ids go to the GPU once, with its first chunk."""
         assert self._unpack_stream is not None
-        k = int(ids.shape[0])
-        host = self._ids_host[m.slot][:k]
-        host.numpy()[:] = ids
+        key = (peer, m.xfer_id)
         with torch.cuda.device(self.device), torch.cuda.stream(self._unpack_stream):
-            ids_dev = self._ids_dev[m.slot][:k]
-            ids_dev.copy_(host, non_blocking=True)
+            dev = self._dst_dev.get(key)
+            if dev is None:
+                host = torch.from_numpy(all_ids).pin_memory()
+                dev = self._dst_dev[key] = (host, host.to(self.device, non_blocking=True))
+            ids_dev = dev[1][m.b0:m.b1]
             src = self.recv_pool.slot(m.slot)
-            if self.copier is not None:
+            if self.copier is not None and m.r1 - m.r0 >= self.kernel_min_regions:
                 self.copier.scatter(ids_dev, m.r0, m.r1, src)
             else:
                 unpack_blocks(self.views[m.r0:m.r1], ids_dev, src)
             ev = torch.cuda.Event()
             ev.record(self._unpack_stream)
-        return _Unpack(peer, m.xfer_id, m.slot, m.seq, m.nchunks, ev, (host, ids_dev))
+        return _Unpack(peer, m.xfer_id, m.slot, m.seq, m.nchunks, ev, dev)
 
     def _finish_unpacks(self) -> bool:
         """Ack every chunk whose scatter finished (one stream: they finish in order)."""
@@ -926,6 +946,7 @@ class StagedPeer:
         got = self._recv_counts.get(key, 0) + 1
         if got >= nchunks:
             self._recv_counts.pop(key, None)
+            self._forget_ids(key)
             if xfer_id in self._cancelled:
                 return
             self.completed[xfer_id] = peer

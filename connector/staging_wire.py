@@ -10,10 +10,12 @@ version is part of the prefix so that a peer running another version is refused 
 clear error (:class:`WireError`) instead of being misparsed. Ids are little-endian int64.
 
 =========  =============================================================================
-``Q``      sender → receiver: please grant me up to ``want`` slots for ``xfer`` (ttl)
+``Q``      sender → receiver: please grant me up to ``want`` slots for ``xfer`` (ttl);
+           carries the transfer's destination block ids, once
 ``G``      receiver → sender: these slots of my pool (base/slot size/memory) are yours
 ``C``      sender → receiver (the WRITE's own notification, after its data): chunk
-           ``seq`` of ``nchunks`` in ``slot``, regions ``r0..r1``, destination block ids
+           ``seq`` of ``nchunks`` in ``slot``: regions ``r0..r1`` of the transfer's
+           destination ids ``b0..b1`` (from its ``Q`` or ``P``; no ids per chunk)
 ``A``      receiver → sender: chunk in ``slot`` scattered; ``keep`` = the slot is still
            yours (0: it went back to the receiver's pool: do not write it again)
 ``R``      sender → receiver: release the rest of my grant (transfer aborted, nothing of
@@ -55,10 +57,17 @@ class GrantRequest:
     xfer_id: str
     want: int
     ttl_ms: int
+    dst_ids: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     KIND = b"Q"
 
     def encode(self) -> bytes:
-        return _head(self.KIND, f"{_xid(self.xfer_id)} {int(self.want)} {int(self.ttl_ms)}")
+        return (_head(self.KIND, f"{_xid(self.xfer_id)} {int(self.want)} {int(self.ttl_ms)}")
+                + b"\n" + np.asarray(self.dst_ids).astype("<i8", copy=False).tobytes())
+
+    def __eq__(self, other: object) -> bool:
+        return (isinstance(other, GrantRequest) and (self.xfer_id, self.want, self.ttl_ms)
+                == (other.xfer_id, other.want, other.ttl_ms)
+                and np.array_equal(self.dst_ids, other.dst_ids))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,13 +102,13 @@ class Chunk:
     nchunks: int
     r0: int
     r1: int
-    dst_ids: np.ndarray
+    b0: int
+    b1: int
     KIND = b"C"
 
     def encode(self) -> bytes:
-        return (_head(self.KIND, f"{_xid(self.xfer_id)} {self.slot} {self.seq} {self.nchunks} "
-                                 f"{self.r0} {self.r1}")
-                + b"\n" + np.asarray(self.dst_ids).astype("<i8", copy=False).tobytes())
+        return _head(self.KIND, f"{_xid(self.xfer_id)} {self.slot} {self.seq} {self.nchunks} "
+                                f"{self.r0} {self.r1} {self.b0} {self.b1}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,13 +180,14 @@ def decode(msg: bytes) -> Message:
     try:
         f = head.decode().split()
         if kind == b"Q":
-            return GrantRequest(f[0], int(f[1]), int(f[2]))
+            return GrantRequest(f[0], int(f[1]), int(f[2]), _ids(body, "grant request"))
         if kind == b"G":
             return Grant(f[0], tuple(int(x) for x in f[5].split(",")), int(f[1]), int(f[2]), f[3],
                          int(f[4]))
         if kind == b"C":
-            return Chunk(f[0], int(f[1]), int(f[2]), int(f[3]), int(f[4]), int(f[5]),
-                         _ids(body, "chunk"))
+            if len(f) != 8:
+                raise WireError(f"malformed staging message b'C': {len(f)} fields, 8 expected")
+            return Chunk(f[0], *(int(x) for x in f[1:8]))
         if kind == b"A":
             return Ack(f[0], int(f[1]), int(f[2]), f[3] == "1")
         if kind == b"R":

@@ -498,22 +498,22 @@ class TransferThread:
             return
         from .staging import StagedPeer
 
-        slot, nslots = self.settings.staging_pool(self.layout.device)
+        slot, nslots, nsend, chunks = self.settings.staging_pool(self.layout.device)
         slot = max(slot, self.layout.bytes_per_block)  # a tile holds at least one block row
         # Ours first (the first matching prefix wins): staged messages from an agent we
         # cannot answer yet wait for its registrar lookup (see _StagedWait).
         ep.on_notif(STAGED_PREFIX, self._on_staged_notif)
         try:
             self._staged = StagedPeer(ep, self._tensors, self.layout, slot_bytes=slot, num_slots=nslots,
-                                      target_chunks=self.settings.staging_target_chunks,
+                                      send_slots=nsend, target_chunks=chunks,
                                       min_chunk_bytes=min(4 << 20, slot), on_complete=self._on_staged_complete)
         except Exception:  # noqa: BLE001 - no pool: runs only (published as absent)
             log.exception("kvbaton: staging pool not available; moving KV with coalesced runs only")
             self._staged = None
             return
         self.staging_info = self._staged.info()
-        log.info("kvbaton: staging pools %d x %d B (%s), mode %s", nslots, self._staged.recv_pool.slot_bytes,
-                 self.staging_info.mem_type, self.settings.staging)
+        log.info("kvbaton: staging pools %d + %d x %d B (%s), mode %s", nslots, nsend,
+                 self._staged.recv_pool.slot_bytes, self.staging_info.mem_type, self.settings.staging)
 
     def _on_staged_notif(self, peer: str, msg: bytes) -> None:
         if self._staged is None:

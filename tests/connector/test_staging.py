@@ -342,7 +342,7 @@ def test_grant_of_a_vanished_sender_is_reclaimed() -> None:
             time.sleep(0.001)
         assert p.sb.grants.slots_of(ghost.name, "gx") == {0, 1}
         # a forged chunk from a peer that holds no slot: dropped
-        p.a.send_notif(p.b.name, Chunk("fake", 0, 0, 1, 0, 1, np.array([3])).encode())
+        p.a.send_notif(p.b.name, Chunk("fake", 0, 0, 1, 0, 1, 0, 1).encode())
         src, dst = np.arange(1, 9), np.arange(30, 38)
         t0 = time.monotonic()
         p.sa.send(p.b.name, p.sb.info(), src, dst, "after", timeout_s=20, idle=p.sb.progress)

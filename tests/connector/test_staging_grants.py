@@ -103,14 +103,11 @@ def test_bad_requests() -> None:
 
 def test_wire_round_trip() -> None:
     ids = np.array([5, 1, 9], dtype=np.int64)
-    msgs = [GrantRequest("x1", 4, 30000), Grant("x1", (0, 3), 1 << 40, 32 << 20, "VRAM", 1),
+    msgs = [GrantRequest("x1", 4, 30000, ids), Chunk("x1", 2, 5, 9, 0, 128, 16, 19), Grant("x1", (0, 3), 1 << 40, 32 << 20, "VRAM", 1),
             Ack("x1", 3, 7, True), Ack("x1", 2, 8, False), Release("x1"),
             Deny("x1", "cancelled by the receiver")]
     for m in msgs:
         assert decode(m.encode()) == m
-    c = decode(Chunk("x1", 2, 5, 9, 0, 128, ids).encode())
-    assert isinstance(c, Chunk) and (c.slot, c.seq, c.nchunks, c.r0, c.r1) == (2, 5, 9, 0, 128)
-    assert c.dst_ids.tolist() == [5, 1, 9]
     p = decode(Pull("x2", ids, ids[::-1]).encode())
     assert isinstance(p, Pull) and p.src_ids.tolist() == [5, 1, 9] and p.dst_ids.tolist() == [9, 1, 5]
 
@@ -118,8 +115,9 @@ def test_wire_round_trip() -> None:
 @pytest.mark.parametrize("raw,match", [
     (b"KVBS/Q2 x 1 1", "version"),           # another protocol version
     (b"KVBS/C x 1 2 3 0 1\n", "version"),    # the old unversioned format
+    (b"KVBS/C1 x 1 2 3 0 1", "malformed"),    # no block range
     (b"KVBS/Q1 x notanumber 1", "malformed"),
-    (b"KVBS/C1 x 1 2 3 0 1\nabc", "multiple of 8"),
+    (b"KVBS/Q1 x 1 2\nabc", "multiple of 8"),
     (b"KVBS/P1 x 3\n" + b"\0" * 16, "carries"),
     (b"KVBS/Z1 x", "unknown"),
     (b"nope", "not a staging"),
