@@ -86,8 +86,8 @@ class KvbatonSettings:
     staging: str = STAGING_AUTO
     # Staging pools per engine (one receive pool of staging_slots and one send pool of
     # staging_send_slots, all staging_slot_bytes, registered once). 0 = the measured
-    # default by device (staging.default_pool): GPUs 64 MiB x (2 + 2) = 256 MiB, host
-    # memory 2 MiB x (4 + 4) = 16 MiB.
+    # default by device (staging.default_pool): GPUs 64 MiB x (2 + 2) = 256 MiB (about 4
+    # chunks per transfer), host memory 2 MiB x (4 + 4) = 16 MiB.
     staging_slot_bytes: int = 0
     staging_slots: int = 0
     staging_send_slots: int = 0

@@ -118,9 +118,11 @@ class PoolDefaults:
         return self.slot_bytes * (self.slots + self.send_slots)
 
 
-# Chosen from benchmarks/results/datapath_gpu.md (one H200): the fastest shape measured
-# within 256 MiB per engine (large chunks: each chunk costs ~0.3 ms of fixed latency there).
-GPU_POOL = PoolDefaults(slot_bytes=64 << 20, slots=2, send_slots=2, target_chunks=8)
+# Chosen from measurement (benchmarks/results/datapath_gpu_sweep.md, one H200): the
+# fastest shape within 256 MiB per engine at 1k, 4k and 16k tokens. Few, large chunks:
+# each chunk's round trip (gather, WRITE, notification, scatter, ack) costs ~0.5-0.8 ms
+# there, so slots in flight, not bytes, bound the rate.
+GPU_POOL = PoolDefaults(slot_bytes=64 << 20, slots=2, send_slots=2, target_chunks=4)
 HOST_POOL = PoolDefaults(slot_bytes=2 << 20, slots=4, send_slots=4, target_chunks=16)
 
 
@@ -896,7 +898,7 @@ class StagedPeer:
         self._finish_unpacks()
 
     def _remember_ids(self, key: tuple[str, str], ids: np.ndarray) -> None:
-        self._dst_ids[key] = np.ascontiguousarray(ids, dtype=np.int64)
+        self._dst_ids[key] = np.array(ids, dtype=np.int64)  # a writable copy (pinned later)
         self._dst_dev.pop(key, None)
         while len(self._dst_ids) > 1024:  # transfers whose sender vanished
             old, _ = self._dst_ids.popitem(last=False)
