@@ -27,7 +27,6 @@ import json
 import os
 import pathlib
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -36,14 +35,9 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from kvbaton.client import KvbatonClient  # noqa: E402
-from kvbaton.v1 import common_pb2, lease_pb2, registrar_pb2, rendezvous_pb2  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from kvbaton.client import KvbatonClient
+from kvbaton.stack.ports import free_port
+from kvbaton.v1 import common_pb2, lease_pb2, registrar_pb2, rendezvous_pb2
 
 
 def cpu_seconds(pid: int | None = None) -> float:
@@ -75,8 +69,12 @@ async def bench_rendezvous(kv: KvbatonClient, *, rate: float, concurrency: int, 
     pre, dec = f"pre-{tag}", f"dec-{tag}"
     dkv = peer or kv
     if path == "session":
-        offer = lambda req, timeout: dkv.session.offer(req)  # noqa: E731
-        complete = lambda req, timeout: kv.session.complete(req)  # noqa: E731
+        def offer(req, timeout):
+            return dkv.session.offer(req)
+
+        def complete(req, timeout):
+            return kv.session.complete(req)
+
     else:
         offer, complete = kv.rendezvous.Offer, kv.rendezvous.Complete
     await register(kv, pre, common_pb2.ENGINE_ROLE_PREFILL)
@@ -123,7 +121,7 @@ async def bench_rendezvous(kv: KvbatonClient, *, rate: float, concurrency: int, 
                              timeout=5))
                 t_match = await asyncio.wait_for(fut, 5)
                 latencies.append((t_match - t0) * 1000)
-            except Exception:
+            except Exception:  # noqa: BLE001 - any failure counts as an error of the open-loop run
                 errors += 1
                 waiting.pop(tid, None)
 
@@ -277,7 +275,7 @@ def main() -> int:
     for store in args.store or ["memory://"]:
         cluster = None
         if store == "etcd3":
-            from tests.harness.etcd_cluster import EtcdCluster
+            from kvbaton.stack.etcd_cluster import EtcdCluster
 
             cluster = EtcdCluster(3).start()
             store = cluster.url

@@ -28,8 +28,8 @@ destination blocks must equal those of the source blocks (destination zeroed bef
     python benchmarks/datapath_gpu.py --smoke            # tiny, seconds
     python benchmarks/datapath_gpu.py --tokens 16384 --iters 5 --out /tmp/x.json
 
-Needs only torch, numpy, triton and nixl (``nixl`` + ``nixl-cu13`` wheels); the connector
-is imported from this repository via sys.path, nothing is installed. Exits 0 with
+Needs torch, numpy, triton and nixl (``nixl`` + ``nixl-cu13`` wheels), and kvbaton installed
+(``pip install --no-deps -e .``: the connector is ``kvbaton.connector``). Exits 0 with
 "skipped: no CUDA" where there is no GPU.
 """
 
@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import os
 import statistics
 import sys
@@ -47,16 +48,25 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402  (torch before nixl: it must own the CUDA context first)
+import numpy as np
+import torch  # torch before nixl: it must own the CUDA context first
 
-import datapath  # noqa: E402  (puts the repo root on sys.path)
-from connector.descriptors import coalesce_runs, plan_transfer  # noqa: E402
-from connector.geometry import KvLayout  # noqa: E402
-from connector.nixl_agent import NixlEndpoint  # noqa: E402
-from connector.staging import (PREFIX, GpuRowCopier, PoolDefaults,  # noqa: E402
-                               StagedPeer, choose_strategy, default_pool, pack_blocks,
-                               plan_tiles, region_byte_views, unpack_blocks)
+import datapath  # this directory, put on sys.path above
+from kvbaton.connector.descriptors import coalesce_runs, plan_transfer
+from kvbaton.connector.geometry import KvLayout
+from kvbaton.connector.nixl_agent import NixlEndpoint
+from kvbaton.connector.staging import (
+    PREFIX,
+    GpuRowCopier,
+    PoolDefaults,
+    StagedPeer,
+    choose_strategy,
+    default_pool,
+    pack_blocks,
+    plan_tiles,
+    region_byte_views,
+    unpack_blocks,
+)
 
 GB = 1e9
 
@@ -596,7 +606,8 @@ class GpuBench:
             ms = timed(fn, dev)
             out.append({"kernel": name, "tiles": len(tiles), "ms": round(ms, 3),
                         "gbps": round(self.nbytes / (ms / 1e3) / GB, 1)})
-        del scratch, vsc
+        cases.clear()  # its closures hold the scratch cache: drop them before empty_cache
+        scratch = vsc = cb = None
         if self.src_dev.type == "cuda":
             torch.cuda.empty_cache()
         return out
@@ -825,7 +836,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("skipped: no CUDA")
         return 0
     try:
-        import nixl  # noqa: F401
+        importlib.import_module("nixl")  # fail early, with what to install
     except ImportError as e:
         print(f"error: nixl is not importable ({e}); install nixl + nixl-cu13 wheels with --no-deps")
         return 2

@@ -14,12 +14,13 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
+pytest.importorskip("torch")
 pytest.importorskip("nixl")
+import torch
 
-from kvbaton.connector.descriptors import plan_transfer  # noqa: E402
-from kvbaton.connector.geometry import KvLayout  # noqa: E402
-from kvbaton.connector.nixl_agent import NixlEndpoint  # noqa: E402
+from kvbaton.connector.descriptors import plan_transfer
+from kvbaton.connector.geometry import KvLayout
+from kvbaton.connector.nixl_agent import NixlEndpoint
 
 pytestmark = pytest.mark.nixl
 
@@ -136,7 +137,7 @@ def test_idle_agent_does_not_spin() -> None:
     ep.close()
 
 
-def _child(conn: "mp.connection.Connection", nbytes: int) -> None:
+def _child(conn: mp.connection.Connection, nbytes: int) -> None:
     """Second process: owns a buffer, lets the parent WRITE into it, reports a checksum."""
     ep = NixlEndpoint("child", net_devices="lo", ucx_tls="tcp,self,sm")
     buf = torch.zeros(nbytes, dtype=torch.uint8)

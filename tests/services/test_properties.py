@@ -17,12 +17,20 @@ from google.protobuf import descriptor as D
 
 from kvbaton.services.server import ControlPlane
 from kvbaton.services.store import MemoryStore
-from kvbaton.v1 import common_pb2, lease_pb2, lease_pb2_grpc, registrar_pb2, registrar_pb2_grpc, rendezvous_pb2, rendezvous_pb2_grpc
+from kvbaton.v1 import (
+    common_pb2,
+    lease_pb2,
+    lease_pb2_grpc,
+    registrar_pb2,
+    registrar_pb2_grpc,
+    rendezvous_pb2,
+    rendezvous_pb2_grpc,
+)
 from tests.services.conftest import fast_config
 
-hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
+pytest.importorskip("hypothesis")
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 REFUSALS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION,
             grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.ABORTED}
