@@ -204,7 +204,7 @@ class Pools:
 
     def _route(self, peer: str, msg: bytes) -> None:
         assert self.active is not None
-        self.active._on_notif(peer, msg)  # noqa: SLF001 - we own the prefix's routing
+        self.active._on_notif(peer, msg)
 
     def use(self, name: str, spin: bool = True) -> StagedPeer:
         self.active = self.peers[name]

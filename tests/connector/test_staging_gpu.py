@@ -175,8 +175,8 @@ def test_two_senders_into_one_receiver_cuda() -> None:
         if errors:
             raise errors[0]
         torch.cuda.synchronize()
-        for i, (sp, src, d, xid) in enumerate(jobs):
-            assert sb.completed.pop(xid) == eps[i if i == 0 else 1].name
+        for i, (_sp, src, d, xid) in enumerate(jobs):
+            assert sb.completed.pop(xid) == eps[i].name
             s_t, d_t = torch.from_numpy(src).cuda(), torch.from_numpy(d).cuda()
             for x, y in zip(views[i], views[2]):
                 assert torch.equal(x.index_select(0, s_t).view(torch.uint8),

@@ -6,8 +6,7 @@ import numpy as np
 import pytest
 
 from kvbaton.connector.staging_grants import SlotGrants
-from kvbaton.connector.staging_wire import (Ack, Chunk, Deny, Grant, GrantRequest, Pull, Release,
-                                            WireError, decode)
+from kvbaton.connector.staging_wire import Ack, Chunk, Deny, Grant, GrantRequest, Pull, Release, WireError, decode
 
 
 class Clock:
