@@ -35,7 +35,8 @@ Pack path (``staging``, :mod:`.staging`): fragmented transfers can go gather →
 WRITE per chunk → scatter → ack instead of one descriptor per coalesced run.
 
 * Pools: at ``register_kv_caches`` this thread allocates one send and one receive pool
-  (``staging_slot_bytes`` × ``staging_slots``, on the KV's device) and registers them
+  (``staging_slot_bytes`` × ``staging_slots`` receive + ``staging_send_slots`` send, on
+  the KV's device; 256 MiB on GPUs by default) and registers them
   with the agent once (:class:`StagedPeer`); the receive pool is published with the rank
   (``EngineRank.staging``), and peers read it with the rest of the rank in :meth:`_peer`.
   ``staging: never`` allocates nothing and publishes nothing.
