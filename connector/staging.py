@@ -513,8 +513,9 @@ class StagedPeer:
 
     @property
     def busy(self) -> bool:
-        """Incoming work the owner must keep calling :meth:`progress` for."""
-        return bool(self.grants.busy or self._unpacking or self._recv_counts)
+        """Incoming work the owner must keep calling :meth:`progress` for (bounded: a
+        grant ends with its transfer, its sender's release, or its expiry)."""
+        return bool(self.grants.busy or self._unpacking)
 
     def close(self) -> None:
         if self._packer is not None:
