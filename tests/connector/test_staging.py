@@ -11,9 +11,15 @@ import pytest
 pytest.importorskip("torch")
 import torch
 
-from kvbaton.connector.descriptors import coalesce_runs
-from kvbaton.connector.geometry import KvLayout
-from kvbaton.connector.staging import choose_strategy, pack_blocks, plan_tiles, region_byte_views, unpack_blocks
+from kvbaton.connector.transfer.descriptors import coalesce_runs
+from kvbaton.connector.transfer.geometry import KvLayout
+from kvbaton.connector.transfer.staging import (
+    choose_strategy,
+    pack_blocks,
+    plan_tiles,
+    region_byte_views,
+    unpack_blocks,
+)
 
 LAYERS, NUM_BLOCKS, TPB = 3, 80, 16
 _names = itertools.count()
@@ -108,8 +114,8 @@ def test_choose_strategy() -> None:
 class StagedPair:
     def __init__(self, shape_first: str, slot_bytes: int, num_slots: int) -> None:
         pytest.importorskip("nixl")
-        from kvbaton.connector.nixl_agent import NixlEndpoint
-        from kvbaton.connector.staging import StagedPeer
+        from kvbaton.connector.transfer.nixl_agent import NixlEndpoint
+        from kvbaton.connector.transfer.staging import StagedPeer
 
         self.bd = 1 if shape_first == "kv" else 0
         self.a = NixlEndpoint(f"SA{next(_names)}", net_devices="lo", ucx_tls="tcp,self,sm")
@@ -249,8 +255,8 @@ def test_two_senders_into_one_receiver_at_once(mode: str) -> None:
     lands where it belongs (checksums), and the receiver's pool is whole again after."""
     import threading
 
-    from kvbaton.connector.nixl_agent import NixlEndpoint
-    from kvbaton.connector.staging import StagedPeer
+    from kvbaton.connector.transfer.nixl_agent import NixlEndpoint
+    from kvbaton.connector.transfer.staging import StagedPeer
 
     block_bytes = LAYERS * 2 * TPB * 2 * 8 * 2
     p = StagedPair("kv", slot_bytes=3 * block_bytes, num_slots=3)
@@ -323,8 +329,8 @@ def test_grant_of_a_vanished_sender_is_reclaimed() -> None:
     """A sender that asked for slots and never used them (crashed, say) does not block the
     receiver: its grant expires at its ttl (+ margin) and the next sender proceeds; a chunk
     notification for a slot its sender does not hold is dropped, never scattered."""
-    from kvbaton.connector.nixl_agent import NixlEndpoint
-    from kvbaton.connector.staging_wire import Chunk, GrantRequest
+    from kvbaton.connector import wire
+    from kvbaton.connector.transfer.nixl_agent import NixlEndpoint
 
     block_bytes = LAYERS * 2 * TPB * 2 * 8 * 2
     p = StagedPair("kv", slot_bytes=2 * block_bytes, num_slots=2)
@@ -333,7 +339,7 @@ def test_grant_of_a_vanished_sender_is_reclaimed() -> None:
     p.b.add_peer(ghost.name, ghost.metadata())
     p.sb.grants.margin_s = 0.05
     try:
-        ghost.send_notif(p.b.name, GrantRequest("gx", 2, 300).encode())
+        ghost.send_notif(p.b.name, wire.encode(wire.StagedGrantRequest("gx", 2, 300, np.arange(4))))
         for _ in range(2000):
             p.sb.progress()
             ghost.poll_notifs()
@@ -342,7 +348,7 @@ def test_grant_of_a_vanished_sender_is_reclaimed() -> None:
             time.sleep(0.001)
         assert p.sb.grants.slots_of(ghost.name, "gx") == {0, 1}
         # a forged chunk from a peer that holds no slot: dropped
-        p.a.send_notif(p.b.name, Chunk("fake", 0, 0, 1, 0, 1, 0, 1).encode())
+        p.a.send_notif(p.b.name, wire.encode(wire.StagedChunk("fake", 0, 0, 1, 0, 1, 0, 1)))
         src, dst = np.arange(1, 9), np.arange(30, 38)
         t0 = time.monotonic()
         p.sa.send(p.b.name, p.sb.info(), src, dst, "after", timeout_s=20, idle=p.sb.progress)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvbaton.connector.staging_grants import SlotGrants
-from kvbaton.connector.staging_wire import Ack, Chunk, Deny, Grant, GrantRequest, Pull, Release, WireError, decode
+from kvbaton.connector import wire
+from kvbaton.connector.transfer.staging_grants import SlotGrants
 
 
 class Clock:
@@ -102,32 +102,28 @@ def test_bad_requests() -> None:
 
 def test_wire_round_trip() -> None:
     ids = np.array([5, 1, 9], dtype=np.int64)
-    msgs = [GrantRequest("x1", 4, 30000, ids), Chunk("x1", 2, 5, 9, 0, 128, 16, 19), Grant("x1", (0, 3), 1 << 40, 32 << 20, "VRAM", 1),
-            Ack("x1", 3, 7, True), Ack("x1", 2, 8, False), Release("x1"),
-            Deny("x1", "cancelled by the receiver")]
+    msgs = [wire.StagedGrant("x1", [0, 3], 1 << 40, 32 << 20, "VRAM", 1),
+            wire.StagedChunk("x1", 2, 5, 9, 0, 128, 16, 19), wire.StagedAck("x1", 3, 7, True),
+            wire.StagedAck("x1", 2, 8, False), wire.StagedRelease("x1"),
+            wire.StagedDeny("x1", "cancelled by the receiver")]
     for m in msgs:
-        assert decode(m.encode()) == m
-    p = decode(Pull("x2", ids, ids[::-1]).encode())
-    assert isinstance(p, Pull) and p.src_ids.tolist() == [5, 1, 9] and p.dst_ids.tolist() == [9, 1, 5]
+        assert wire.decode(wire.encode(m)) == m
+    q = wire.decode(wire.encode(wire.StagedGrantRequest("x1", 4, 30000, ids)))
+    assert isinstance(q, wire.StagedGrantRequest) and (q.want, q.ttl_ms, q.dst.tolist()) == (4, 30000, [5, 1, 9])
+    p = wire.decode(wire.encode(wire.StagedPull("x2", ids, ids[::-1])))
+    assert isinstance(p, wire.StagedPull) and p.src.tolist() == [5, 1, 9] and p.dst.tolist() == [9, 1, 5]
+    assert all(wire.encode(m).startswith(wire.staged_prefix()) for m in msgs)
 
 
 @pytest.mark.parametrize("raw,match", [
-    (b"KVBS/Q2 x 1 1", "version"),           # another protocol version
-    (b"KVBS/C x 1 2 3 0 1\n", "version"),    # the old unversioned format
-    (b"KVBS/C1 x 1 2 3 0 1", "malformed"),    # no block range
-    (b"KVBS/Q1 x notanumber 1", "malformed"),
-    (b"KVBS/Q1 x 1 2\nabc", "multiple of 8"),
-    (b"KVBS/P1 x 3\n" + b"\0" * 16, "carries"),
-    (b"KVBS/Z1 x", "unknown"),
-    (b"nope", "not a staging"),
+    (b"KVBS/C x 1 2 3 0 1\n", "unversioned"),   # the pre-release staged format
+    (wire.encode(wire.StagedGrant("x", [1], 0, 1, "DRAM", 0)).replace(b"kvb/1", b"kvb/2"), "version 2"),
+    (wire.prefix("s.grant") + b'{"xfer_id":"x","slots":[],"base_addr":0,"slot_bytes":1,'
+     b'"mem_type":"DRAM","device_id":0}', "at least one slot"),
+    (wire.prefix("s.want") + b'{"xfer_id":"x","want":1,"ttl_ms":1}\nabc', "int64"),
+    (wire.prefix("s.pull") + b'{"xfer_id":"x","n":3}\n' + b"\0" * 16, "carries"),
+    (wire.prefix("s.chunk") + b'{"xfer_id":"x"}', "malformed"),
 ])
 def test_wire_rejects_bad_messages(raw: bytes, match: str) -> None:
-    with pytest.raises(WireError, match=match):
-        decode(raw)
-
-
-def test_wire_refuses_bad_ids_on_encode() -> None:
-    with pytest.raises(ValueError, match="whitespace"):
-        GrantRequest("a b", 1, 1).encode()
-    with pytest.raises(ValueError, match="at least one slot"):
-        Grant("x", (), 0, 1, "DRAM", 0).encode()
+    with pytest.raises(wire.WireError, match=match):
+        wire.decode(raw)

@@ -20,7 +20,7 @@ another stream and acks only when that event fires (:meth:`StagedPeer.progress`)
 fixed pool on both sides, reused: a send slot once its WRITE is done, a receive slot once
 the receiver scattered the chunk in it.
 
-Slot grants (:mod:`.staging_grants`, messages in :mod:`.staging_wire`): the receiver owns
+Slot grants (:mod:`.staging_grants`; messages typed and versioned in :mod:`kvbaton.connector.wire`): the receiver owns
 its receive slots and hands them out; a sender WRITEs only into slots granted to it, and
 each chunk's ack says whether the sender keeps that slot. Many senders can pack into one
 receiver at once. A staged READ is a pull request the owner answers with a staged WRITE
@@ -38,32 +38,24 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
 import torch
 
+from .. import wire
 from .descriptors import as_ids, check_ids, plan_contiguous
 from .geometry import LAYOUT_KV_SPLIT, KvLayout
 from .nixl_agent import POLL_MAX_S, POLL_MIN_S, NixlEndpoint, Transfer
+from .pools import GPU_POOL, HOST_POOL, PoolDefaults, default_pool
 from .staging_grants import Handout, SlotGrants
-from .staging_wire import (
-    PREFIX,
-    Ack,
-    Chunk,
-    Deny,
-    Grant,
-    GrantRequest,
-    Pull,
-    Release,
-    WireError,
-    decode,
-)
 
 Strategy = Literal["runs", "pack"]
+PREFIX = wire.staged_prefix()
 log = logging.getLogger(__name__)
-__all__ = ["PREFIX", "StagedPeer", "StagingInfo", "StagingPool", "choose_strategy"]
+__all__ = ["GPU_POOL", "HOST_POOL", "PREFIX", "PoolDefaults", "StagedPeer", "StagedSend", "StagingInfo",
+           "StagingPool", "choose_strategy", "default_pool"]
 
 
 # ---------------------------------------------------------------------------- policy
@@ -100,35 +92,6 @@ def choose_strategy(num_runs: int, total_bytes: int, *, device: str = "cpu",
     t_runs = num_runs * c.desc_s + total_bytes / c.link_bps
     t_pack = c.pack_fixed_s + total_bytes / c.pack_bps
     return "pack" if t_pack < t_runs else "runs"
-
-
-# ---------------------------------------------------------------------------- defaults
-@dataclasses.dataclass(frozen=True)
-class PoolDefaults:
-    """Staging pools an engine allocates when the settings leave them at 0."""
-
-    slot_bytes: int
-    slots: int          # receive slots (granted to senders)
-    send_slots: int     # send slots (a slot is free again once its WRITE is done)
-    target_chunks: int  # chunks a transfer aims to be cut into (at most a slot each)
-
-    @property
-    def total_bytes(self) -> int:
-        """Staging memory per engine (both pools)."""
-        return self.slot_bytes * (self.slots + self.send_slots)
-
-
-# Chosen from measurement (benchmarks/results/datapath_gpu_sweep.md, one H200): the
-# fastest shape within 256 MiB per engine at 1k, 4k and 16k tokens. Few, large chunks:
-# each chunk's round trip (gather, WRITE, notification, scatter, ack) costs ~0.5-0.8 ms
-# there, so slots in flight, not bytes, bound the rate.
-GPU_POOL = PoolDefaults(slot_bytes=64 << 20, slots=2, send_slots=2, target_chunks=4)
-HOST_POOL = PoolDefaults(slot_bytes=2 << 20, slots=4, send_slots=4, target_chunks=16)
-
-
-def default_pool(device: str) -> PoolDefaults:
-    """The shipped staging pools for ``device`` ("cuda" or "cpu")."""
-    return GPU_POOL if device == "cuda" else HOST_POOL
 
 
 # ---------------------------------------------------------------------------- memory
@@ -368,7 +331,7 @@ class GpuRowCopier:
             blk = min(self.BLOCK, 1 << (self.row_elems - 1).bit_length())
         self.block = blk
         self.even = self.row_elems % self.block == 0
-        self.kernel = _triton_kernel()
+        self.kernel: Any = _triton_kernel()  # a triton JIT function (indexed by its grid)
         if self.kernel is None:
             raise ValueError("triton is not importable")
 
@@ -412,7 +375,7 @@ class _Outgoing:
     """Sender side of one staged transfer to one peer: the receiver's slots we hold."""
 
     created: float
-    grant: Grant | None = None  # the receiver's pool (from its latest grant)
+    grant: wire.StagedGrant | None = None  # the receiver's pool (from its latest grant)
     idle: collections.deque[int] = dataclasses.field(default_factory=collections.deque)
     acks: collections.deque[tuple[int, int, bool]] = dataclasses.field(default_factory=collections.deque)
     denied: str = ""
@@ -424,7 +387,7 @@ class StagedPeer:
     (grants, unpack + ack, driven by :meth:`progress` / :meth:`NixlEndpoint.poll_notifs`).
 
     Receive slots are granted by the receiver (:mod:`.staging_grants`, messages in
-    :mod:`.staging_wire`): a sender asks for slots, WRITEs only into slots it holds, and
+    :mod:`kvbaton.connector.wire`): a sender asks for slots, WRITEs only into slots it holds, and
     gets each slot back (or loses it to another sender) with the chunk's ack. Any number
     of senders may pack into one receiver at once.
 
@@ -582,145 +545,39 @@ class StagedPeer:
         return min(delay * 2, poll_max)
 
     # -------------------------------------------------------------- sender
+    def start_send(self, peer: str, remote: StagingInfo | None, local_ids: npt.ArrayLike,
+                   remote_ids: npt.ArrayLike, xfer_id: str, *, timeout_s: float) -> StagedSend:
+        """A staged WRITE of local blocks into the peer's blocks, advanced by
+        :meth:`StagedSend.step` (never blocks). One at a time per :class:`StagedPeer` (the
+        send pool's slots are its own); any number of senders may target one receiver."""
+        return StagedSend(self, peer, remote, local_ids, remote_ids, xfer_id, timeout_s=timeout_s)
+
     def send(self, peer: str, remote: StagingInfo | None, local_ids: npt.ArrayLike,
              remote_ids: npt.ArrayLike, xfer_id: str, *, timeout_s: float,
              idle: Callable[[], object] | None = None) -> int:
-        """Staged WRITE of local blocks into the peer's blocks; returns bytes moved.
-
-        Asks the receiver for slots (unless this answers its pull, which came with a
-        grant), writes only into granted slots, and returns once the receiver acked every
-        chunk (its blocks hold the data). ``remote`` (the peer's published pool) only
-        sizes the request; addresses come from the grant. ``idle`` runs on every turn of
-        the loop (tests progress the peer with it).
-        """
-        _check_xfer_id(xfer_id)
-        lids, rids = as_ids(local_ids), as_ids(remote_ids)
-        if lids.shape != rids.shape:
-            raise ValueError(f"local and remote id counts differ: {lids.shape[0]} vs {rids.shape[0]}")
-        check_ids(lids, self.layout.num_blocks, side="local", unique=False)
-        if rids.shape[0] and (rids.min() < 0 or np.unique(rids).shape[0] != rids.shape[0]):
-            raise ValueError("remote (destination) block ids must be unique and non-negative")
-        n = int(lids.shape[0])
-        key = (peer, xfer_id)
-        out = self._outgoing.get(key)
-        if n == 0:
-            if out is not None and out.pulled:
-                del self._outgoing[key]
-                self.ep.send_notif(peer, Release(xfer_id).encode())
-            return 0
-        if out is not None and not out.pulled:
-            raise ValueError(f"staged transfer {xfer_id} to {peer} is already in progress")
-        t0 = time.monotonic()
-        deadline = t0 + timeout_s
-        if out is None:
-            out = self._outgoing[key] = _Outgoing(t0)
-            rslot = remote.slot_bytes if remote is not None else self._send_info.slot_bytes
-            want = min(self._want(n, rslot), remote.num_slots if remote is not None else 1 << 30)
-            self.ep.send_notif(peer, GrantRequest(xfer_id, want, max(1, int(timeout_s * 1e3)),
-                                                  rids).encode())
-        self._note("send", 0)
-        out.pulled = False
-        mine = self._send_info
-        ids_dev: torch.Tensor | None = None
-        if self.cuda:
-            assert self._pack_stream is not None
-            # the gathers read what the engine's stream wrote: order after it
-            self._pack_stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.device(self.device), torch.cuda.stream(self._pack_stream):
-                ids_dev = torch.from_numpy(lids).pin_memory().to(self.device, non_blocking=True)
+        """Blocking form of :meth:`start_send`; returns bytes moved once the receiver acked
+        every chunk (its blocks hold the data). ``idle`` runs on every turn of the loop
+        (tests progress the peer with it)."""
+        job = self.start_send(peer, remote, local_ids, remote_ids, xfer_id, timeout_s=timeout_s)
         poll_max = GPU_POLL_MAX_S if self.cuda else POLL_MAX_S
-        tiles: list[tuple[int, int, int, int]] | None = None
-        nchunks = 0
-        local_free = collections.deque(range(self.send_pool.num_slots))
-        packing: collections.deque[tuple[int, int, int, object]] = collections.deque()
-        inflight: dict[int, tuple[int, int, Transfer]] = {}  # local slot → (remote slot, seq, WRITE)
-        next_c = acked = 0
         delay = POLL_MIN_S
-        ok = False
         try:
             while True:
-                progressed = self.progress()
-                if out.denied:
-                    raise RuntimeError(f"{peer} refused staged transfer {xfer_id}: {out.denied}")
-                g = out.grant
-                if tiles is None and g is not None:
-                    tiles = plan_tiles(n, self.layout.num_regions, self.layout.bytes_per_block,
-                                       self.tile_bytes(n, g.slot_bytes))
-                    nchunks = len(tiles)
-                    self.last_send_chunks = nchunks
-                    self._note("grant", 0)
-                if tiles is not None and g is not None:
-                    while next_c < nchunks and local_free and out.idle:
-                        ls, rs = local_free.popleft(), out.idle.popleft()
-                        r0, r1, b0, b1 = tiles[next_c]
-                        packing.append((next_c, ls, rs, self._start_pack(lids, ids_dev, b0, b1,
-                                                                         r0, r1, ls)))
-                        self._note("pack", next_c)
-                        next_c += 1
-                    while packing and self._pack_done(packing[0][3]):
-                        c, ls, rs, handle = packing.popleft()
-                        nbytes = self._pack_result(handle)
-                        r0, r1, b0, b1 = tiles[c]
-                        msg = Chunk(xfer_id, rs, c, nchunks, r0, r1, b0, b1).encode()
-                        plan = plan_contiguous(mine.slot_addr(ls), g.slot_addr(rs), nbytes,
-                                               local_dev=mine.device_id, remote_dev=g.device_id,
-                                               local_mem_type=mine.mem_type,
-                                               remote_mem_type=g.mem_type)
-                        inflight[ls] = (rs, c, self.ep.write(plan, peer, msg))
-                        self._note("post", c)
-                        progressed = True
-                    for ls, (rs, c, x) in list(inflight.items()):
-                        st = self.ep.state(x)
-                        if st == "ERR":
-                            raise RuntimeError(f"staged WRITE into slot {rs} of {peer} failed")
-                        if st == "DONE":
-                            self.ep.release(x)
-                            del inflight[ls]
-                            local_free.append(ls)  # our copy is out: the send slot is free
-                            self._note("wrote", c)
-                            progressed = True
-                    while out.acks:
-                        rs, seq, keep = out.acks.popleft()
-                        self._note("ack", seq)
-                        acked += 1
-                        if keep:
-                            out.idle.append(rs)
-                        progressed = True
-                    if acked >= nchunks:
-                        ok = True
-                        break
-                if time.monotonic() >= deadline:
-                    raise TimeoutError(f"staged transfer {xfer_id} to {peer}: {acked}/{nchunks or '?'} "
-                                       f"chunks acked after {timeout_s:.3f}s"
-                                       + ("" if g is not None else " (no grant from the receiver)"))
+                job.progressed |= self.progress()
+                if job.step():
+                    return job.nbytes
                 if idle is not None:
                     idle()
-                if progressed:
+                if job.progressed:
                     delay = POLL_MIN_S
                     continue
-                if packing and not inflight and isinstance(packing[0][3], cf.Future):
-                    cf.wait([packing[0][3]], timeout=delay)  # sleeps until packed, bounded
+                fut = job.pack_future()
+                if fut is not None:
+                    cf.wait([fut], timeout=delay)  # sleeps until packed, bounded
                 else:
-                    delay = self._nap(delay, bool(packing or inflight or next_c), poll_max)
+                    delay = self._nap(delay, job.active, poll_max)
         finally:
-            writes_open = bool(inflight)
-            for _, _, x in inflight.values():
-                self.ep.release(x)  # cancels anything still in flight
-            for _, _, _, h in packing:
-                if isinstance(h, cf.Future):
-                    h.cancel()
-            if self._pack_stream is not None and packing:
-                self._pack_stream.synchronize()  # no gather may still write a slot we reuse
-            self._outgoing.pop(key, None)
-            if not ok and not writes_open and not out.denied:
-                # nothing of ours can still land: give the receiver its slots back now
-                # (with a WRITE in flight we cannot know that; the grant expires instead)
-                try:
-                    self.ep.send_notif(peer, Release(xfer_id).encode())
-                except Exception as e:  # noqa: BLE001 - best effort; the grant expires anyway
-                    log.debug("kvbaton: release of %s to %s not sent: %r", xfer_id, peer, e)
-            self._note("done", acked)
-        return n * self.block_bytes
+            job.close()
 
     def _start_pack(self, lids: np.ndarray, ids_dev: torch.Tensor | None, b0: int, b1: int,
                     r0: int, r1: int, slot: int) -> object:
@@ -768,7 +625,7 @@ class StagedPeer:
         if rids.shape != lids.shape:
             raise ValueError("remote and local id counts differ")
         check_ids(lids, self.layout.num_blocks, side="local", unique=True)
-        self.ep.send_notif(peer, Pull(xfer_id, rids, lids).encode())
+        self.ep.send_notif(peer, wire.encode(wire.StagedPull(xfer_id, rids, lids)))
         self._remember_ids((peer, xfer_id), lids)
         if lids.shape[0]:
             want = self._want(int(lids.shape[0]), self.recv_pool.slot_bytes)
@@ -800,7 +657,7 @@ class StagedPeer:
     def drop_pull(self, peer: str, xfer_id: str) -> None:
         """An owner will not answer this pull: give the reader's slots back."""
         if self._outgoing.pop((peer, xfer_id), None) is not None:
-            self.ep.send_notif(peer, Release(xfer_id).encode())
+            self.ep.send_notif(peer, wire.encode(wire.StagedRelease(xfer_id)))
 
     def serve_pulls(self, *, timeout_s: float, idle: Callable[[], object] | None = None) -> int:
         """Answer queued pull requests with staged WRITEs; returns how many were served.
@@ -818,59 +675,59 @@ class StagedPeer:
     def _send_handouts(self, handouts: Sequence[Handout]) -> None:
         i = self._recv_info
         for h in handouts:
-            self.ep.send_notif(h.peer, Grant(h.xfer_id, h.slots, i.base_addr, i.slot_bytes,
-                                             i.mem_type, i.device_id).encode())
+            self.ep.send_notif(h.peer, wire.encode(wire.StagedGrant(
+                h.xfer_id, list(h.slots), i.base_addr, i.slot_bytes, i.mem_type, i.device_id)))
 
     def _on_notif(self, peer: str, msg: bytes) -> None:
         try:
-            m = decode(msg)
-        except WireError as e:
+            m = wire.decode(msg)
+        except wire.WireError as e:
             self.bad_messages += 1
             log.warning("kvbaton: staging message from %s dropped: %s", peer, e)
             return
-        key = (peer, m.xfer_id)
-        if isinstance(m, Ack):
+        key = (peer, str(getattr(m, "xfer_id", "")))
+        if isinstance(m, wire.StagedAck):
             out = self._outgoing.get(key)
             if out is not None:
                 out.acks.append((m.slot, m.seq, m.keep))
-        elif isinstance(m, Grant):
+        elif isinstance(m, wire.StagedGrant):
             out = self._outgoing.get(key)
             if out is None:  # we gave up on it (or never asked): hand the slots back
-                self.ep.send_notif(peer, Release(m.xfer_id).encode())
+                self.ep.send_notif(peer, wire.encode(wire.StagedRelease(m.xfer_id)))
                 return
             out.grant = m
             out.idle.extend(m.slots)
-        elif isinstance(m, Deny):
+        elif isinstance(m, wire.StagedDeny):
             out = self._outgoing.get(key)
             if out is not None:
                 out.denied = m.reason or "refused"
-        elif isinstance(m, Chunk):
+        elif isinstance(m, wire.StagedChunk):
             self._on_chunk(peer, m)
-        elif isinstance(m, GrantRequest):
+        elif isinstance(m, wire.StagedGrantRequest):
             if m.xfer_id in self._cancelled:
-                self.ep.send_notif(peer, Deny(m.xfer_id, "cancelled by the receiver").encode())
+                self.ep.send_notif(peer, wire.encode(wire.StagedDeny(m.xfer_id, "cancelled by the receiver")))
                 return
             try:
-                check_ids(m.dst_ids, self.layout.num_blocks, side="staged destination", unique=True)
+                check_ids(m.dst, self.layout.num_blocks, side="staged destination", unique=True)
                 self._send_handouts(self.grants.request(peer, m.xfer_id, m.want, m.ttl_ms / 1e3))
             except ValueError as e:
-                self.ep.send_notif(peer, Deny(m.xfer_id, str(e)).encode())
+                self.ep.send_notif(peer, wire.encode(wire.StagedDeny(m.xfer_id, str(e))))
                 return
-            self._remember_ids(key, m.dst_ids)
-        elif isinstance(m, Release):
+            self._remember_ids(key, m.dst)
+        elif isinstance(m, wire.StagedRelease):
             self._recv_counts.pop(key, None)
             self._forget_ids(key)
             self._send_handouts(self.grants.release(peer, m.xfer_id))
-        elif isinstance(m, Pull):
+        elif isinstance(m, wire.StagedPull):
             self._outgoing[key] = _Outgoing(time.monotonic(), pulled=True)
-            self._pulls.append((peer, m.xfer_id, None, m.src_ids, m.dst_ids))
+            self._pulls.append((peer, m.xfer_id, None, m.src, m.dst))
             while len(self._outgoing) > 4096:  # pulls an owner never took or dropped
                 old = next(iter(self._outgoing))
                 if not self._outgoing[old].pulled:
                     break
                 del self._outgoing[old]
 
-    def _on_chunk(self, peer: str, m: Chunk) -> None:
+    def _on_chunk(self, peer: str, m: wire.StagedChunk) -> None:
         if not self.grants.owns(peer, m.xfer_id, m.slot):
             # never scatter a slot its sender does not hold (expired grant, buggy peer)
             self.dropped_chunks += 1
@@ -909,7 +766,7 @@ class StagedPeer:
         self._dst_ids.pop(key, None)
         self._dst_dev.pop(key, None)
 
-    def _start_unpack(self, peer: str, m: Chunk, all_ids: np.ndarray) -> _Unpack:
+    def _start_unpack(self, peer: str, m: wire.StagedChunk, all_ids: np.ndarray) -> _Unpack:
         """Enqueue a chunk's scatter on the unpack stream; its event says when it is out.
         The transfer's ids go to the GPU once, with its first chunk."""
         assert self._unpack_stream is not None
@@ -942,7 +799,7 @@ class StagedPeer:
         """A chunk is in the KV blocks: tell the sender (and whether it keeps the slot),
         hand freed slots to others, count the transfer."""
         keep, handouts = self.grants.chunk_done(peer, xfer_id, slot, nchunks)
-        self.ep.send_notif(peer, Ack(xfer_id, slot, seq, keep).encode())
+        self.ep.send_notif(peer, wire.encode(wire.StagedAck(xfer_id, slot, seq, keep)))
         self._send_handouts(handouts)
         self._note("acked", seq)
         key = (peer, xfer_id)
@@ -957,6 +814,174 @@ class StagedPeer:
                 self._on_complete(peer, xfer_id)
         else:
             self._recv_counts[key] = got
+
+
+class StagedSend:
+    """One staged WRITE in progress (sender side), advanced by :meth:`step`, never blocking.
+
+    It asks the receiver for slots (unless it answers the receiver's pull, which came with
+    a grant), packs chunks into free send slots, WRITEs each packed chunk into a receive
+    slot it holds (with a :class:`~kvbaton.connector.wire.StagedChunk` notification),
+    frees a send slot once its WRITE is done and a receive slot once acked (or drops it
+    when the ack says it went back). The caller polls notifications between steps
+    (:meth:`StagedPeer.progress`). :meth:`close` always runs at the end (done, failed or
+    abandoned): it cancels what is still in flight and, when nothing of ours can still
+    land, gives the receiver its slots back.
+    """
+
+    def __init__(self, sp: StagedPeer, peer: str, remote: StagingInfo | None, local_ids: npt.ArrayLike,
+                 remote_ids: npt.ArrayLike, xfer_id: str, *, timeout_s: float) -> None:
+        _check_xfer_id(xfer_id)
+        lids, rids = as_ids(local_ids), as_ids(remote_ids)
+        if lids.shape != rids.shape:
+            raise ValueError(f"local and remote id counts differ: {lids.shape[0]} vs {rids.shape[0]}")
+        check_ids(lids, sp.layout.num_blocks, side="local", unique=False)
+        if rids.shape[0] and (rids.min() < 0 or np.unique(rids).shape[0] != rids.shape[0]):
+            raise ValueError("remote (destination) block ids must be unique and non-negative")
+        self.sp, self.peer, self.xfer_id, self.timeout_s = sp, peer, xfer_id, timeout_s
+        self.lids, self.rids = lids, rids
+        self.key = (peer, xfer_id)
+        n = int(lids.shape[0])
+        self.nbytes = n * sp.block_bytes
+        self.deadline = time.monotonic() + timeout_s
+        self.tiles: list[tuple[int, int, int, int]] | None = None
+        self.nchunks = 0
+        self.next_c = self.acked = 0
+        self.local_free = collections.deque(range(sp.send_pool.num_slots))
+        self.packing: collections.deque[tuple[int, int, int, object]] = collections.deque()
+        self.inflight: dict[int, tuple[int, int, Transfer]] = {}  # send slot → (recv slot, seq, WRITE)
+        self.progressed = False
+        self.closed = self.ok = False
+        out = sp._outgoing.get(self.key)
+        if n == 0:
+            self.tiles, self.ok = [], True
+            if out is not None and out.pulled:  # an empty pull: hand its grant back
+                del sp._outgoing[self.key]
+                sp.ep.send_notif(peer, wire.encode(wire.StagedRelease(xfer_id)))
+            self.out = _Outgoing(time.monotonic())
+            self.closed = True
+            return
+        if out is not None and not out.pulled:
+            raise ValueError(f"staged transfer {xfer_id} to {peer} is already in progress")
+        if out is None:
+            out = sp._outgoing[self.key] = _Outgoing(time.monotonic())
+            rslot = remote.slot_bytes if remote is not None else sp._send_info.slot_bytes
+            want = min(sp._want(n, rslot), remote.num_slots if remote is not None else 1 << 30)
+            sp.ep.send_notif(peer, wire.encode(wire.StagedGrantRequest(
+                xfer_id, want, max(1, int(timeout_s * 1e3)), rids)))
+        out.pulled = False
+        self.out = out
+        sp._note("send", 0)
+        self.ids_dev: torch.Tensor | None = None
+        if sp.cuda:
+            assert sp._pack_stream is not None
+            # the gathers read what the engine's stream wrote: order after it
+            sp._pack_stream.wait_stream(torch.cuda.current_stream(sp.device))
+            with torch.cuda.device(sp.device), torch.cuda.stream(sp._pack_stream):
+                self.ids_dev = torch.from_numpy(lids).pin_memory().to(sp.device, non_blocking=True)
+
+    @property
+    def done(self) -> bool:
+        return self.tiles is not None and self.acked >= self.nchunks
+
+    @property
+    def active(self) -> bool:
+        """Chunks packing or in flight (the GPU pace of polling applies)."""
+        return bool(self.packing or self.inflight or self.next_c)
+
+    def step(self) -> bool:
+        """One non-blocking turn; True once every chunk is acked. Raises on a refusal, a
+        failed WRITE or past the deadline (then :meth:`close`)."""
+        if self.done:
+            return True
+        sp, out = self.sp, self.out
+        self.progressed = False
+        if out.denied:
+            raise RuntimeError(f"{self.peer} refused staged transfer {self.xfer_id}: {out.denied}")
+        g = out.grant
+        if self.tiles is None and g is not None:
+            n = int(self.lids.shape[0])
+            self.tiles = plan_tiles(n, sp.layout.num_regions, sp.layout.bytes_per_block,
+                                    sp.tile_bytes(n, g.slot_bytes))
+            self.nchunks = len(self.tiles)
+            sp.last_send_chunks = self.nchunks
+            sp._note("grant", 0)
+        if self.tiles is not None and g is not None:
+            tiles, mine = self.tiles, sp._send_info
+            while self.next_c < self.nchunks and self.local_free and out.idle:
+                ls, rs = self.local_free.popleft(), out.idle.popleft()
+                r0, r1, b0, b1 = tiles[self.next_c]
+                self.packing.append((self.next_c, ls, rs,
+                                     sp._start_pack(self.lids, self.ids_dev, b0, b1, r0, r1, ls)))
+                sp._note("pack", self.next_c)
+                self.next_c += 1
+            while self.packing and sp._pack_done(self.packing[0][3]):
+                c, ls, rs, handle = self.packing.popleft()
+                nbytes = sp._pack_result(handle)
+                r0, r1, b0, b1 = tiles[c]
+                msg = wire.encode(wire.StagedChunk(self.xfer_id, rs, c, self.nchunks, r0, r1, b0, b1))
+                plan = plan_contiguous(mine.slot_addr(ls), g.slot_addr(rs), nbytes,
+                                       local_dev=mine.device_id, remote_dev=g.device_id,
+                                       local_mem_type=mine.mem_type, remote_mem_type=g.mem_type)
+                self.inflight[ls] = (rs, c, sp.ep.write(plan, self.peer, msg))
+                sp._note("post", c)
+                self.progressed = True
+            for ls, (rs, c, x) in list(self.inflight.items()):
+                st = sp.ep.state(x)
+                if st == "ERR":
+                    raise RuntimeError(f"staged WRITE into slot {rs} of {self.peer} failed")
+                if st == "DONE":
+                    sp.ep.release(x)
+                    del self.inflight[ls]
+                    self.local_free.append(ls)  # our copy is out: the send slot is free
+                    sp._note("wrote", c)
+                    self.progressed = True
+            while out.acks:
+                rs, seq, keep = out.acks.popleft()
+                sp._note("ack", seq)
+                self.acked += 1
+                if keep:
+                    out.idle.append(rs)
+                self.progressed = True
+            if self.acked >= self.nchunks:
+                self.ok = True
+                return True
+        if time.monotonic() >= self.deadline:
+            raise TimeoutError(f"staged transfer {self.xfer_id} to {self.peer}: {self.acked}/"
+                               f"{self.nchunks or '?'} chunks acked after {self.timeout_s:.3f}s"
+                               + ("" if g is not None else " (no grant from the receiver)"))
+        return False
+
+    def pack_future(self) -> cf.Future[int] | None:
+        """The CPU pack the next WRITE waits for, when nothing is in flight (to sleep on)."""
+        if self.packing and not self.inflight and isinstance(self.packing[0][3], cf.Future):
+            return self.packing[0][3]
+        return None
+
+    def close(self) -> None:
+        """Release anything in flight (cancels it) and the grant's bookkeeping; idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        sp = self.sp
+        writes_open = bool(self.inflight)
+        for _, _, x in self.inflight.values():
+            sp.ep.release(x)  # cancels anything still in flight
+        for _, _, _, h in self.packing:
+            if isinstance(h, cf.Future):
+                h.cancel()
+        if sp._pack_stream is not None and self.packing:
+            sp._pack_stream.synchronize()  # no gather may still write a slot we reuse
+        if sp._outgoing.get(self.key) is self.out:
+            del sp._outgoing[self.key]
+        if not self.ok and not writes_open and not self.out.denied:
+            # nothing of ours can still land: give the receiver its slots back now
+            # (with a WRITE in flight we cannot know that; the grant expires instead)
+            try:
+                sp.ep.send_notif(self.peer, wire.encode(wire.StagedRelease(self.xfer_id)))
+            except Exception as e:  # noqa: BLE001 - best effort; the grant expires anyway
+                log.debug("kvbaton: release of %s to %s not sent: %r", self.xfer_id, self.peer, e)
+        sp._note("done", self.acked)
 
 
 def _check_xfer_id(xfer_id: str) -> None:
