@@ -214,10 +214,10 @@ class StagedFlow:
             if job.send is None:
                 job.send = self.peer.start_send(job.peer, job.info, job.local, job.remote, job.xfer_id,
                                                 timeout_s=max(0.001, job.deadline - time.monotonic()))
-                job.chunks = job.send.nchunks
             if not job.send.step():
                 return False
-            job.nbytes, job.finished = job.send.nbytes, True
+            # the chunk count is known once the receiver's grant arrived (its slot size)
+            job.nbytes, job.chunks, job.finished = job.send.nbytes, job.send.nchunks, True
         except Exception as exc:  # noqa: BLE001 - its owner decides (fail the transfer)
             job.error = exc
         if job.send is not None:
