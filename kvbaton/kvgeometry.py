@@ -112,10 +112,8 @@ def _needs_head_split(src: EngineKv, dst: EngineKv) -> bool:
     return src.heads_known and src.heads_per_rank != dst.heads_per_rank
 
 
-def incompatibility(src: EngineKv, dst: EngineKv) -> str | None:
-    """Why KV held by ``src`` (the engine read from or writing) cannot land in ``dst``;
-    None when every rank pair can be mapped. Symmetric in everything that is checked now.
-    """
+def basic_incompatibility(src: EngineKv, dst: EngineKv) -> str | None:
+    """The checks that need no head counts: dtype, layout, layer/region count, block size."""
     if src.dtype != dst.dtype:
         return f"KV dtype differs: {src.dtype} vs {dst.dtype}"
     if src.layout != dst.layout:
@@ -127,6 +125,16 @@ def incompatibility(src: EngineKv, dst: EngineKv) -> str | None:
         return (f"KV block sizes differ: {src.tokens_per_block} vs {dst.tokens_per_block} tokens per "
                 "block; moving KV between different block sizes is not built: configure the same "
                 "--block-size on both engines")
+    return None
+
+
+def incompatibility(src: EngineKv, dst: EngineKv) -> str | None:
+    """Why KV held by ``src`` (the engine read from or writing) cannot land in ``dst``;
+    None when every rank pair can be mapped. Symmetric in everything that is checked now.
+    """
+    basic = basic_incompatibility(src, dst)
+    if basic:
+        return basic
     if not (src.heads_known and dst.heads_known):
         if src.tp_size != dst.tp_size:
             return (f"tensor-parallel sizes differ ({src.tp_size} vs {dst.tp_size}) and an engine did "
@@ -162,3 +170,22 @@ def check_compatible(src: EngineKv, dst: EngineKv) -> None:
     reason = incompatibility(src, dst)
     if reason:
         raise KvIncompatible(reason)
+
+
+def source_rank(src: EngineKv, dst: EngineKv, dst_rank: int, head: int) -> int:
+    """The ``src`` rank that supplies ``head`` to ``dst_rank`` (a compatible pair, heads known).
+
+    Replicas are spread: the ``i``-th receiver rank holding a head gets it from the
+    ``i mod n``-th of the ``n`` owner ranks holding it, so equal TP sizes map ``r`` to ``r``.
+    """
+    owners = head_holders(src.tp_size, src.total_kv_heads, head)
+    replicas = head_holders(dst.tp_size, dst.total_kv_heads, head)
+    return owners[replicas.index(dst_rank) % len(owners)]
+
+
+def writer_ranks(src: EngineKv, dst: EngineKv) -> tuple[int, ...]:
+    """The ``src`` ranks that move anything into ``dst`` (ascending), for a compatible pair:
+    in push, the prefill ranks the rendezvous expects an outcome from."""
+    if not (src.heads_known and dst.heads_known):
+        return tuple(range(src.tp_size))
+    return tuple(sorted({source_rank(src, dst, d, h) for d in range(dst.tp_size) for h in dst.heads_of(d)}))

@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator
 
-from kvbaton.kvgeometry import EngineKv, KvIncompatible, check_compatible, head_holders
+from kvbaton.kvgeometry import EngineKv, KvIncompatible, check_compatible, source_rank
 
 __all__ = ["HeadSlice", "KvIncompatible", "TpMapping", "compute_tp_mapping"]
 
@@ -123,12 +123,9 @@ def compute_tp_mapping(src: EngineKv, dst: EngineKv) -> TpMapping:
     slices: list[HeadSlice] = []
     hb = src.head_bytes
     for d in range(dst.tp_size):
-        d_heads = dst.heads_of(d)
         run: list[int] = []  # [src rank, first head, count]
-        for h in d_heads:
-            owners = head_holders(src.tp_size, src.total_kv_heads, h)
-            replicas = head_holders(dst.tp_size, dst.total_kv_heads, h)
-            s = owners[replicas.index(d) % len(owners)]
+        for h in dst.heads_of(d):
+            s = source_rank(src, dst, d, h)
             if run and run[0] == s and run[1] + run[2] == h:
                 run[2] += 1
                 continue

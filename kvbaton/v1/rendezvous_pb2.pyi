@@ -62,7 +62,7 @@ class Outcome(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., success: _Optional[bool] = ..., bytes: _Optional[int] = ..., error: _Optional[str] = ..., reported_at_ms: _Optional[int] = ..., duration_us: _Optional[int] = ...) -> None: ...
 
 class TransferState(_message.Message):
-    __slots__ = ("transfer_id", "attempt", "phase", "offer", "completion", "matched_at_ms", "expected_outcomes", "outcomes", "reason", "updated_at_ms", "revision")
+    __slots__ = ("transfer_id", "attempt", "phase", "offer", "completion", "matched_at_ms", "expected_outcomes", "outcomes", "reason", "updated_at_ms", "revision", "writer_ranks")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
@@ -74,6 +74,7 @@ class TransferState(_message.Message):
     REASON_FIELD_NUMBER: _ClassVar[int]
     UPDATED_AT_MS_FIELD_NUMBER: _ClassVar[int]
     REVISION_FIELD_NUMBER: _ClassVar[int]
+    WRITER_RANKS_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     attempt: int
     phase: TransferPhase
@@ -85,7 +86,8 @@ class TransferState(_message.Message):
     reason: str
     updated_at_ms: int
     revision: int
-    def __init__(self, transfer_id: _Optional[str] = ..., attempt: _Optional[int] = ..., phase: _Optional[_Union[TransferPhase, str]] = ..., offer: _Optional[_Union[TransferSide, _Mapping]] = ..., completion: _Optional[_Union[TransferSide, _Mapping]] = ..., matched_at_ms: _Optional[int] = ..., expected_outcomes: _Optional[int] = ..., outcomes: _Optional[_Iterable[_Union[Outcome, _Mapping]]] = ..., reason: _Optional[str] = ..., updated_at_ms: _Optional[int] = ..., revision: _Optional[int] = ...) -> None: ...
+    writer_ranks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, transfer_id: _Optional[str] = ..., attempt: _Optional[int] = ..., phase: _Optional[_Union[TransferPhase, str]] = ..., offer: _Optional[_Union[TransferSide, _Mapping]] = ..., completion: _Optional[_Union[TransferSide, _Mapping]] = ..., matched_at_ms: _Optional[int] = ..., expected_outcomes: _Optional[int] = ..., outcomes: _Optional[_Iterable[_Union[Outcome, _Mapping]]] = ..., reason: _Optional[str] = ..., updated_at_ms: _Optional[int] = ..., revision: _Optional[int] = ..., writer_ranks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class OfferRequest(_message.Message):
     __slots__ = ("transfer_id", "attempt", "decode_engine_id", "block_ids", "num_tokens", "timeout_ms", "request_id")

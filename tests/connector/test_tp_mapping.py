@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from kvbaton.connector.transfer.tp_mapping import TpMapping, compute_tp_mapping
 from kvbaton.kvgeometry import (EngineKv, KvIncompatible, head_holders, incompatibility,
-                                rank_heads, split_reason)
+                                rank_heads, split_reason, writer_ranks)
 
 HEAD_BYTES = 64  # one head of one block of one region: tokens * 2 (K,V) * head_dim * esize
 
@@ -216,6 +216,7 @@ def test_every_head_lands_exactly_once_and_bytes_add_up(pair, num_blocks, by):
     # Writers: exactly the ranks that move something; no rank writes twice into one receiver
     # (one slice per (owner, receiver) pair: adjacent heads coalesce).
     assert set(m.writer_ranks) == set(moved)
+    assert writer_ranks(m.src, m.dst) == m.writer_ranks  # what the control plane expects
     keys = [(s.src_rank, s.dst_rank) for s in m.slices]
     assert len(keys) == len(set(keys))
     assert sum(m.writers_of(d) for d in range(d_tp)) == len(m.slices)
