@@ -55,6 +55,9 @@ class KvbatonSettings:
     ttl_ms: int = 10_000
     ucx_net_devices: str | None = None  # e.g. "lo" for single-host tests
     ucx_tls: str | None = None  # e.g. "tcp,self,sm" for host memory
+    # NIXL backend plugin: UCX, or LIBFABRIC over EFA (the seeds' AWS nodes). A backend the
+    # machine lacks fails engine start-up (NixlBackendUnavailable), never the first transfer.
+    nixl_backend: str = "UCX"
     # Bidirectional reuse (D→P across turns of one conversation).
     lease_ttl_s: float = 30.0  # TTL of the lease decode takes on a finished turn's blocks
     max_retained_fraction: float = 0.5  # above this share of KV blocks, revoke oldest leases
@@ -125,6 +128,7 @@ class KvbatonSettings:
                    timeout_s=float(get("timeout_s", 30.0)), stats_dir=str(get("stats_dir", "") or ""),
                    ttl_ms=int(get("ttl_ms", 10_000)),
                    ucx_net_devices=get("ucx_net_devices", None), ucx_tls=get("ucx_tls", None),
+                   nixl_backend=_backend_name(get("nixl_backend", "UCX")),
                    lease_ttl_s=float(get("lease_ttl_s", 30.0)),
                    max_retained_fraction=float(get("max_retained_fraction", 0.5)),
                    retain_hard_cap_s=float(get("retain_hard_cap_s", 0.0)),
@@ -141,6 +145,14 @@ class KvbatonSettings:
                    staging_slot_bytes=int(get("staging_slot_bytes", 0) or 0),
                    staging_slots=int(get("staging_slots", 0) or 0),
                    staging_target_chunks=int(get("staging_target_chunks", 16) or 16))
+
+
+def _backend_name(v: Any) -> str:
+    """A NIXL backend plugin name (``UCX``, ``LIBFABRIC``...): upper-cased, letters/digits/_."""
+    name = str(v or "UCX").strip().upper()
+    if not name.replace("_", "").isalnum():
+        raise ValueError(f"kvbaton: nixl_backend must be a NIXL plugin name like 'UCX' or 'LIBFABRIC', got {v!r}")
+    return name
 
 
 def _flag(v: Any) -> bool:

@@ -426,7 +426,7 @@ class TransferThread:
         if not self._ready.wait(timeout_s):
             raise RuntimeError("kvbaton transfer thread did not become ready")
         if self._error is not None:
-            raise RuntimeError("kvbaton transfer thread failed to start") from self._error
+            raise RuntimeError(f"kvbaton transfer thread failed to start: {self._error}") from self._error
 
     def stop(self) -> None:
         self._stop.set()
@@ -439,7 +439,7 @@ class TransferThread:
 
         try:
             ep = NixlEndpoint(self.name, net_devices=self.settings.ucx_net_devices,
-                              ucx_tls=self.settings.ucx_tls)
+                              ucx_tls=self.settings.ucx_tls, backend=self.settings.nixl_backend)
             ep.register_layout(self.layout)
             ep.on_notif(NOTIF_DONE, self._on_done)
             ep.on_notif(NOTIF_PUSH, self._on_push)
