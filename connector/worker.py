@@ -381,7 +381,7 @@ class TransferThread:
 
     def __init__(self, settings: KvbatonSettings, tp_rank: int, layout: KvLayout,
                  control: ControlThread, stats: StatsLog, fingerprinter: Fingerprinter | None = None,
-                 tensors: list[torch.Tensor] | None = None) -> None:
+                 tensors: list[torch.Tensor] | None = None, tp_size: int = 1) -> None:
         self.metrics = connector_metrics()  # counted next to each stats record below
         self.fp = fingerprinter  # verify_kv (None: off)
         self.faults = Faults(settings.fault_file)
@@ -394,6 +394,7 @@ class TransferThread:
         self.control = control
         self.stats = stats
         self.name = agent_name(settings.engine_id, tp_rank)
+        self.tp_rank, self.tp_size = tp_rank, tp_size
         self.inbox: queue.Queue[tuple[str, str, Any]] = queue.Queue()
         self.results: queue.Queue[tuple[str, str, bool, tuple[int, ...]]] = queue.Queue()
         self.metadata: bytes = b""
@@ -704,7 +705,11 @@ class TransferThread:
                 held.match = state
             else:
                 self._early_matches[tid] = (time.monotonic(), state)
-        elif ev.type in (T.TYPE_EXPIRED, T.TYPE_CANCELLED):
+        elif ev.type in (T.TYPE_EXPIRED, T.TYPE_CANCELLED) or (
+                ev.type == T.TYPE_DONE and state.phase == rpb.TRANSFER_PHASE_FAILED):
+            # Expired, cancelled, or failed (refused at the match as incompatible, a rank
+            # failed, or no outcome in time): prefill frees what it has not started writing,
+            # decode recomputes now rather than waiting out its timeout for a WRITE.
             held = self._held.get(tid)
             if mine_prefill and held is not None and held.xfer is None:
                 del self._held[tid]
@@ -714,10 +719,7 @@ class TransferThread:
                                               "timeout" if ev.type == T.TYPE_EXPIRED else "failed").inc()
                 self.results.put(("sent", held.req_id, False, ()))
             if state.offer.engine_id == self.settings.engine_id:
-                self._push_failed[tid] = (time.monotonic(), state.reason or "expired/cancelled")
-        elif ev.type == T.TYPE_DONE and state.offer.engine_id == self.settings.engine_id:
-            if any(not o.success for o in state.outcomes):
-                self._push_failed[tid] = (time.monotonic(), "prefill reported failure")
+                self._push_failed[tid] = (time.monotonic(), state.reason or "expired/cancelled/failed")
 
     def _expire_held(self) -> None:
         now = time.monotonic()
@@ -843,7 +845,7 @@ class TransferThread:
                 self.metrics.transfer_seconds.labels(MODE_PUSH, "write").observe(time.monotonic() - held.t_post)
         req = rpb.ReportOutcomeRequest(
             transfer_id=held.spec.transfer_id, attempt=held.match.attempt,
-            outcome=rpb.Outcome(engine_id=self.settings.engine_id, tp_rank=0, success=ok,
+            outcome=rpb.Outcome(engine_id=self.settings.engine_id, tp_rank=self.tp_rank, success=ok,
                                 bytes=held.nbytes if ok else 0, error=error[:500],
                                 duration_us=int(dur * 1e6)))
         md = grpc_metadata(held.spec.traceparent)
@@ -868,6 +870,13 @@ class TransferThread:
         if not resp.ranks:
             raise LookupError(f"engine {eid!r} has no registered ranks")
         rank = resp.ranks[0]
+        if rank.tp_size > 1 or self.tp_size > 1:
+            # Registered for real (the control plane pairs and counts ranks), but this data
+            # path moves whole blocks rank 0 to rank 0 only: fail now, before any byte moves,
+            # so the request recomputes at once instead of landing another rank's heads.
+            raise NotImplementedError(
+                f"tensor-parallel KV transfer (this engine TP {self.tp_size}, engine {eid!r} TP "
+                f"{rank.tp_size}) is not built in this data path yet: recomputing")
         layout = KvLayout.from_proto_fields(**geometry_fields(rank))
         self._ep.add_peer(rank.agent_name, rank.agent_metadata)
         self._peers[eid] = (rank.agent_name, layout)
@@ -970,7 +979,8 @@ class TransferThread:
             if ld.pin_future is None:
                 ld.pin_sent = now
                 req = lpb.PinRequest(conversation_id=src.conversation_id, lease_id=src.lease_id,
-                                     reader=self.name, ttl_ms=int(self.settings.pin_ttl_s * 1000))
+                                     reader=self.name, ttl_ms=int(self.settings.pin_ttl_s * 1000),
+                                     reader_engine_id=self.settings.engine_id)
                 md = grpc_metadata(ld.spec.traceparent)
                 ld.pin_future = self.control.submit(lambda c: c.call(c.lease.Pin, req, retries=1, metadata=md))
             if not ld.pin_future.done():
@@ -1296,10 +1306,13 @@ class TransferThread:
 class KvbatonWorker:
     """Worker-side facade state: hands specs to the transfer thread, reports results."""
 
-    def __init__(self, settings: KvbatonSettings, kv_role: str, tp_rank: int = 0) -> None:
+    def __init__(self, settings: KvbatonSettings, kv_role: str, tp_rank: int = 0, *, tp_size: int = 1,
+                 total_kv_heads: int = 0) -> None:
         self.settings = settings
         self.kv_role = kv_role
         self.tp_rank = tp_rank
+        self.tp_size = max(int(tp_size), 1)
+        self.total_kv_heads = int(total_kv_heads)  # the model's (0: unknown), published with the rank
         self.stats = StatsLog(settings.stats_dir, settings.engine_id)
         self._control: ControlThread | None = None
         self._xfer: TransferThread | None = None
@@ -1316,14 +1329,14 @@ class KvbatonWorker:
         self._control = ControlThread(self.settings.control_plane)
         fp = Fingerprinter(layout, tensors, self.settings.verify_kv_alg) if self.settings.verify_kv else None
         self._xfer = TransferThread(self.settings, self.tp_rank, layout, self._control, self.stats, fp,
-                                    tensors=tensors)
+                                    tensors=tensors, tp_size=self.tp_size)
         self._xfer.start()
         from kvbaton.v1 import common_pb2, registrar_pb2
 
         rank = registrar_pb2.EngineRank(
-            engine_id=self.settings.engine_id, role=role_of(self.kv_role), tp_size=1,
+            engine_id=self.settings.engine_id, role=role_of(self.kv_role), tp_size=self.tp_size,
             tp_rank=self.tp_rank, agent_name=self._xfer.name, agent_metadata=self._xfer.metadata,
-            geometry=common_pb2.KvGeometry(**layout.to_proto_fields()),
+            geometry=common_pb2.KvGeometry(**layout.to_proto_fields(), **self._head_fields(tensors)),
             labels={"mode": self.settings.mode})
         si = self._xfer.staging_info
         if si is not None:  # where peers WRITE staged chunks into us (pack path)
@@ -1337,6 +1350,18 @@ class KvbatonWorker:
         log.info("kvbaton: worker ready: engine %s agent %s, %d regions x %d blocks x %d B",
                  self.settings.engine_id, self._xfer.name, layout.num_regions, layout.num_blocks,
                  layout.bytes_per_block)
+
+    def _head_fields(self, tensors: list[torch.Tensor]) -> dict[str, Any]:
+        """The model's KV head count and whether blocks are head-major, for the control
+        plane's pairing check (kvbaton/kvgeometry.py); nothing when the head count is unknown."""
+        if self.total_kv_heads <= 0 or not tensors:
+            return {}
+        from .transfer.tp_mapping import head_major_blocks
+
+        local = max(self.total_kv_heads // self.tp_size, 1)
+        t = tensors[0]
+        return {"total_kv_heads": self.total_kv_heads,
+                "head_major": head_major_blocks(tuple(t.shape), tuple(t.stride()), local)}
 
     def on_meta(self, meta: KvbatonMeta | None) -> None:
         """Hand this step's specs to the transfer thread (called from bind_connector_metadata,

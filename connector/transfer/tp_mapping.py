@@ -143,3 +143,19 @@ def _slice(src: EngineKv, dst: EngineKv, run: list[int], d: int, hb: int) -> Hea
     nbytes = count * hb
     whole = src_off == 0 and dst_off == 0 and nbytes == src.bytes_per_block == dst.bytes_per_block
     return HeadSlice(s, d, first, count, src_off, dst_off, nbytes, whole_block=whole)
+
+
+def head_major_blocks(shape: tuple[int, ...], strides: tuple[int, ...], local_heads: int) -> bool:
+    """Is every head's slice of one block (block dim 0) a single contiguous chunk?
+
+    True for one head per rank (the whole block is the head) and for vLLM's CPU layout
+    ``[blocks, heads, block_size, 2 * head_dim]`` stored densely; False for anything else
+    (NHD, a K/V dim outside the heads...), which keeps such engines to whole-block pairs
+    (equal heads per rank) instead of guessing from a shape where dims can coincide.
+    """
+    if local_heads <= 1:
+        return True
+    if len(shape) != 4 or shape[1] != local_heads:
+        return False
+    _, h, t, x = shape
+    return strides[3] == 1 and strides[2] == x and strides[1] == t * x

@@ -251,3 +251,33 @@ def test_check_and_mapping_agree(ha, hb, ta, tb):
     else:
         with pytest.raises(KvIncompatible):
             compute_tp_mapping(a, b)
+
+
+def test_head_major_blocks():
+    from kvbaton.connector.transfer.tp_mapping import head_major_blocks
+
+    dense = lambda shape: tuple(int(np.prod(shape[i + 1:])) for i in range(len(shape)))  # noqa: E731
+    cpu = (10, 4, 16, 128)  # vLLM CPU: [blocks, heads, block_size, 2*head_dim]
+    assert head_major_blocks(cpu, dense(cpu), 4)
+    assert head_major_blocks((10, 16, 4, 64), dense((10, 16, 4, 64)), 1)  # one head: the whole block
+    assert not head_major_blocks((10, 16, 4, 64), dense((10, 16, 4, 64)), 4)  # NHD
+    assert not head_major_blocks((10, 2, 16, 2, 64), dense((10, 2, 16, 2, 64)), 2)  # K/V outside the heads
+    permuted = (10, 4, 16, 128)
+    assert not head_major_blocks(permuted, (8192, 128, 512, 1), 4)  # heads inside tokens in memory
+
+
+def test_worker_publishes_its_heads():
+    pytest.importorskip("vllm")
+    torch = pytest.importorskip("torch")
+    import types
+
+    from kvbaton.connector.metadata import KvbatonSettings
+    from kvbaton.connector.worker import KvbatonWorker
+
+    values = {"control_plane": "127.0.0.1:9", "engine_id": "e"}
+    ktc = types.SimpleNamespace(engine_id="", get_from_extra_config=lambda k, default=None: values.get(k, default))
+    s = KvbatonSettings.from_vllm(ktc)
+    w = KvbatonWorker(s, "kv_producer", 1, tp_size=2, total_kv_heads=4)
+    assert w._head_fields([torch.zeros(8, 2, 16, 128)]) == {"total_kv_heads": 4, "head_major": True}
+    assert w._head_fields([torch.zeros(8, 16, 2, 128)]) == {"total_kv_heads": 4, "head_major": False}
+    assert KvbatonWorker(s, "kv_producer", 0)._head_fields([torch.zeros(8, 2, 16, 128)]) == {}
