@@ -405,6 +405,7 @@ class TransferThread:
         self._held: dict[str, _Held] = {}  # transfer_id -> held request
         self._early_acks: dict[str, float] = {}  # acks that arrived before the SendSpec
         self._early_matches: dict[str, tuple[float, Any]] = {}  # MATCH before the SendSpec
+        self._early_ended: dict[str, tuple[float, str, str]] = {}  # FAILED before the SendSpec
         self._push_arrived: dict[str, tuple[float, int]] = {}  # push WRITE notifs: tid -> (t, bytes)
         self._push_failed: dict[str, tuple[float, str]] = {}  # rendezvous said the push is off
         self._peers: dict[str, tuple[str, KvLayout]] = {}  # engine_id -> (agent, layout)
@@ -656,7 +657,10 @@ class TransferThread:
             tid = spec.transfer_id
             if self.fp is not None and spec.block_ids:
                 self._fingerprint_exposed(f"t:{tid}", spec.block_ids, mode=spec.mode, req_id=req_id)
-            if spec.mode == MODE_PUSH:
+            ended = self._early_ended.pop(tid, None) if spec.mode == MODE_PUSH else None
+            if ended is not None:  # the rendezvous failed it already: free, never write
+                self._send_cancelled(tid, req_id, spec.mode, ended[1], ended[2])
+            elif spec.mode == MODE_PUSH:
                 held = _Held(req_id, spec, now + spec.timeout_s, now)
                 early = self._early_matches.pop(tid, None)
                 if early is not None:
@@ -711,15 +715,22 @@ class TransferThread:
             # failed, or no outcome in time): prefill frees what it has not started writing,
             # decode recomputes now rather than waiting out its timeout for a WRITE.
             held = self._held.get(tid)
+            reason = state.reason or rpb.TransferPhase.Name(state.phase)
+            label = "timeout" if ev.type == T.TYPE_EXPIRED else "failed"
             if mine_prefill and held is not None and held.xfer is None:
                 del self._held[tid]
-                self.stats.record("send_cancelled", transfer_id=tid, req_id=held.req_id,
-                                  reason=state.reason or rpb.TransferPhase.Name(state.phase))
-                self.metrics.transfers.labels(held.spec.mode, "prefill",
-                                              "timeout" if ev.type == T.TYPE_EXPIRED else "failed").inc()
-                self.results.put(("sent", held.req_id, False, ()))
+                self._send_cancelled(tid, held.req_id, held.spec.mode, reason, label)
+            elif mine_prefill and held is None and state.phase == rpb.TRANSFER_PHASE_FAILED:
+                # Refused at the match before our SendSpec arrived (Complete goes out from
+                # the scheduler process): drop the send when it comes.
+                self._early_ended[tid] = (time.monotonic(), reason, label)
             if state.offer.engine_id == self.settings.engine_id:
                 self._push_failed[tid] = (time.monotonic(), state.reason or "expired/cancelled/failed")
+
+    def _send_cancelled(self, tid: str, req_id: str, mode: str, reason: str, label: str) -> None:
+        self.stats.record("send_cancelled", transfer_id=tid, req_id=req_id, reason=reason)
+        self.metrics.transfers.labels(mode, "prefill", label).inc()
+        self.results.put(("sent", req_id, False, ()))
 
     def _expire_held(self) -> None:
         now = time.monotonic()
@@ -729,7 +740,7 @@ class TransferThread:
                 self.stats.record("send_expired", transfer_id=tid, req_id=held.req_id)
                 self.metrics.transfers.labels(held.spec.mode, "prefill", "timeout").inc()
                 self.results.put(("sent", held.req_id, False, ()))
-        for box in (self._early_acks, self._push_arrived, self._push_failed, self._early_matches,
+        for box in (self._early_acks, self._push_arrived, self._push_failed, self._early_matches, self._early_ended,
                     self._fp_replies, self._staged_done):
             for tid, v in list(box.items()):
                 t = v if isinstance(v, float) else v[0]
