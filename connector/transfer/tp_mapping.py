@@ -157,5 +157,5 @@ def head_major_blocks(shape: tuple[int, ...], strides: tuple[int, ...], local_he
         return True
     if len(shape) != 4 or shape[1] != local_heads:
         return False
-    _, h, t, x = shape
+    _, _, t, x = shape
     return strides[3] == 1 and strides[2] == x and strides[1] == t * x

@@ -15,7 +15,13 @@ from collections.abc import AsyncIterator
 
 import structlog
 
-from kvbaton.kvgeometry import EngineKv, basic_incompatibility, incompatibility, split_reason, writer_ranks
+from kvbaton.kvgeometry import (
+    EngineKv,
+    basic_incompatibility,
+    incompatibility,
+    split_reason,
+    writer_ranks,
+)
 from kvbaton.v1 import common_pb2 as cpb
 from kvbaton.v1 import registrar_pb2 as pb
 

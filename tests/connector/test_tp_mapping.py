@@ -7,10 +7,17 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from kvbaton.connector.transfer.tp_mapping import TpMapping, compute_tp_mapping
-from kvbaton.kvgeometry import (EngineKv, KvIncompatible, head_holders, incompatibility,
-                                rank_heads, split_reason, writer_ranks)
+
+from kvbaton.kvgeometry import (
+    EngineKv,
+    KvIncompatible,
+    head_holders,
+    incompatibility,
+    rank_heads,
+    split_reason,
+    writer_ranks,
+)
 
 HEAD_BYTES = 64  # one head of one block of one region: tokens * 2 (K,V) * head_dim * esize
 
@@ -256,7 +263,7 @@ def test_check_and_mapping_agree(ha, hb, ta, tb):
 def test_head_major_blocks():
     from kvbaton.connector.transfer.tp_mapping import head_major_blocks
 
-    dense = lambda shape: tuple(int(np.prod(shape[i + 1:])) for i in range(len(shape)))  # noqa: E731
+    dense = lambda shape: tuple(int(np.prod(shape[i + 1:])) for i in range(len(shape)))
     cpu = (10, 4, 16, 128)  # vLLM CPU: [blocks, heads, block_size, 2*head_dim]
     assert head_major_blocks(cpu, dense(cpu), 4)
     assert head_major_blocks((10, 16, 4, 64), dense((10, 16, 4, 64)), 1)  # one head: the whole block
