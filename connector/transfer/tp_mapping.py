@@ -26,7 +26,10 @@ plane, which refuses a pair before any transfer); :func:`compute_tp_mapping` rai
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
 
 from kvbaton.kvgeometry import EngineKv, KvIncompatible, check_compatible, source_rank
 
@@ -103,6 +106,38 @@ class TpMapping:
             raise ValueError(f"{len(src_blocks)} owner blocks for {len(dst_blocks)} receiver blocks")
         for sb, db in zip(src_blocks, dst_blocks, strict=True):
             yield sb * src_stride + piece.src_offset, db * dst_stride + piece.dst_offset, piece.nbytes
+
+    def descs(self, piece: HeadSlice, src_layout: Any, src_blocks: Sequence[int], dst_layout: Any,
+              dst_blocks: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """NIXL descriptor rows ``[addr, nbytes, device_id]`` (uint64, region-major, row i of
+        one side paired with row i of the other) moving ``piece`` of every block pair.
+
+        The layouts are the two ranks' ``KvLayout`` (duck-typed: ``region_base_addrs``,
+        ``block_stride_bytes``, ``bytes_per_block``, ``device_id``). A whole-block piece
+        between densely packed regions is coalesced into runs of consecutive ids on both
+        sides; a head slice is one row per block per region (its bytes are strided)."""
+        s = np.asarray(src_blocks, dtype=np.int64)
+        d = np.asarray(dst_blocks, dtype=np.int64)
+        if s.shape != d.shape or s.ndim != 1:
+            raise ValueError(f"{s.shape} owner blocks for {d.shape} receiver blocks")
+        n = np.full(s.shape, piece.nbytes, dtype=np.int64)
+        dense = (src_layout.block_stride_bytes == src_layout.bytes_per_block
+                 and dst_layout.block_stride_bytes == dst_layout.bytes_per_block)
+        if piece.whole_block and dense and s.size > 1:
+            brk = np.flatnonzero((np.diff(s) != 1) | (np.diff(d) != 1)) + 1
+            starts = np.concatenate(([0], brk))
+            lengths = np.diff(np.concatenate((starts, [s.size])))
+            s, d, n = s[starts], d[starts], lengths * piece.nbytes
+        out = []
+        for layout, ids, off in ((src_layout, s, piece.src_offset), (dst_layout, d, piece.dst_offset)):
+            bases = np.asarray(layout.region_base_addrs, dtype=np.int64)[:, None]
+            addr = bases + ids[None, :] * int(layout.block_stride_bytes) + off
+            rows = np.empty((addr.size, 3), dtype=np.uint64)
+            rows[:, 0] = addr.ravel()
+            rows[:, 1] = np.broadcast_to(n, addr.shape).ravel()
+            rows[:, 2] = int(layout.device_id)
+            out.append(rows)
+        return out[0], out[1]
 
     @staticmethod
     def _check_rank(rank: int, size: int, what: str) -> None:
