@@ -43,11 +43,11 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402  (torch before nixl: it must own the CUDA context first)
+import numpy as np
+import torch
 
-from connector.transfer.tp_mapping import TpMapping, compute_tp_mapping  # noqa: E402
-from kvbaton.kvgeometry import EngineKv  # noqa: E402
+from connector.transfer.tp_mapping import TpMapping, compute_tp_mapping
+from kvbaton.kvgeometry import EngineKv
 
 GB = 1e9
 
@@ -297,7 +297,8 @@ def main(argv: list[str] | None = None) -> int:
     for spec in a.pairs:
         p_tp, d_tp = (int(x) for x in spec.split("x"))
         rows.extend(run_pair(a, p_tp, d_tp, gpus))
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], check=False, cwd=ROOT, capture_output=True,
+                            text=True).stdout.strip()
     result = {"script": "benchmarks/tp_mapping_gpu.py", "argv": sys.argv[1:], "commit": commit or "unknown",
               "devices": [torch.cuda.get_device_name(i) for i in range(gpus)] or ["cpu"],
               "env": {k: v for k, v in os.environ.items() if k.startswith("UCX_")}, "rows": rows}

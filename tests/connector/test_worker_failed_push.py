@@ -10,10 +10,11 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvbaton.connector.geometry import KvLayout  # noqa: E402
-from kvbaton.connector.metadata import MODE_PUSH, KvbatonSettings, SendSpec  # noqa: E402
-from kvbaton.connector.worker import StatsLog, TransferThread  # noqa: E402
-from kvbaton.v1 import rendezvous_pb2 as rpb  # noqa: E402
+from kvbaton.connector.geometry import KvLayout
+from kvbaton.connector.metadata import MODE_PUSH, KvbatonSettings, SendSpec
+from kvbaton.connector.worker import StatsLog, TransferThread
+
+from kvbaton.v1 import rendezvous_pb2 as rpb
 
 Ev = rpb.RendezvousEvent
 
