@@ -142,7 +142,7 @@ class Router:
             try:
                 async with self.session.get(f"{url}/health", timeout=aiohttp.ClientTimeout(total=5)) as r:
                     return r.status == 200
-            except (aiohttp.ClientError, asyncio.TimeoutError):
+            except (TimeoutError, aiohttp.ClientError):
                 return False
         p, d = await asyncio.gather(ok(self.prefill_url), ok(self.decode_url))
         return web.json_response({"prefill": p, "decode": d}, status=200 if p and d else 503)
