@@ -533,7 +533,7 @@ class LeaseService:
             try:
                 await self.on_refused(f"reuse-{info.lease_id}-{reader_engine_id}"[:limits.MAX_ID_BYTES], info.engine_id,
                                       reader_engine_id, reason)
-            except Exception:  # noqa: BLE001 - the refusal stands even if recording it failed
+            except Exception:  # the refusal stands even if recording it failed
                 log.warning("lease.refusal_not_recorded", lease_id=info.lease_id, exc_info=True)
         raise precondition(f"lease {info.lease_id}: {reason}: not pinned")
 

@@ -274,7 +274,7 @@ class RendezvousService:
                     new.reason = (f"block count mismatch: decode offered {len(new.offer.block_ids)}, "
                                   f"prefill completed {len(new.completion.block_ids)}")
                 elif verdict is not None and verdict.reason:
-                    new.phase, refused = FAILED, verdict.reason
+                    new.phase, refused = pb.TRANSFER_PHASE_FAILED, verdict.reason
                     new.reason = (f"incompatible KV: prefill {new.completion.engine_id} -> decode "
                                   f"{new.offer.engine_id}: {verdict.reason}")
                 else:
@@ -353,7 +353,8 @@ class RendezvousService:
         limits.check_id("transfer_id", transfer_id)
         key = self._key(transfer_id)
         now = self.clock.now_ms()
-        t = pb.TransferState(transfer_id=transfer_id, phase=FAILED, reason=limits.check_text("reason", reason[:900]),
+        t = pb.TransferState(transfer_id=transfer_id, phase=pb.TRANSFER_PHASE_FAILED,
+                             reason=limits.check_text("reason", reason[:900]),
                              updated_at_ms=now)
         t.offer.engine_id, t.offer.received_at_ms = owner_engine_id, now
         t.completion.engine_id, t.completion.received_at_ms, t.completion.request_id = reader_engine_id, now, request_id

@@ -11,8 +11,8 @@ pytest.importorskip("nixl")
 torch = pytest.importorskip("torch")
 pytest.importorskip("vllm")
 
-from kvbaton.connector.metadata import KvbatonSettings
-from kvbaton.connector.nixl_agent import NixlBackendUnavailable, NixlEndpoint
+from kvbaton.connector.metadata import KvbatonSettings  # noqa: E402
+from kvbaton.connector.nixl_agent import NixlBackendUnavailable, NixlEndpoint  # noqa: E402
 
 pytestmark = pytest.mark.nixl
 

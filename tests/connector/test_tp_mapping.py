@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kvbaton.connector.transfer.tp_mapping import TpMapping, compute_tp_mapping
 
+from kvbaton.connector.transfer.tp_mapping import TpMapping, compute_tp_mapping
 from kvbaton.kvgeometry import (
     EngineKv,
     KvIncompatible,
@@ -263,7 +263,8 @@ def test_check_and_mapping_agree(ha, hb, ta, tb):
 def test_head_major_blocks():
     from kvbaton.connector.transfer.tp_mapping import head_major_blocks
 
-    dense = lambda shape: tuple(int(np.prod(shape[i + 1:])) for i in range(len(shape)))
+    def dense(shape):
+        return tuple(int(np.prod(shape[i + 1:])) for i in range(len(shape)))
     cpu = (10, 4, 16, 128)  # vLLM CPU: [blocks, heads, block_size, 2*head_dim]
     assert head_major_blocks(cpu, dense(cpu), 4)
     assert head_major_blocks((10, 16, 4, 64), dense((10, 16, 4, 64)), 1)  # one head: the whole block

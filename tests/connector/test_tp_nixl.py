@@ -17,12 +17,11 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("nixl")
 
-from kvbaton.connector.descriptors import TransferPlan
-from kvbaton.connector.geometry import KvLayout
-from kvbaton.connector.nixl_agent import NixlEndpoint
-from kvbaton.connector.transfer.tp_mapping import compute_tp_mapping
-
-from kvbaton.kvgeometry import EngineKv
+from kvbaton.connector.descriptors import TransferPlan  # noqa: E402
+from kvbaton.connector.geometry import KvLayout  # noqa: E402
+from kvbaton.connector.nixl_agent import NixlEndpoint  # noqa: E402
+from kvbaton.connector.transfer.tp_mapping import compute_tp_mapping  # noqa: E402
+from kvbaton.kvgeometry import EngineKv  # noqa: E402
 
 pytestmark = pytest.mark.nixl
 

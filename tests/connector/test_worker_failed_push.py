@@ -13,7 +13,6 @@ pytest.importorskip("vllm")
 from kvbaton.connector.geometry import KvLayout
 from kvbaton.connector.metadata import MODE_PUSH, KvbatonSettings, SendSpec
 from kvbaton.connector.worker import StatsLog, TransferThread
-
 from kvbaton.v1 import rendezvous_pb2 as rpb
 
 Ev = rpb.RendezvousEvent

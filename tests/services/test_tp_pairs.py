@@ -161,10 +161,11 @@ async def test_incompatible_push_is_refused_at_the_match_with_the_reason(kv, pla
 async def test_engines_without_head_counts_are_judged_on_what_they_published(kv):
     # Older connectors publish no head count: same block size pairs as before (no writer
     # ranks: the completion's count), a different block size is still refused.
-    old = lambda eid, role, tpb=16: registrar_pb2.EngineRank(
-        engine_id=eid, role=role, tp_size=1, agent_name=f"kvb-{eid}-r0", agent_metadata=b"m",
-        geometry=common_pb2.KvGeometry(region_base_addrs=[1], bytes_per_block=4096, num_blocks=10,
-                                       tokens_per_block=tpb, dtype="float32", layout="block_major", fingerprint="f"))
+    def old(eid, role, tpb=16):
+        return registrar_pb2.EngineRank(
+            engine_id=eid, role=role, tp_size=1, agent_name=f"kvb-{eid}-r0", agent_metadata=b"m",
+            geometry=common_pb2.KvGeometry(region_base_addrs=[1], bytes_per_block=4096, num_blocks=10,
+                                           tokens_per_block=tpb, dtype="float32", layout="block_major", fingerprint="f"))
     for rank in (old("pre", PREFILL), old("dec", DECODE), old("dec32", DECODE, tpb=32)):
         await kv.call(kv.registrar.RegisterEngine, registrar_pb2.RegisterEngineRequest(rank=rank))
     await kv.call(kv.rendezvous.Offer, offer("o1", "dec"))
@@ -181,8 +182,9 @@ async def test_incompatible_reuse_is_refused_at_the_pin_and_recorded(kv, plane):
     await register_engine(kv, "pre-bad", PREFILL, tp=2, tpb=32)
     lease = (await kv.call(kv.lease.Grant, lease_pb2.GrantRequest(conversation_id="conv", engine_id="dec",
                                                                   ttl_ms=10_000, num_blocks=4))).lease
-    pin = lambda eid: lease_pb2.PinRequest(conversation_id="conv", lease_id=lease.lease_id,
-                                           reader=f"kvb-{eid}-r0", reader_engine_id=eid)
+    def pin(eid):
+        return lease_pb2.PinRequest(conversation_id="conv", lease_id=lease.lease_id,
+                                               reader=f"kvb-{eid}-r0", reader_engine_id=eid)
     ok = await kv.call(kv.lease.Pin, pin("pre-ok"))
     assert ok.pin.pin_id
     with pytest.raises(grpc.aio.AioRpcError) as err:
