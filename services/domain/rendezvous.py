@@ -268,15 +268,16 @@ class RendezvousService:
             matched = bool(new.offer.engine_id and new.completion.engine_id)
             refused = ""
             if matched:
+                # Incompatibility first: it explains a block count mismatch (different block sizes).
                 verdict = await self._pair(new.completion.engine_id, new.offer.engine_id)
-                if len(new.offer.block_ids) != len(new.completion.block_ids):
-                    new.phase = FAILED
-                    new.reason = (f"block count mismatch: decode offered {len(new.offer.block_ids)}, "
-                                  f"prefill completed {len(new.completion.block_ids)}")
-                elif verdict is not None and verdict.reason:
+                if verdict is not None and verdict.reason:
                     new.phase, refused = pb.TRANSFER_PHASE_FAILED, verdict.reason
                     new.reason = (f"incompatible KV: prefill {new.completion.engine_id} -> decode "
                                   f"{new.offer.engine_id}: {verdict.reason}")
+                elif len(new.offer.block_ids) != len(new.completion.block_ids):
+                    new.phase = FAILED
+                    new.reason = (f"block count mismatch: decode offered {len(new.offer.block_ids)}, "
+                                  f"prefill completed {len(new.completion.block_ids)}")
                 else:
                     new.phase = MATCHED
                     new.matched_at_ms = now
