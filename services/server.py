@@ -133,7 +133,8 @@ class ControlPlane:
         if "rendezvous" in self.config.services:
             self.rendezvous = RendezvousService(store, clock=self.clock, config=self.config.rendezvous,
                                                 engine_exists=self.registrar.engine_exists,
-                                                pair_check=self.registrar.pair_verdict, metrics=self.metrics)
+                                                pair_check=self.registrar.pair_verdict, metrics=self.metrics,
+                                                retained_lookup=self.registrar.find_retained)
             await self.rendezvous.start(run_sweeper=True)
             rendezvous_pb2_grpc.add_RendezvousServicer_to_server(RendezvousServicer(self.rendezvous), self.server)
         if "lease" in self.config.services:

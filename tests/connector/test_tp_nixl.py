@@ -17,9 +17,9 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("nixl")
 
-from kvbaton.connector.descriptors import TransferPlan  # noqa: E402
-from kvbaton.connector.geometry import KvLayout  # noqa: E402
-from kvbaton.connector.nixl_agent import NixlEndpoint  # noqa: E402
+from kvbaton.connector.transfer.descriptors import TransferPlan  # noqa: E402
+from kvbaton.connector.transfer.geometry import KvLayout  # noqa: E402
+from kvbaton.connector.transfer.nixl_agent import NixlEndpoint  # noqa: E402
 from kvbaton.connector.transfer.tp_mapping import compute_tp_mapping  # noqa: E402
 from kvbaton.kvgeometry import EngineKv  # noqa: E402
 
