@@ -375,6 +375,7 @@ class RendezvousService:
                              updated_at_ms=now)
         t.offer.engine_id, t.offer.received_at_ms = owner_engine_id, now
         t.completion.engine_id, t.completion.received_at_ms, t.completion.request_id = reader_engine_id, now, request_id
+        t.kind = REUSE
         result = await self.store.txn([Compare.absent(key)], await self._put_ops(t), [Get(key)])
         if not result.succeeded:
             return _parse(result.values[0].value) if result.values and result.values[0] else t
@@ -492,6 +493,22 @@ class RendezvousService:
         generation = generation or str(attempt)
         if generation != str(attempt):
             raise invalid(f"a pull hold's generation is its attempt: got {generation!r} for attempt {attempt}")
+        held = await self.store.get(self._key(transfer_id))
+        owner = _parse(held.value).completion.engine_id if held is not None else ""
+        verdict = await self._pair(owner, reader) if owner else None
+        if verdict is not None and verdict.reason:
+            # Never mappable: end the hold now (the prefill frees on DONE) and say why.
+            why = f"incompatible KV: pull READ of prefill {owner} by decode {reader}: {verdict.reason}"
+
+            def fail(t: pb.TransferState, now: int):
+                if t.phase != COMPLETED:
+                    return False
+                t.phase, t.reason, t.kind = FAILED, why, PULL
+                return None
+
+            await self._update(transfer_id, attempt, fail)
+            self.metrics.transfers.labels("failed", "incompatible").inc()
+            raise precondition(f"{why}: recompute")
 
         def change(t: pb.TransferState, now: int):
             if t.kind == PULL and t.phase != COMPLETED and t.offer.engine_id == reader and list(t.offer.block_ids) == ids:
@@ -534,6 +551,12 @@ class RendezvousService:
                                f"{retained.retention_id}; the read names {generation}): recompute")
         if not set(src) <= set(retained.block_ids):
             raise precondition(f"source_block_ids are not all retained for conversation {conversation_id}")
+        verdict = await self._pair(retained.engine_id, reader)
+        if verdict is not None and verdict.reason:
+            why = f"incompatible KV: reuse READ of decode {retained.engine_id} by prefill {reader}: {verdict.reason}"
+            await self.record_refused(transfer_id, owner_engine_id=retained.engine_id, reader_engine_id=reader,
+                                      reason=why, request_id=request_id)
+            raise precondition(f"{why}: recompute")
         key = self._key(transfer_id)
         for _ in range(_CAS_RETRIES):
             kv = await self.store.get(key)

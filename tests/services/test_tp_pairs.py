@@ -216,3 +216,31 @@ async def _cli(plane, *args: str) -> str:
     out, err = await asyncio.wait_for(proc.communicate(), 60)
     assert proc.returncode == 0, err.decode()
     return out.decode()
+
+
+async def test_incompatible_pull_and_reuse_reads_are_refused_at_begin_read(kv):
+    await register_engine(kv, "dec", DECODE, tp=1)
+    await register_engine(kv, "pre-bad", PREFILL, tp=2, tpb=32)
+    # Pull: the prefill holds blocks; decode's BeginRead is refused and the hold ends with the reason.
+    await kv.call(kv.rendezvous.Complete, pb.CompleteRequest(transfer_id="pl", prefill_engine_id="pre-bad",
+                                                             block_ids=[1, 2], timeout_ms=60_000))
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await kv.call(kv.rendezvous.BeginRead, pb.BeginReadRequest(
+            transfer_id="pl", kind=pb.TRANSFER_KIND_PULL, reader_engine_id="dec", block_ids=[5, 6]), retries=0)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "incompatible KV: pull READ of prefill pre-bad by decode dec" in err.value.details()
+    hold = await kv.call(kv.rendezvous.GetTransfer, pb.GetTransferRequest(transfer_id="pl"))
+    assert hold.phase == pb.TRANSFER_PHASE_FAILED and "block sizes differ" in hold.reason
+    # Reuse: decode retains a turn; the incompatible prefill's BeginRead is refused and recorded.
+    ret = (await kv.call(kv.registrar.RegisterRetained, registrar_pb2.RegisterRetainedRequest(
+        retained=registrar_pb2.RetainedBlocks(conversation_id="c1", engine_id="dec", block_ids=[3, 4],
+                                              num_tokens=32, tokens_per_block=16)))).retained
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await kv.call(kv.rendezvous.BeginRead, pb.BeginReadRequest(
+            transfer_id="ru", kind=pb.TRANSFER_KIND_REUSE, reader_engine_id="pre-bad", block_ids=[9, 10],
+            generation=ret.retention_id, conversation_id="c1", source_block_ids=[3, 4]), retries=0)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "incompatible KV: reuse READ of decode dec by prefill pre-bad" in err.value.details()
+    rec = await kv.call(kv.rendezvous.GetTransfer, pb.GetTransferRequest(transfer_id="ru"))
+    assert rec.phase == pb.TRANSFER_PHASE_FAILED and rec.kind == pb.TRANSFER_KIND_REUSE
+    assert rec.offer.engine_id == "dec" and rec.completion.engine_id == "pre-bad"
