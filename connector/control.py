@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 import grpc
 
 from kvbaton.client import KvbatonClient
+from kvbaton.security import ClientSecurity
 from kvbaton.v1 import common_pb2, registrar_pb2
 
 log = logging.getLogger("kvbaton.connector.control")
@@ -27,9 +28,13 @@ T = TypeVar("T")
 class ControlThread:
     """Owns an event loop on a named daemon thread; registers and refreshes the engine rank."""
 
-    def __init__(self, address: str, *, timeout_s: float = 5.0, name: str = "kvbaton-control") -> None:
+    def __init__(self, address: str, *, timeout_s: float = 5.0, name: str = "kvbaton-control",
+                 security: ClientSecurity | None = None) -> None:
         self.address = address
         self.timeout_s = timeout_s
+        # TLS + token (settings or $KVBATON_TLS_* / $KVBATON_TOKEN); resolved here so a
+        # half-configured engine fails at start, not on its first call.
+        self.security = security if security is not None else ClientSecurity.resolve()
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._client: KvbatonClient | None = None
@@ -42,7 +47,7 @@ class ControlThread:
 
     def _run(self) -> None:
         asyncio.set_event_loop(self._loop)
-        self._client = KvbatonClient(self.address, timeout_s=self.timeout_s)
+        self._client = self.security.client(self.address, timeout_s=self.timeout_s)
         self._ready.set()
         self._loop.run_forever()
 

@@ -91,6 +91,23 @@ class KvbatonSettings:
     staging_slot_bytes: int = 0
     staging_slots: int = 0
     staging_target_chunks: int = 16
+    # How the engine reaches the control plane securely (kvbaton/security.py): the CA that
+    # signed the control plane's certificate (turns TLS on), this engine's client
+    # certificate and key (mutual TLS), and its bearer token (or a file holding it). Each
+    # falls back to $KVBATON_TLS_CA / _CERT / _KEY, $KVBATON_TOKEN / $KVBATON_TOKEN_FILE.
+    control_tls_ca: str = ""
+    control_tls_cert: str = ""
+    control_tls_key: str = ""
+    control_token: str = dataclasses.field(default="", repr=False)
+    control_token_file: str = ""
+
+    def control_security(self) -> Any:
+        """The resolved :class:`kvbaton.security.ClientSecurity` (settings, then environment)."""
+        from kvbaton.security import ClientSecurity
+
+        return ClientSecurity.resolve(tls_ca=self.control_tls_ca, tls_cert=self.control_tls_cert,
+                                      tls_key=self.control_tls_key, token=self.control_token,
+                                      token_file=self.control_token_file)
 
     def staging_pool(self, device: str) -> tuple[int, int]:
         """(slot bytes, slots) of this engine's pools on ``device`` ("cpu"/"cuda")."""
@@ -140,7 +157,12 @@ class KvbatonSettings:
                    staging=staging,
                    staging_slot_bytes=int(get("staging_slot_bytes", 0) or 0),
                    staging_slots=int(get("staging_slots", 0) or 0),
-                   staging_target_chunks=int(get("staging_target_chunks", 16) or 16))
+                   staging_target_chunks=int(get("staging_target_chunks", 16) or 16),
+                   control_tls_ca=str(get("control_tls_ca", "") or ""),
+                   control_tls_cert=str(get("control_tls_cert", "") or ""),
+                   control_tls_key=str(get("control_tls_key", "") or ""),
+                   control_token=str(get("control_token", "") or ""),
+                   control_token_file=str(get("control_token_file", "") or ""))
 
 
 def _flag(v: Any) -> bool:

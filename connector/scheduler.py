@@ -109,7 +109,8 @@ class KvbatonScheduler:
         if self._control is None:
             from .control import ControlThread
 
-            self._control = ControlThread(self.settings.control_plane, name="kvbaton-sched-control")
+            self._control = ControlThread(self.settings.control_plane, name="kvbaton-sched-control",
+                                         security=self.settings.control_security())
         return self._control
 
     def bind_block_pool(self, block_pool: Any) -> None:

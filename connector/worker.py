@@ -1313,7 +1313,7 @@ class KvbatonWorker:
         # into one NIXL registration.
         tensors = list(kv_caches.values())
         layout = KvLayout.from_tensors(tensors, block_size, block_dim=0)
-        self._control = ControlThread(self.settings.control_plane)
+        self._control = ControlThread(self.settings.control_plane, security=self.settings.control_security())
         fp = Fingerprinter(layout, tensors, self.settings.verify_kv_alg) if self.settings.verify_kv else None
         self._xfer = TransferThread(self.settings, self.tp_rank, layout, self._control, self.stats, fp,
                                     tensors=tensors)

@@ -18,6 +18,8 @@ from collections.abc import Sequence
 import grpc
 from google.protobuf import json_format
 
+from kvbaton import security
+
 DEFAULT_ADDR = "127.0.0.1:50051"
 
 
@@ -129,14 +131,9 @@ async def _transfers(args) -> int:
 
 
 def _client(args):
-    """A client from the common flags: --addr, --timeout, --token (or $KVBATON_TOKEN), --tls-*."""
-    import os
-
-    from kvbaton.client import ClientTls, KvbatonClient
-
-    tls = ClientTls(args.tls_ca, args.tls_cert or "", args.tls_key or "") if getattr(args, "tls_ca", None) else None
-    token = getattr(args, "token", None) or os.environ.get("KVBATON_TOKEN") or None
-    return KvbatonClient(args.addr, timeout_s=args.timeout, tls=tls, token=token)
+    """A client from the common flags: --addr, --timeout, --tls-* and --token[-file]
+    (each falling back to its $KVBATON_* variable; kvbaton/security.py)."""
+    return security.from_args(args).client(args.addr, timeout_s=args.timeout)
 
 
 def _serve(args) -> int:
@@ -198,10 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--addr", default=DEFAULT_ADDR, help="control plane address(es), comma separated")
         sp.add_argument("--json", action="store_true", help="JSON instead of a table")
         sp.add_argument("--timeout", type=float, default=5.0, help="seconds per call")
-        sp.add_argument("--token", help="bearer token (default: $KVBATON_TOKEN)")
-        sp.add_argument("--tls-ca", help="CA certificate that signed the server's (turns TLS on)")
-        sp.add_argument("--tls-cert", help="client certificate, for mutual TLS")
-        sp.add_argument("--tls-key", help="client key, for mutual TLS")
+        security.add_client_flags(sp)
 
     l = sub.add_parser("leases", help="decode-side leases")
     lsub = l.add_subparsers(dest="action", required=True)
@@ -244,10 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
     tp.add_argument("--interval", type=float, default=1.0, help="seconds between frames (default %(default)s)")
     tp.add_argument("--once", action="store_true", help="print one frame and exit (rates over one interval)")
     tp.add_argument("--timeout", type=float, default=5.0, help="seconds per call")
-    tp.add_argument("--token", help="bearer token (default: $KVBATON_TOKEN)")
-    tp.add_argument("--tls-ca", help="CA certificate that signed the server's (turns TLS on)")
-    tp.add_argument("--tls-cert", help="client certificate, for mutual TLS")
-    tp.add_argument("--tls-key", help="client key, for mutual TLS")
+    security.add_client_flags(tp)
     tp.set_defaults(func=_top)
     return p
 
@@ -270,6 +261,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.func(args) or 0
     except grpc.aio.AioRpcError as exc:
         print(f"kvbaton: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 2
+    except ValueError as exc:  # half-configured TLS / token flags: say what, not a traceback
+        print(f"kvbaton: {exc}", file=sys.stderr)
         return 2
 
 
