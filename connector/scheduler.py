@@ -63,13 +63,15 @@ log = logging.getLogger("kvbaton.connector.scheduler")
 
 
 def push_complete(settings: KvbatonSettings, tid: str, block_ids: tuple[int, ...], num_tokens: int,
-                  request_id: str) -> Any:
-    """Prefill's Rendezvous.Complete for a push (sent by the scheduler or by the worker)."""
+                  request_id: str, decode_engine_id: str = "") -> Any:
+    """Prefill's Rendezvous.Complete for a push (sent by the scheduler or by the worker).
+    ``decode_engine_id``: the decode the router paired this request with; the control
+    plane then lets only that engine offer (README "Security")."""
     from kvbaton.v1 import rendezvous_pb2 as rpb
 
     return rpb.CompleteRequest(transfer_id=tid, prefill_engine_id=settings.engine_id, block_ids=block_ids,
                                num_tokens=num_tokens, timeout_ms=int(settings.timeout_s * 1000),
-                               request_id=request_id, writers=1)
+                               request_id=request_id, writers=1, decode_engine_id=decode_engine_id)
 
 
 class KvbatonScheduler:
@@ -265,7 +267,8 @@ class KvbatonScheduler:
         offer = rpb.OfferRequest(transfer_id=tid, decode_engine_id=self.settings.engine_id,
                                  block_ids=local_all[:last], num_tokens=num_external_tokens,
                                  timeout_ms=int(self.settings.timeout_s * 1000),
-                                 request_id=request.request_id)
+                                 request_id=request.request_id,
+                                 prefill_engine_id=str((request.kv_transfer_params or {}).get("prefill_engine_id") or ""))
         self._rpc("Offer", lambda c: c.call(c.rendezvous.Offer, offer, metadata=md), tid)
 
     # ------------------------------------------------------------------ prefill side
@@ -310,11 +313,12 @@ class KvbatonScheduler:
             n_tokens = min(int(request.num_computed_tokens), int(request.num_prompt_tokens))
             ids = tuple(int(b) for b in block_ids[: -(-n_tokens // self.block_size)])
             here = self.settings.complete_from_worker
+            peer = str(params.get("decode_engine_id") or "")
             self._sends[request.request_id] = SendSpec(tid, len(ids), self.settings.timeout_s, MODE_PUSH,
                                                        ids, n_tokens, traceparent=tp, complete_here=here,
-                                                       request_id=request.request_id)
+                                                       request_id=request.request_id, peer_engine_id=peer)
             if not here:
-                complete = push_complete(self.settings, tid, ids, n_tokens, request.request_id)
+                complete = push_complete(self.settings, tid, ids, n_tokens, request.request_id, peer)
                 self._rpc("Complete", lambda c: c.call(c.rendezvous.Complete, complete, metadata=md), tid)
             return True, {"transfer_id": tid, "transfer_mode": MODE_PUSH, "remote_engine_id": self.settings.engine_id}
         self._sends[request.request_id] = SendSpec(tid, len(block_ids), self.settings.timeout_s, traceparent=tp,

@@ -1361,7 +1361,8 @@ class KvbatonWorker:
         from .scheduler import push_complete
 
         assert self._control is not None
-        req = push_complete(self.settings, sspec.transfer_id, sspec.block_ids, sspec.num_tokens, sspec.request_id)
+        req = push_complete(self.settings, sspec.transfer_id, sspec.block_ids, sspec.num_tokens, sspec.request_id,
+                            sspec.peer_engine_id)
         md = grpc_metadata(sspec.traceparent)
         t0 = time.monotonic()
         fut = self._control.submit(lambda c: c.call(c.rendezvous.Complete, req, metadata=md))

@@ -112,13 +112,21 @@ class ControlPlane:
         store = InstrumentedStore(self.store, self.metrics)
         opts = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES), ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.keepalive_time_ms", 20_000), ("grpc.http2.max_pings_without_data", 0),
-                ("grpc.keepalive_permit_without_calls", 1)]
+                ("grpc.keepalive_permit_without_calls", 1),
+                # Clients ping every 10 s (kvbaton/client.py); without this the server's
+                # default (5 min) answers their pings with GOAWAY "Too many pings".
+                ("grpc.http2.min_ping_interval_without_data_ms", 5_000)]
         from .api.guard import Guard, GuardConfig
         from .auth import TokenBook
 
         tokens = TokenBook.load(self.config.tokens_file) if self.config.tokens_file else None
         self.guard = Guard(GuardConfig(tokens=tokens, rate_limit=self.config.rate_limit,
-                                       max_streams_per_client=self.config.max_streams_per_client))
+                                       max_streams_per_client=self.config.max_streams_per_client,
+                                       mtls=bool(self.config.tls_client_ca)))
+        self.tokens = tokens  # the status page and /api/state ask for an operator token when set
+        if tokens is not None and self.config.rendezvous.require_binding is None:
+            # With tokens, a push transfer must name both engines (the router does).
+            self.config.rendezvous.require_binding = True
         if not tracing.enabled():
             tracing.configure(self.config.otlp_endpoint, service_name="kvbaton" if set(self.config.services) == set(ALL_SERVICES)
                               else "kvbaton-" + "-".join(self.config.services))
@@ -128,8 +136,14 @@ class ControlPlane:
         names = [reflection.SERVICE_NAME, health.SERVICE_NAME]
         # The registrar domain is also what rendezvous asks "is this engine known?".
         self.registrar = RegistrarService(store, clock=self.clock, metrics=self.metrics)
+        # Checks against the records (whose lease, whose retention): services/api/ownership.py.
+        # The lease domain, when this process runs it, is filled in below.
+        from .api.ownership import Ownership
+
+        self._ownership = Ownership(self.registrar, None)
         if "registrar" in self.config.services:
-            registrar_pb2_grpc.add_RegistrarServicer_to_server(RegistrarServicer(self.registrar), self.server)
+            registrar_pb2_grpc.add_RegistrarServicer_to_server(RegistrarServicer(self.registrar, self._ownership),
+                                                               self.server)
         if "rendezvous" in self.config.services:
             self.rendezvous = RendezvousService(store, clock=self.clock, config=self.config.rendezvous,
                                                 engine_exists=self.registrar.engine_exists, metrics=self.metrics)
@@ -139,7 +153,8 @@ class ControlPlane:
             self.lease = LeaseService(store, clock=self.clock, config=self.config.lease, metrics=self.metrics,
                                       engine_alive=self.registrar.engine_exists)
             await self.lease.start(run_expiry=True)
-            lease_pb2_grpc.add_LeaseServicer_to_server(LeaseServicer(self.lease), self.server)
+            self._ownership.lease = self.lease
+            lease_pb2_grpc.add_LeaseServicer_to_server(LeaseServicer(self.lease, self._ownership), self.server)
         await self._elect(store)
         self._wire_state_gauges()
         for svc in self.config.services:
@@ -223,11 +238,13 @@ class ControlPlane:
         self._engine_counts = ({k: float(len(v)) for k, v in engines.items()}, rank_counts)
 
     def _check_transport(self) -> None:
-        """Refuse to start plaintext unless asked to, before anything is opened."""
+        """Plaintext only on loopback (a laptop), or where a person wrote ``--insecure``;
+        checked before anything is opened."""
         cfg = self.config
-        if not (cfg.tls_cert or cfg.tls_key) and not cfg.insecure:
-            raise ValueError("no TLS certificate configured: pass --tls-cert/--tls-key (and --tls-client-ca for "
-                             "mutual TLS), or --insecure to serve plaintext")
+        if not (cfg.tls_cert or cfg.tls_key) and not cfg.insecure and not is_loopback(cfg.address):
+            raise ValueError(f"no TLS certificate configured for {cfg.address}, which is not a loopback address: "
+                             "pass --tls-cert/--tls-key (and --tls-client-ca for mutual TLS), or --insecure to "
+                             "serve plaintext")
 
     def _bind(self) -> int:
         cfg = self.config
@@ -281,6 +298,19 @@ class ControlPlane:
                 await bounded(domain.stop(), type(domain).__name__)
         if self._owns_store and self.store is not None:
             await bounded(self.store.close(), "store")
+
+
+def is_loopback(address: str) -> bool:
+    """``host:port`` on 127.0.0.0/8, ::1 or ``localhost``: reachable from this host only."""
+    import ipaddress
+
+    host = address.rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name, "" or 0.0.0.0-like wildcards: not provably loopback
 
 
 async def _campaign_forever(election) -> None:

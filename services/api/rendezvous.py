@@ -32,14 +32,15 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
     async def _offer(self, r: pb.OfferRequest) -> pb.RendezvousResponse:
         msg = self.domain.validate(is_offer=True, transfer_id=r.transfer_id, attempt=r.attempt,
                                    engine_id=r.decode_engine_id, block_ids=r.block_ids, num_tokens=r.num_tokens,
-                                   timeout_ms=r.timeout_ms, request_id=r.request_id)
+                                   timeout_ms=r.timeout_ms, request_id=r.request_id, peer=r.prefill_engine_id)
         state, matched, dup = await self.domain.submit(msg)
         return pb.RendezvousResponse(state=state, matched_now=matched, duplicate=dup)
 
     async def _complete(self, r: pb.CompleteRequest) -> pb.RendezvousResponse:
         msg = self.domain.validate(is_offer=False, transfer_id=r.transfer_id, attempt=r.attempt,
                                    engine_id=r.prefill_engine_id, block_ids=r.block_ids, num_tokens=r.num_tokens,
-                                   timeout_ms=r.timeout_ms, request_id=r.request_id, writers=r.writers)
+                                   timeout_ms=r.timeout_ms, request_id=r.request_id, writers=r.writers,
+                                   peer=r.decode_engine_id)
         state, matched, dup = await self.domain.submit(msg)
         return pb.RendezvousResponse(state=state, matched_now=matched, duplicate=dup)
 
