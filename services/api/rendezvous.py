@@ -11,6 +11,7 @@ import structlog
 from kvbaton.v1 import rendezvous_pb2 as pb
 from kvbaton.v1 import rendezvous_pb2_grpc as pb_grpc
 
+from ..domain import limits
 from ..domain.errors import DomainError
 from ..domain.rendezvous import RendezvousService
 from ..store import StoreError
@@ -54,6 +55,7 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
 
     @streaming
     async def Subscribe(self, r: pb.SubscribeRequest, context):
+        limits.check_engine_id("engine_id", r.engine_id)  # "*" (every engine's events) is no engine's id
         # A heartbeat first: the subscriber knows it is registered before it offers.
         yield pb.RendezvousEvent(type=pb.RendezvousEvent.TYPE_HEARTBEAT, revision=self.domain.hub.revision)
         heartbeat = lambda: pb.RendezvousEvent(type=pb.RendezvousEvent.TYPE_HEARTBEAT, revision=self.domain.hub.revision)  # noqa: E731

@@ -270,13 +270,13 @@ class RendezvousService:
             if cur is not None and cur.attempt > msg.attempt:
                 raise precondition(
                     f"transfer {msg.transfer_id}: attempt {msg.attempt} is superseded by attempt {cur.attempt}")
+            if cur is not None and cur.attempt < msg.attempt and msg.engine_id not in _parties(cur):
+                raise denied(f"engine {msg.engine_id} is not a party of transfer {msg.transfer_id} "
+                             f"(attempt {cur.attempt}): only its parties start a new attempt")
             base = cur.attempt if cur is not None else 0
             if msg.attempt > base + limits.MAX_ATTEMPT_STEP:
                 raise invalid(f"transfer {msg.transfer_id}: attempt {msg.attempt} skips ahead of attempt {base} by more "
                               f"than {limits.MAX_ATTEMPT_STEP}")
-            if cur is not None and cur.attempt < msg.attempt and msg.engine_id not in _parties(cur):
-                raise denied(f"engine {msg.engine_id} is not a party of transfer {msg.transfer_id} "
-                             f"(attempt {cur.attempt}): only its parties start a new attempt")
             superseded = cur is not None and cur.attempt < msg.attempt and cur.phase not in TERMINAL
             if cur is None and len(self.hub.records) >= self.config.max_pending:
                 raise exhausted(f"{len(self.hub.records)} transfers are pending (limit {self.config.max_pending}); "
