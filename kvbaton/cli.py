@@ -143,6 +143,7 @@ def _serve(args) -> int:
     logs.configure(args.log_level)
     services = args.services or list(ALL_SERVICES)
     config = ServerConfig(address=args.listen, store_url=args.store, services=services,
+                          etcd_ca=args.etcd_ca or "", etcd_cert=args.etcd_cert or "", etcd_key=args.etcd_key or "",
                           tls_cert=args.tls_cert or "", tls_key=args.tls_key or "", tls_client_ca=args.tls_client_ca or "",
                           insecure=args.insecure, tokens_file=args.tokens or "", rate_limit=args.rate_limit,
                           max_streams_per_client=args.max_streams_per_client, otlp_endpoint=args.otlp_endpoint)
@@ -172,7 +173,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("services", nargs="*", default=[],
                    help="which services (default: all three)")
     s.add_argument("--listen", default=DEFAULT_ADDR, help="host:port to listen on (default %(default)s)")
-    s.add_argument("--store", default="memory://", help="memory:// (default) or etcd://host:port[,host:port...]")
+    s.add_argument("--store", default="memory://",
+                   help="memory:// (default), etcd://host:port[,host:port...] or etcds://... (TLS)")
+    s.add_argument("--etcd-ca", help="CA that signed etcd's certificate: TLS to etcd (default $KVBATON_ETCD_CA)")
+    s.add_argument("--etcd-cert", help="client certificate for etcd --client-cert-auth (default $KVBATON_ETCD_CERT)")
+    s.add_argument("--etcd-key", help="client key for etcd (default $KVBATON_ETCD_KEY)")
     s.add_argument("--tls-cert", help="server certificate (PEM)")
     s.add_argument("--tls-key", help="server private key (PEM)")
     s.add_argument("--tls-client-ca", help="CA for client certificates: turns on mutual TLS")

@@ -52,6 +52,10 @@ _NAMES = {
 class ServerConfig:
     address: str = "127.0.0.1:50051"
     store_url: str = "memory://"
+    # etcd over TLS (etcds://): CA, and client cert/key for --client-cert-auth; "" = env.
+    etcd_ca: str = ""
+    etcd_cert: str = ""
+    etcd_key: str = ""
     services: Sequence[str] = ALL_SERVICES
     lease: LeaseConfig = dataclasses.field(default_factory=LeaseConfig)
     rendezvous: RendezvousConfig = dataclasses.field(default_factory=RendezvousConfig)
@@ -106,7 +110,8 @@ class ControlPlane:
     async def start(self) -> None:
         self._check_transport()
         if self.store is None:
-            self.store = await open_store(self.config.store_url)
+            self.store = await open_store(self.config.store_url, etcd_ca=self.config.etcd_ca,
+                                          etcd_cert=self.config.etcd_cert, etcd_key=self.config.etcd_key)
         # The domains see the store through a timing wrapper; ``self.store`` stays the
         # backend itself (tests and tools poke it directly).
         store = InstrumentedStore(self.store, self.metrics)

@@ -45,6 +45,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@dataclasses.dataclass(frozen=True)
+class EtcdServerTls:
+    """Client-facing TLS for the test etcd: its certificate and key, and the CA it
+    requires client certificates from (``--client-cert-auth``); ``client_cert``/``key``
+    are what the harness's own health check presents."""
+
+    ca: str
+    cert: str
+    key: str
+    client_cert: str
+    client_key: str
+
+
 @dataclasses.dataclass
 class Member:
     name: str
@@ -78,7 +91,9 @@ class EtcdCluster:
         heartbeat_ms: int = 50,
         election_ms: int = 500,
         binary: str | None = None,
+        tls: EtcdServerTls | None = None,
     ) -> None:
+        self.tls = tls
         self.binary = binary or find_etcd()
         if self.binary is None:
             raise FileNotFoundError("etcd not found: run scripts/ensure_etcd.sh (Debian's etcd-server)")
@@ -100,7 +115,7 @@ class EtcdCluster:
 
     @property
     def url(self) -> str:
-        return "etcd://" + ",".join(self.endpoints)
+        return ("etcds://" if self.tls else "etcd://") + ",".join(self.endpoints)
 
     def index_of(self, endpoint: str) -> int:
         return self.endpoints.index(endpoint)
@@ -108,9 +123,11 @@ class EtcdCluster:
     # -- lifecycle ------------------------------------------------------------
     def _args(self, m: Member) -> list[str]:
         initial = ",".join(f"{x.name}={x.peer_url}" for x in self.members)
-        client = f"http://{m.endpoint}"
+        client = f"{'https' if self.tls else 'http'}://{m.endpoint}"
+        tls = ["--cert-file", self.tls.cert, "--key-file", self.tls.key, "--client-cert-auth",
+               "--trusted-ca-file", self.tls.ca] if self.tls else []
         return [
-            self.binary or "etcd",
+            self.binary or "etcd", *tls,
             "--name", m.name,
             "--data-dir", str(m.data_dir),
             "--listen-client-urls", client,
@@ -153,8 +170,15 @@ class EtcdCluster:
         m = self.members[i]
         if not m.alive:
             return False
+        ctx = None
+        if self.tls:
+            import ssl
+
+            ctx = ssl.create_default_context(cafile=self.tls.ca)
+            ctx.load_cert_chain(self.tls.client_cert, self.tls.client_key)
         try:
-            with urllib.request.urlopen(f"http://{m.endpoint}/health", timeout=1.0) as r:
+            scheme = "https" if self.tls else "http"
+            with urllib.request.urlopen(f"{scheme}://{m.endpoint}/health", timeout=1.0, context=ctx) as r:
                 return b'"health":"true"' in r.read()
         except OSError:
             return False

@@ -1,0 +1,73 @@
+"""The control plane on a real etcd 3.4 that speaks only TLS and requires client
+certificates (``--cert-file --key-file --client-cert-auth --trusted-ca-file``)."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from kvbaton.client import KvbatonClient
+from kvbaton.services.server import ControlPlane
+from kvbaton.services.store import open_store
+from kvbaton.v1 import common_pb2, registrar_pb2
+from tests.harness.etcd_cluster import EtcdCluster, EtcdServerTls, find_etcd
+from tests.services.conftest import fast_config
+from tests.services.helpers import engine_rank
+
+pytest.importorskip("cryptography")
+from tests.harness.pki import TestCA  # noqa: E402
+
+pytestmark = [pytest.mark.etcd, pytest.mark.skipif(find_etcd() is None, reason="etcd not installed (scripts/ensure_etcd.sh)")]
+
+
+@pytest.fixture(scope="module")
+def tls_etcd(tmp_path_factory):
+    ca = TestCA(tmp_path_factory.mktemp("etcd-pki"))
+    server, client = ca.server("etcd-0"), ca.client("kvbaton-control-plane")
+    cluster = EtcdCluster(1, tls=EtcdServerTls(ca.ca, server.cert, server.key, client.cert, client.key)).start()
+    yield cluster, ca, client
+    cluster.stop()
+
+
+async def test_control_plane_runs_on_etcd_over_mutual_tls(tls_etcd):
+    cluster, ca, client = tls_etcd
+    assert cluster.url.startswith("etcds://")
+    cp = ControlPlane(fast_config(store_url=cluster.url, etcd_ca=ca.ca, etcd_cert=client.cert, etcd_key=client.key))
+    await cp.start()
+    try:
+        async with KvbatonClient(cp.address, timeout_s=5) as kv:
+            await kv.call(kv.registrar.RegisterEngine, registrar_pb2.RegisterEngineRequest(
+                rank=engine_rank("dec-tls", common_pb2.ENGINE_ROLE_DECODE)))
+            listed = await kv.call(kv.registrar.ListEngines, registrar_pb2.ListEnginesRequest())
+            assert [r.engine_id for r in listed.ranks] == ["dec-tls"]
+        assert cp.store.tls is not None
+        # The record went through TLS into etcd.
+        assert await cp.store.get(b"kvb/reg/e/dec-tls/00000") is not None
+    finally:
+        await cp.stop()
+
+
+async def test_etcd_refuses_a_store_without_the_client_certificate(tls_etcd, tmp_path):
+    cluster, ca, client = tls_etcd
+    # TLS without a client certificate: etcd's --client-cert-auth refuses the handshake.
+    store_task = open_store(cluster.url, etcd_ca=ca.ca)
+    with pytest.raises(Exception) as err:
+        store = await store_task
+        await store.close()
+    assert "UNAVAILABLE" in repr(err.value) or isinstance(err.value, (grpc.aio.AioRpcError, OSError)) or \
+        "unavailable" in str(err.value).lower()
+    # A client certificate from another CA is refused too.
+    rogue = TestCA(tmp_path / "rogue").client("intruder")
+    with pytest.raises(Exception):
+        store = await open_store(cluster.url, etcd_ca=ca.ca, etcd_cert=rogue.cert, etcd_key=rogue.key)
+        await store.close()
+    # etcds:// without a CA is a configuration error, said at once.
+    with pytest.raises(ValueError, match="etcd-ca"):
+        await open_store(cluster.url, etcd_ca="")
+
+
+async def test_plaintext_clients_cannot_read_the_tls_etcd(tls_etcd):
+    cluster, _, _ = tls_etcd
+    with pytest.raises(Exception):
+        store = await open_store("etcd://" + ",".join(cluster.endpoints))
+        await store.close()
