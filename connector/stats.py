@@ -21,11 +21,12 @@ import dataclasses
 import json
 from typing import Any
 
-from kvbaton.services.metrics import ConnectorMetrics
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
     KVConnectorStats,
 )
+
+from kvbaton.services.metrics import ConnectorMetrics
 
 #: What the API server exports: name -> (help, connector label names). Sample names of
 #: the engine-side families map onto these in :func:`_series`.
@@ -89,7 +90,7 @@ class KvbatonConnectorStats(KVConnectorStats):
         return self.data["deltas"]
 
     def reset(self) -> None:
-        self.data = {"deltas": {}}
+        self.data: dict[str, Any] = {"deltas": {}}
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         for key, value in (other.data.get("deltas") or {}).items():

@@ -25,8 +25,8 @@ plane lists no transfers in that mode (only the registrar is used, for NIXL meta
 
 ``python -m kvbaton.demo`` is the control-plane-only walk-through (no model, no vLLM).
 
-The stack is started with ``tests/harness/pd_stack.py`` (shared with the e2e tests and
-``benchmarks/pd_compare.py``), so this module runs from a source checkout.
+The stack is started with :mod:`kvbaton.stack.pd_stack` (shared with the e2e tests and
+the benchmarks).
 """
 
 from __future__ import annotations
@@ -40,6 +40,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvbaton.stack import pd_stack
+
 ROOT = Path(__file__).resolve().parents[1]
 
 #: What the user says each turn; the assistant's (gibberish: random weights) answers are
@@ -52,18 +54,6 @@ TURNS = [
     "Summarise the whole conversation so far for an operator who watches the control plane.",
     "Thanks. Last question: what should happen to these blocks if the prefill engine dies?",
 ]
-
-
-def _import_stack() -> Any:
-    """The shared stack launcher lives with the tests (``tests/harness``): import it from
-    the checkout this module belongs to."""
-    if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))
-    try:
-        from tests.harness import pd_stack
-    except ImportError as exc:  # installed without the source tree
-        raise SystemExit(f"kvbaton.pd_demo needs the source checkout (tests/harness): {exc}") from exc
-    return pd_stack
 
 
 def _moved(stack: Any, mode: str, marks: dict[str, int], timeout_s: float = 5.0) -> dict[str, Any]:
@@ -107,7 +97,6 @@ def run(mode: str, turns: int, max_tokens: int, model_dir: Path, workdir: Path) 
     """The demo; returns the process exit code."""
     from kvbaton.tinymodel import ensure_tiny_model
 
-    pd_stack = _import_stack()
     t_start = time.monotonic()
     print(f"kvbaton P/D demo, mode {mode.upper()} (--mode push|pull); work dir {workdir}", flush=True)
     model = ensure_tiny_model(model_dir)
@@ -117,8 +106,9 @@ def run(mode: str, turns: int, max_tokens: int, model_dir: Path, workdir: Path) 
           "(about a minute)", flush=True)
     problems: list[str] = []
     with pd_stack.PdStack(model, workdir, router_modes=(mode,), timeout_s=20.0) as stack:
-        print(f"  control plane {stack.cp_address}   prefill {stack.p.base_url} "
-              f"({stack.p.startup_s:.0f}s)   decode {stack.d.base_url} ({stack.d.startup_s:.0f}s)   "
+        prefill, decode = stack.engines()
+        print(f"  control plane {stack.cp_address}   prefill {prefill.base_url} "
+              f"({prefill.startup_s:.0f}s)   decode {decode.base_url} ({decode.startup_s:.0f}s)   "
               f"router {stack.routers[mode]}  [ready after {time.monotonic() - t_start:.0f}s]\n", flush=True)
         url = f"{stack.routers[mode]}/v1/chat/completions"
         messages: list[dict[str, str]] = []
@@ -137,7 +127,7 @@ def run(mode: str, turns: int, max_tokens: int, model_dir: Path, workdir: Path) 
                 print(f"{i:>4} request failed: {exc!r}")
                 break
             moved = _moved(stack, mode, marks)
-            single = stack.p.post_json("/v1/chat/completions", body, timeout_s=60)
+            single = prefill.post_json("/v1/chat/completions", body, timeout_s=60)
             same = single["choices"][0]["message"]["content"] == res.text
             n_prompt = int(single["usage"]["prompt_tokens"])
             print(f"{i:>4} {n_prompt:>10} {res.ttft_s * 1000:>8.1f} {res.total_s * 1000:>8.1f} "
@@ -164,7 +154,7 @@ def run(mode: str, turns: int, max_tokens: int, model_dir: Path, workdir: Path) 
         elif n_listed < turns and not problems:
             problems.append(f"control plane lists {n_listed} succeeded transfers for {turns} turns")
         for engine in ("p0", "d0"):
-            srv = stack.p if engine == "p0" else stack.d
+            srv = prefill if engine == "p0" else decode
             usage = pd_stack.usage_back_to_zero(srv, timeout_s=10)
             if usage:
                 problems.append(f"{engine} still holds KV blocks (kv_cache_usage_perc={usage})")

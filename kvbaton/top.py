@@ -31,7 +31,7 @@ SCRAPE_TIMEOUT_S = 3.0
 
 
 def _scrape_one(url: str) -> dict[str, float]:
-    with urllib.request.urlopen(url, timeout=SCRAPE_TIMEOUT_S) as resp:  # noqa: S310 - operator-given URL
+    with urllib.request.urlopen(url, timeout=SCRAPE_TIMEOUT_S) as resp:  # operator-given URL
         text = resp.read().decode()
     totals: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
@@ -69,16 +69,17 @@ async def snapshot(kv: Any) -> dict[str, Any]:
     """Engines, pending transfers and the leases expiring soonest, over gRPC."""
     from kvbaton.v1 import lease_pb2, registrar_pb2, rendezvous_pb2
 
-    engines, transfers, leases = await asyncio.gather(
+    answers: tuple[Any, ...] = await asyncio.gather(  # each a response or the exception it raised
         kv.call(kv.registrar.ListEngines, registrar_pb2.ListEnginesRequest()),
         kv.call(kv.rendezvous.ListTransfers, rendezvous_pb2.ListTransfersRequest()),
         kv.call(kv.lease.List, lease_pb2.ListLeasesRequest()),
         return_exceptions=True)
+    engines, transfers, leases = answers
     now_ms = int(time.time() * 1000)
     out: dict[str, Any] = {"errors": []}
     for name, resp in (("engines", engines), ("transfers", transfers), ("leases", leases)):
         if isinstance(resp, BaseException):
-            out["errors"].append(f"{name}: {getattr(resp, 'details', lambda: repr(resp))()}")
+            out["errors"].append(f"{name}: {resp.details() if hasattr(resp, 'details') else repr(resp)}")
     out["engines"] = [] if isinstance(engines, BaseException) else engine_rows(list(engines.ranks))
     if not isinstance(transfers, BaseException):
         ts = sorted(transfers.transfers, key=lambda t: min(

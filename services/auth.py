@@ -52,9 +52,6 @@ class Principal:
     # "peer:<host>" (see the module docstring); "" when nothing identifies the caller.
     identity: str = ""
 
-    def owns_engine(self, engine_id: str) -> bool:
-        return self.role == "operator" or engine_id in self.engines
-
     def owns_conversation(self, conversation_id: str) -> bool:
         if self.role in ("operator", "router", "engine"):
             return True  # infrastructure: which of them may do *what* is the rule's business
@@ -73,7 +70,7 @@ class TokenBook:
         self._by_digest = {hashlib.sha256(tok.encode()).digest(): p for tok, p in entries}
 
     @classmethod
-    def load(cls, path: str | pathlib.Path) -> "TokenBook":
+    def load(cls, path: str | pathlib.Path) -> TokenBook:
         data = json.loads(pathlib.Path(path).read_text())
         entries = []
         for i, item in enumerate(data.get("tokens", [])):

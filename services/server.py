@@ -16,26 +16,26 @@ from collections.abc import Sequence
 
 import grpc
 import structlog
-from prometheus_client import CollectorRegistry
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry
 
 from kvbaton.v1 import lease_pb2, lease_pb2_grpc, registrar_pb2, registrar_pb2_grpc, rendezvous_pb2, rendezvous_pb2_grpc
 
+from . import tracing
 from .api.lease import LeaseServicer
 from .api.registrar import RegistrarServicer
 from .api.rendezvous import RendezvousServicer
 from .domain.clock import Clock, WallClock
-from .domain.lease import LeaseConfig, LeaseService
-from .domain.registrar import RegistrarService
-from .domain.rendezvous import PENDING as RDV_PENDING
-from .domain.rendezvous import RendezvousConfig, RendezvousService
 from .domain.lease import ACTIVE as LEASE_ACTIVE
 from .domain.lease import DRAINING as LEASE_DRAINING
-from .domain.registrar import role_name
+from .domain.lease import LeaseConfig, LeaseService
+from .domain.registrar import RegistrarService, role_name
+from .domain.rendezvous import PENDING as RDV_PENDING
+from .domain.rendezvous import RendezvousConfig, RendezvousService
 from .metrics import InstrumentedStore, ServiceMetrics
 from .store import Store, open_store
-from . import tracing
+from .web import WebServer
 
 log = structlog.get_logger(__name__)
 
@@ -100,7 +100,7 @@ class ControlPlane:
         # One registry per plane: several planes in one process each count only their own.
         self.metrics = ServiceMetrics(CollectorRegistry())
         self._engine_counts: tuple[dict[tuple[str, ...], float], dict[tuple[str, ...], float]] = ({}, {})
-        self.web = None  # services.web.WebServer once started
+        self.web: WebServer | None = None  # once started (metrics_address or web_address set)
 
     @property
     def address(self) -> str:
@@ -175,8 +175,6 @@ class ControlPlane:
         await _set(health_servicer, "", health_pb2.HealthCheckResponse.SERVING)
         self.health = health_servicer
         if self.config.metrics_address is not None or self.config.web_address is not None:
-            from .web import WebServer
-
             self.web = WebServer(self)
             await self.web.start()
         log.info("kvbaton.serving", address=self.address, store=store.name, services=list(self.config.services),
@@ -190,7 +188,7 @@ class ControlPlane:
         lease, rdv = self.lease, self.rendezvous
         if lease is not None:
             def leases() -> dict[tuple[str, ...], float]:
-                out = {("active",): 0.0, ("draining",): 0.0}
+                out: dict[tuple[str, ...], float] = {("active",): 0.0, ("draining",): 0.0}
                 for info, _ in list(lease.hub.records.values()):
                     if info.state in (LEASE_ACTIVE, LEASE_DRAINING):
                         out[("active" if info.state == LEASE_ACTIVE else "draining",)] += 1
@@ -208,7 +206,8 @@ class ControlPlane:
             from .domain.rendezvous import MATCHED, P
 
             def pending() -> dict[tuple[str, ...], float]:
-                out = {(P.Name(p).removeprefix("TRANSFER_PHASE_").lower(),): 0.0 for p in (*RDV_PENDING, MATCHED)}
+                out: dict[tuple[str, ...], float] = {
+                    (P.Name(p).removeprefix("TRANSFER_PHASE_").lower(),): 0.0 for p in (*RDV_PENDING, MATCHED)}
                 for t, _ in list(rdv.hub.records.values()):
                     key = (P.Name(t.phase).removeprefix("TRANSFER_PHASE_").lower(),)
                     if key in out:
@@ -219,7 +218,11 @@ class ControlPlane:
         if "registrar" in self.config.services:
             sources["kvbaton_engines"] = lambda: self._engine_counts[0]
             sources["kvbaton_engine_ranks"] = lambda: self._engine_counts[1]
-        sources["kvbaton_leader"] = lambda: {(e.name,): float(bool(e.is_leader)) for e, _ in self._leadership}
+        sources["kvbaton_leader"] = lambda: {(name,): float(lead) for name, lead in self.leadership().items()}
+
+    def leadership(self) -> dict[str, bool]:
+        """Election name (``lease-expiry``, ``rendezvous-sweeper``) -> whether this replica leads it."""
+        return {e.name: bool(e.is_leader) for e, _ in self._leadership}
 
     async def refresh_state_gauges(self, timeout_s: float = 2.0) -> None:
         """Re-reads what no cache holds (registered engines) for the next scrape. Bounded: a
@@ -228,7 +231,7 @@ class ControlPlane:
             return
         try:
             ranks = await asyncio.wait_for(self.registrar.list_engines(), timeout_s)
-        except Exception as exc:  # store down: keep the last values; store_errors says why
+        except Exception as exc:  # noqa: BLE001 - store down: keep the last values; store_errors says why
             log.debug("metrics.engine_refresh_failed", error=repr(exc))
             return
         engines: dict[tuple[str, ...], set[str]] = {}
@@ -252,6 +255,8 @@ class ControlPlane:
                              "serve plaintext")
 
     def _bind(self) -> int:
+        if self.server is None:
+            raise RuntimeError("_bind() before start() built the gRPC server")
         cfg = self.config
         if cfg.tls_cert or cfg.tls_key:
             if not (cfg.tls_cert and cfg.tls_key):
@@ -276,7 +281,11 @@ class ControlPlane:
             if domain is None:
                 continue
             election = Election(store, name, ttl_s=self.config.leader_ttl_s)
-            domain.is_leader = lambda e=election: e.is_leader
+
+            def leads(e: Election = election) -> bool:
+                return e.is_leader
+
+            domain.is_leader = leads
             self._leadership.append((election, asyncio.get_running_loop().create_task(
                 _campaign_forever(election), name=f"campaign-{name}")))
 
@@ -285,7 +294,7 @@ class ControlPlane:
         async def bounded(aw, what: str) -> None:
             try:
                 await asyncio.wait_for(aw, 5.0)
-            except Exception as exc:  # shutting down: log and go on
+            except Exception as exc:  # noqa: BLE001 - shutting down: log and go on
                 log.warning("kvbaton.stop_step_failed", step=what, error=repr(exc))
 
         if self.web is not None:
@@ -327,7 +336,7 @@ async def _campaign_forever(election) -> None:
             log.warning("leader.lost", name=election.name)
         except asyncio.CancelledError:
             raise
-        except Exception as exc:  # store unreachable: try again shortly
+        except Exception as exc:  # noqa: BLE001 - store unreachable: try again shortly
             log.warning("leader.campaign_failed", name=election.name, error=str(exc))
             await asyncio.sleep(0.5)
 

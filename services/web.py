@@ -18,7 +18,7 @@ import collections
 import contextlib
 import html
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import structlog
 from aiohttp import web
@@ -27,9 +27,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from kvbaton.v1 import lease_pb2, rendezvous_pb2
 
 from .domain.registrar import role_name
-
-if TYPE_CHECKING:
-    from .server import ControlPlane
+from .plane_view import PlaneView
 
 log = structlog.get_logger(__name__)
 
@@ -103,8 +101,11 @@ def engine_rows(ranks: list[Any]) -> list[dict[str, Any]]:
 class WebServer:
     """Serves one ``ControlPlane``'s metrics and status page; ``start()`` / ``stop()``."""
 
-    def __init__(self, plane: ControlPlane) -> None:
+    def __init__(self, plane: PlaneView) -> None:
+        if plane.metrics.registry is None:
+            raise ValueError("the web server exports the plane's metrics: they need a registry")
         self.plane = plane
+        self.registry: CollectorRegistry = plane.metrics.registry
         self._runner: web.AppRunner | None = None
         self._web_runner: web.AppRunner | None = None
         self._sampler: asyncio.Task | None = None
@@ -162,7 +163,7 @@ class WebServer:
 
     # -- rates -----------------------------------------------------------------
     def _sample(self) -> None:
-        self._samples.append((time.monotonic(), counter_totals(self.plane.metrics.registry)))
+        self._samples.append((time.monotonic(), counter_totals(self.registry)))
 
     async def _sample_forever(self) -> None:
         while True:
@@ -187,13 +188,13 @@ class WebServer:
         out: dict[str, Any] = {
             "time_ms": now_ms, "address": plane.address, "store": plane.store.name if plane.store else "",
             "services": list(plane.config.services),
-            "leader": {e.name: bool(e.is_leader) for e, _ in plane._leadership},
+            "leader": plane.leadership(),
             "engines": [], "transfers": None, "leases": None, "errors": [],
         }
         try:
             ranks = await asyncio.wait_for(plane.registrar.list_engines(), STATE_TIMEOUT_S) if plane.registrar else []
             out["engines"] = engine_rows(ranks)
-        except Exception as exc:  # the store may be down: show what we have, say why
+        except Exception as exc:  # noqa: BLE001 - the store may be down: show what we have, say why
             out["errors"].append(f"engines: {exc!r}")
         if plane.rendezvous is not None:
             ts = await plane.rendezvous.list()
@@ -214,7 +215,7 @@ class WebServer:
                 "retained_blocks": retained,
                 "expiring_soonest": [lease_row(i) for i in live[:MAX_ROWS]],  # list() sorts by deadline
             }
-        totals = counter_totals(plane.metrics.registry)
+        totals = counter_totals(self.registry)
         out["totals"] = {name.removeprefix("kvbaton_"): value for name, value in sorted(totals.items())}
         out["rates"] = self.rates()
         return out
@@ -225,7 +226,7 @@ class WebServer:
 
     async def metrics(self, request: web.Request) -> web.Response:
         await self.plane.refresh_state_gauges(timeout_s=STATE_TIMEOUT_S)
-        body = generate_latest(self.plane.metrics.registry)
+        body = generate_latest(self.registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     def _refusal(self, request: web.Request) -> web.Response | None:

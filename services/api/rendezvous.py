@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import asyncio
 
 import grpc
@@ -95,8 +94,8 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
                 r = call.report_outcome
                 return pb.SessionResult(seq=seq, state=await self.domain.report_outcome(r.transfer_id, r.attempt, r.outcome))
             if body == "cancel":
-                r = call.cancel
-                return pb.SessionResult(seq=seq, state=await self.domain.cancel(r.transfer_id, r.attempt, r.engine_id, r.reason))
+                c = call.cancel
+                return pb.SessionResult(seq=seq, state=await self.domain.cancel(c.transfer_id, c.attempt, c.engine_id, c.reason))
             return pb.SessionResult(seq=seq, code=_INVALID,
                                     reason="session call has no body (offer, complete, report_outcome or cancel)")
         except DomainError as exc:

@@ -151,7 +151,7 @@ class Router:
             try:
                 async with self.session.get(f"{url}/health", timeout=aiohttp.ClientTimeout(total=5)) as r:
                     return r.status == 200
-            except (aiohttp.ClientError, asyncio.TimeoutError):
+            except (TimeoutError, aiohttp.ClientError):
                 return False
         p, d = await asyncio.gather(ok(self.prefill_url), ok(self.decode_url))
         return web.json_response({"prefill": p, "decode": d}, status=200 if p and d else 503)
@@ -381,7 +381,11 @@ def build_app(prefill_url: str, decode_url: str, mode: str = "pull", *,
     app.on_cleanup.append(router.stop)
     app.router.add_get("/health", router.health)
     app.router.add_get("/v1/models", router.models)
-    app.router.add_get("/kvbaton/stats", lambda r: web.json_response(router.stats))
+
+    async def stats(request: web.Request) -> web.Response:
+        return web.json_response(router.stats)
+
+    app.router.add_get("/kvbaton/stats", stats)
     app.router.add_get("/metrics", router.metrics_endpoint)
     app.router.add_post("/v1/completions", router.completions)
     app.router.add_post("/v1/chat/completions", router.chat)

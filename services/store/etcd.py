@@ -57,8 +57,8 @@ from .base import (
     CompareOp,
     CompareTarget,
     Delete,
-    Get,
     EventType,
+    Get,
     KeyValue,
     LeaseNotFoundError,
     Op,
@@ -71,6 +71,8 @@ from .base import (
     prefix_end,
 )
 
+# What a stream call's read() returns at its end (missing from grpc-stubs 1.53's grpc.aio).
+_EOF: object = grpc.aio.EOF  # type: ignore[attr-defined]
 log = structlog.get_logger(__name__)
 
 # etcd's rpctypes.MetadataRequireLeaderKey: refuse (and cancel streams) without a leader.
@@ -197,7 +199,7 @@ class _Endpoint:
     maintenance: pb_grpc.MaintenanceStub
 
     @classmethod
-    def open(cls, target: str, tls: "EtcdTls | None" = None) -> "_Endpoint":
+    def open(cls, target: str, tls: EtcdTls | None = None) -> _Endpoint:
         if tls is not None:
             ch = grpc.aio.secure_channel(target, tls.credentials(), options=_CHANNEL_OPTIONS)
         else:
@@ -230,7 +232,7 @@ class _KeepAliveStream:
         try:
             while True:
                 resp = await self.call.read()
-                if resp is grpc.aio.EOF:
+                if resp is _EOF:
                     reason = "closed by server"
                     break
                 queue = self.waiters.get(resp.ID)
@@ -266,7 +268,7 @@ class _KeepAliveStream:
 class _EtcdWatch(Watch):
     """One etcd watch on its own stream, re-created from ``next_rev`` after a disconnect."""
 
-    def __init__(self, store: "EtcdStore", prefix: bytes, start_revision: int, prev_kv: bool) -> None:
+    def __init__(self, store: EtcdStore, prefix: bytes, start_revision: int, prev_kv: bool) -> None:
         self._store = store
         self._prefix = prefix
         self._prev_kv = prev_kv
@@ -301,7 +303,7 @@ class _EtcdWatch(Watch):
                 t = min(remaining, self._store._attempt_timeout_s)
                 await asyncio.wait_for(call.write(req), t)
                 resp = await asyncio.wait_for(call.read(), t)
-                if resp is grpc.aio.EOF or not resp.created:
+                if resp is _EOF or not resp.created:
                     raise StoreError(f"unexpected watch reply {resp!r}")
             except (grpc.aio.AioRpcError, asyncio.InvalidStateError, TimeoutError, StoreError) as e:
                 call.cancel()
@@ -362,7 +364,7 @@ class _EtcdWatch(Watch):
         """Delivers responses until the stream ends (returns) or fails (raises)."""
         while True:
             resp = await self._call.read()
-            if resp is grpc.aio.EOF:
+            if resp is _EOF:
                 return
             if resp.canceled:
                 self._on_cancel(resp)
@@ -443,7 +445,7 @@ class EtcdStore(Store):
         attempt_timeout_s: float = 3.0,
         watch_retry_s: float = 60.0,
         tls: EtcdTls | None = None,
-    ) -> "EtcdStore":
+    ) -> EtcdStore:
         """Opens channels and returns once one endpoint answers ``Status`` with a leader.
 
         ``timeout_s`` bounds every operation including its failover retries;
@@ -607,7 +609,7 @@ class EtcdStore(Store):
                         results = [
                             self._txn_result(r.response_txn.succeeded, rev, r.response_txn.responses, item[2], item[3])
                             for item, r in zip(taken, resp.responses)]
-                except Exception as exc:  # every write of the batch shares its fate
+                except Exception as exc:  # noqa: BLE001 - every write of the batch shares its fate
                     for item in taken:
                         if not item[4].done():
                             item[4].set_exception(exc)
@@ -635,10 +637,9 @@ class EtcdStore(Store):
                 raise TypeError(f"value compare needs bytes, got {operand!r}")
         elif not isinstance(operand, int):
             raise TypeError(f"{c.target.value} compare needs int, got {operand!r}")
-        return pb.Compare(
-            result=_COMPARE_RESULT[c.op], target=_COMPARE_TARGET[c.target], key=c.key,
-            **{_COMPARE_FIELD[c.target]: operand},
-        )
+        msg = pb.Compare(result=_COMPARE_RESULT[c.op], target=_COMPARE_TARGET[c.target], key=c.key)
+        setattr(msg, _COMPARE_FIELD[c.target], operand)  # the oneof member for this target
+        return msg
 
     @staticmethod
     def _op(op: Op) -> pb.RequestOp:
@@ -665,13 +666,6 @@ class EtcdStore(Store):
             await self._unary("lease", "LeaseRevoke", pb.LeaseRevokeRequest(ID=lease_id), mutation=False)
         except LeaseNotFoundError:
             pass
-
-    async def lease_ttl(self, lease_id: int) -> float:
-        """Seconds left on a lease (etcd-only helper); raises ``LeaseNotFoundError``."""
-        resp = await self._unary("lease", "LeaseTimeToLive", pb.LeaseTimeToLiveRequest(ID=lease_id), mutation=False)
-        if resp.TTL < 0:
-            raise LeaseNotFoundError(f"lease {lease_id:#x} not found")
-        return float(resp.TTL)
 
     async def _keepalive_stream(self) -> _KeepAliveStream:
         async with self._ka_open_lock:
@@ -752,4 +746,4 @@ class EtcdStore(Store):
         if self._ka is not None:
             await self._ka.close()
         for ep in self._endpoints:
-            await ep.channel.close()
+            await ep.channel.close(None)

