@@ -23,8 +23,16 @@ from collections.abc import Callable
 import grpc
 import structlog
 
-from ..auth import (PUBLIC_PREFIXES, SESSION_METHOD, Principal, RateLimiter, TokenBook, authorize,
-                    authorize_session_call, keepalive_cost)
+from ..auth import (
+    PUBLIC_PREFIXES,
+    SESSION_METHOD,
+    Principal,
+    RateLimiter,
+    TokenBook,
+    authorize,
+    authorize_session_call,
+    keepalive_cost,
+)
 
 log = structlog.get_logger(__name__)
 

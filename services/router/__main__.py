@@ -13,9 +13,8 @@ import logging
 
 from aiohttp import web
 
-from kvbaton.services import tracing
-
 from kvbaton import security
+from kvbaton.services import tracing
 
 from .app import build_app
 

@@ -28,13 +28,13 @@ from typing import Any
 
 import pytest
 
+from kvbaton.stack.etcd_cluster import EtcdCluster, EtcdServerTls, find_etcd
+from kvbaton.stack.vllm_server import VllmServer, free_port, small_engine_args
 from kvbaton.tinymodel import ensure_tiny_model
 from tests.e2e.test_reuse_vllm import BLOCK, Rig, _ids, _retained_tokens, _stop, _wait_port
-from tests.harness.etcd_cluster import EtcdCluster, EtcdServerTls, find_etcd
-from tests.harness.vllm_server import VllmServer, free_port, small_engine_args
 
 pytest.importorskip("cryptography")
-from tests.harness.pki import TestCA  # noqa: E402
+from tests.harness.pki import TestCA
 
 pytestmark = [pytest.mark.vllm, pytest.mark.etcd, pytest.mark.timeout(500),
               pytest.mark.skipif(find_etcd() is None, reason="etcd not installed (scripts/ensure_etcd.sh)")]

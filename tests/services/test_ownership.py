@@ -229,21 +229,32 @@ async def test_state_page_needs_an_operator_token(rig):
             assert r.status == 200  # counts only: scraped without a token
 
 
-async def test_flooding_client_never_drains_another_identitys_bucket(tmp_path):
+@pytest.mark.parametrize("tokens", [True, False], ids=["tokens", "client-certificates"])
+async def test_flooding_client_never_drains_another_identitys_bucket(tmp_path, tokens):
     """Two engine tokens, one flooding: the other is never refused. Without tokens, two
-    peer hosts (127.0.0.1, 127.0.0.2) likewise, on unary calls and KeepAlive messages."""
-    for tokens in (True, False):
-        cfg = fast_config(rate_limit=20.0, address="0.0.0.0:0" if not tokens else "127.0.0.1:0")
+    client certificates under mutual TLS likewise, on unary calls and KeepAlive messages
+    (where every message used to count against one shared "anonymous" bucket)."""
+    if True:
+        cfg = fast_config(rate_limit=20.0)
         if tokens:
             cfg.tokens_file = _token_file(tmp_path)
+        else:
+            pytest.importorskip("cryptography")
+            from tests.harness.pki import TestCA
+
+            ca = TestCA(tmp_path / "pki")
+            server, one, two = ca.server("cp"), ca.client("engine-one"), ca.client("engine-two")
+            cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca, cfg.insecure = server.cert, server.key, ca.ca, False
         cp = ControlPlane(cfg, store=MemoryStore())
         await cp.start()
         if tokens:
-            flood = KvbatonClient(f"127.0.0.1:{cp.port}", timeout_s=3, token=TOKENS["evil"][0])
-            calm = KvbatonClient(f"127.0.0.1:{cp.port}", timeout_s=3, token=TOKENS["dec"][0])
+            flood = KvbatonClient(cp.address, timeout_s=3, token=TOKENS["evil"][0])
+            calm = KvbatonClient(cp.address, timeout_s=3, token=TOKENS["dec"][0])
         else:
-            flood = KvbatonClient(f"127.0.0.2:{cp.port}", timeout_s=3)
-            calm = KvbatonClient(f"127.0.0.1:{cp.port}", timeout_s=3)
+            from kvbaton.client import ClientTls
+
+            flood = KvbatonClient(cp.address, timeout_s=3, tls=ClientTls(ca.ca, one.cert, one.key))
+            calm = KvbatonClient(cp.address, timeout_s=3, tls=ClientTls(ca.ca, two.cert, two.key))
         req = lease_pb2.ListLeasesRequest(engine_id="evil")
         calm_req = lease_pb2.ListLeasesRequest(engine_id="dec")
         try:
