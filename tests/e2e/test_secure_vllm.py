@@ -55,27 +55,11 @@ class SecureRig(Rig):
         super().__init__(*a)
         self.pki, self.cli, self.cp_log = pki, cli, cp_log
 
-    def lease(self, conv: str) -> tuple[Any, Any]:
-        import asyncio
-
+    def client(self) -> Any:
         from kvbaton.security import ClientSecurity
-        from kvbaton.v1 import lease_pb2, registrar_pb2
 
-        creds = ClientSecurity.resolve(tls_ca=str(self.pki / "kvbaton-e2e-ca.crt"), tls_cert=str(self.pki / "ops.crt"),
-                                       tls_key=str(self.pki / "ops.key"), token=TOKENS["ops"]["token"])
-
-        async def go() -> tuple[Any, Any]:
-            async with creds.client(self.cp) as kv:
-                res: list[Any] = []
-                for coro in (kv.lease.Get(lease_pb2.GetLeaseRequest(conversation_id=conv), timeout=5),
-                             kv.registrar.LookupRetained(registrar_pb2.LookupRetainedRequest(conversation_id=conv),
-                                                         timeout=5)):
-                    try:
-                        res.append(await coro)
-                    except Exception:  # noqa: BLE001 - NOT_FOUND
-                        res.append(None)
-                return res[0], (res[1].retained if res[1] is not None else None)
-        return asyncio.run(go())
+        return ClientSecurity.resolve(tls_ca=str(self.pki / "kvbaton-e2e-ca.crt"), tls_cert=str(self.pki / "ops.crt"),
+                                      tls_key=str(self.pki / "ops.key"), token=TOKENS["ops"]["token"]).client(self.cp)
 
     def kvbaton(self, who: str, *args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([KVBATON, *args, "--addr", self.cp, *self.cli[who]], capture_output=True, text=True,
