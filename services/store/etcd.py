@@ -721,7 +721,8 @@ class EtcdStore(Store):
             try:
                 await self._unary(
                     "kv", "Range",
-                    pb.RangeRequest(key=b"\x00__revision_probe__", revision=start_revision, count_only=True),
+                    # A key inside the watched prefix: with etcd auth, the watcher may read only there.
+                    pb.RangeRequest(key=prefix + b"\x00__revision_probe__", revision=start_revision, count_only=True),
                     mutation=False,
                 )
             except StoreError as e:

@@ -67,3 +67,54 @@ async def test_plaintext_clients_cannot_read_the_tls_etcd(tls_etcd):
     with pytest.raises(StoreError):
         store = await open_store("etcd://" + ",".join(cluster.endpoints))
         await store.close()
+
+
+@pytest.fixture(scope="module")
+def auth_etcd(tmp_path_factory):
+    """etcd with TLS and auth enabled: a client certificate's CN is its etcd user
+    (--client-cert-auth), and user kvbaton-control-plane may read and write only kvb/."""
+    import subprocess
+
+    ca = TestCA(tmp_path_factory.mktemp("etcd-auth-pki"))
+    server, root = ca.server("etcd-0"), ca.client("root")
+    cluster = EtcdCluster(1, tls=EtcdServerTls(ca.ca, server.cert, server.key, root.cert, root.key)).start()
+
+    def etcdctl(*args: str) -> None:
+        subprocess.run(["etcdctl", "--endpoints", "https://" + cluster.endpoints[0], "--cacert", ca.ca,
+                        "--cert", root.cert, "--key", root.key, *args], check=True, capture_output=True, timeout=60)
+    try:
+        etcdctl("user", "add", "root", "--new-user-password=root-password-0123456789")
+        etcdctl("role", "add", "kvbaton")
+        etcdctl("role", "grant-permission", "kvbaton", "--prefix=true", "readwrite", "kvb/")
+        etcdctl("user", "add", "kvbaton-control-plane", "--new-user-password=unused-0123456789")
+        etcdctl("user", "grant-role", "kvbaton-control-plane", "kvbaton")
+        etcdctl("auth", "enable")
+    except BaseException:
+        cluster.stop()
+        raise
+    yield cluster, ca
+    cluster.stop()
+
+
+async def test_control_plane_on_etcd_with_auth_by_certificate(auth_etcd):
+    cluster, ca = auth_etcd
+    cp_cert, intruder = ca.client("kvbaton-control-plane"), ca.client("intruder")
+    cp = ControlPlane(fast_config(store_url=cluster.url, etcd_ca=ca.ca, etcd_cert=cp_cert.cert, etcd_key=cp_cert.key))
+    await cp.start()  # elections, caches and watches all live under kvb/
+    try:
+        async with KvbatonClient(cp.address, timeout_s=5) as kv:
+            await kv.call(kv.registrar.RegisterEngine, registrar_pb2.RegisterEngineRequest(
+                rank=engine_rank("dec-auth", common_pb2.ENGINE_ROLE_DECODE)))
+            listed = await kv.call(kv.registrar.ListEngines, registrar_pb2.ListEnginesRequest())
+            assert [r.engine_id for r in listed.ranks] == ["dec-auth"]
+        with pytest.raises(StoreError, match="PERMISSION_DENIED"):
+            await cp.store.put(b"elsewhere/x", b"1")  # the role covers kvb/ only
+    finally:
+        await cp.stop()
+    # Signed by the same CA but not an etcd user with that role: every read is refused.
+    store = await open_store(cluster.url, etcd_ca=ca.ca, etcd_cert=intruder.cert, etcd_key=intruder.key)
+    try:
+        with pytest.raises(StoreError, match="PERMISSION_DENIED"):
+            await store.get(b"kvb/reg/e/dec-auth/00000")
+    finally:
+        await store.close()
