@@ -193,7 +193,7 @@ class Guard(grpc.aio.ServerInterceptor):
                         guard.refused["rate_limited"] += 1
                         await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                             f"rate limit {guard.config.rate_limit:g} requests/s exceeded for "
-                                            f"{principal.name} ({slot}): {len(req.renewals)} renewals")
+                                            f"{principal.name} ({slot})")
                     yield req
 
             try:
