@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import statistics
 import sys
 import time
@@ -43,10 +44,10 @@ import numpy as np
 import torch  # torch before nixl: it must own the CUDA context first
 
 import datapath  # this directory, put on sys.path above
-from kvbaton.connector.descriptors import coalesce_runs, plan_transfer
-from kvbaton.connector.geometry import KvLayout
-from kvbaton.connector.nixl_agent import NixlEndpoint
-from kvbaton.connector.staging import (
+from kvbaton.connector.transfer.descriptors import coalesce_runs, plan_transfer
+from kvbaton.connector.transfer.geometry import KvLayout
+from kvbaton.connector.transfer.nixl_agent import NixlEndpoint
+from kvbaton.connector.transfer.staging import (
     GpuRowCopier,
     StagedPeer,
     choose_strategy,
@@ -503,7 +504,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("skipped: no CUDA")
         return 0
     try:
-        import nixl  # noqa: F401
+        importlib.import_module("nixl")  # fail early, with what to install
     except ImportError as e:
         print(f"error: nixl is not importable ({e}); install nixl + nixl-cu13 wheels with --no-deps")
         return 2

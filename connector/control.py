@@ -19,7 +19,7 @@ import grpc
 
 from kvbaton.client import KvbatonClient
 from kvbaton.security import ClientSecurity
-from kvbaton.v1 import common_pb2, registrar_pb2
+from kvbaton.v1 import common_pb2, registrar_pb2, rendezvous_pb2
 
 log = logging.getLogger("kvbaton.connector.control")
 T = TypeVar("T")
@@ -120,7 +120,9 @@ class ControlThread:
                                             retries=1))
 
     def close(self) -> None:
-        """Deregister (best effort, bounded) and stop the loop."""
+        """Stop refreshing and subscribing, close the client and stop the loop (bounded).
+
+        Nothing is deregistered: the rank's registration lapses with its TTL (``ttl_ms``)."""
         if self._refresh_task is not None:
             self._refresh_task.cancel()
         for t in self._tasks:
@@ -138,7 +140,18 @@ class ControlThread:
         self._thread.join(timeout=2.0)
 
 
-def role_of(kv_role: str) -> int:
+def complete_request(engine_id: str, timeout_s: float, transfer_id: str, block_ids: tuple[int, ...],
+                     num_tokens: int, request_id: str, decode_engine_id: str = "") -> rendezvous_pb2.CompleteRequest:
+    """Prefill's ``Rendezvous.Complete`` for a push (sent by the scheduler, or by the worker
+    with ``complete_from_worker``). ``decode_engine_id``: the decode the router paired this
+    request with; the control plane then lets only that engine offer (README "Security")."""
+    return rendezvous_pb2.CompleteRequest(transfer_id=transfer_id, prefill_engine_id=engine_id,
+                                          block_ids=block_ids, num_tokens=num_tokens,
+                                          timeout_ms=int(timeout_s * 1000), request_id=request_id, writers=1,
+                                          decode_engine_id=decode_engine_id)
+
+
+def role_of(kv_role: str) -> common_pb2.EngineRole:
     """vLLM kv_role → registrar EngineRole."""
     return {"kv_producer": common_pb2.ENGINE_ROLE_PREFILL, "kv_consumer": common_pb2.ENGINE_ROLE_DECODE,
             "kv_both": common_pb2.ENGINE_ROLE_BOTH}.get(kv_role, common_pb2.ENGINE_ROLE_UNSPECIFIED)

@@ -29,7 +29,10 @@ def _dump(msg) -> dict:
 
 def _table(rows: list[list[str]], headers: list[str]) -> str:
     widths = [max(len(str(x)) for x in col) for col in zip(headers, *rows)] if rows else [len(h) for h in headers]
-    line = lambda r: "  ".join(str(v).ljust(w) for v, w in zip(r, widths)).rstrip()  # noqa: E731
+
+    def line(r: list[str]) -> str:
+        return "  ".join(str(v).ljust(w) for v, w in zip(r, widths)).rstrip()
+
     return "\n".join([line(headers), *(line(r) for r in rows)])
 
 

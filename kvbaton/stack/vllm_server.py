@@ -28,7 +28,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -39,6 +38,8 @@ import weakref
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from .ports import free_port
 
 __all__ = [
     "VllmServer", "VllmServerError", "free_port", "process_group_members",
@@ -79,18 +80,6 @@ def _stop_all_live() -> None:
     for srv in list(_LIVE):
         with contextlib.suppress(Exception):
             srv.stop()
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """Return a TCP port that is free right now (bind to port 0, read it, close).
-
-    There is an unavoidable race until the server binds it; callers that start many
-    servers should retry on "address in use" (``VllmServer`` surfaces it in its log).
-    """
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def process_group_members(pgid: int) -> list[int]:

@@ -57,7 +57,10 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
         limits.check_engine_id("engine_id", r.engine_id)  # "*" (every engine's events) is no engine's id
         # A heartbeat first: the subscriber knows it is registered before it offers.
         yield pb.RendezvousEvent(type=pb.RendezvousEvent.TYPE_HEARTBEAT, revision=self.domain.hub.revision)
-        heartbeat = lambda: pb.RendezvousEvent(type=pb.RendezvousEvent.TYPE_HEARTBEAT, revision=self.domain.hub.revision)  # noqa: E731
+
+        def heartbeat() -> pb.RendezvousEvent:
+            return pb.RendezvousEvent(type=pb.RendezvousEvent.TYPE_HEARTBEAT, revision=self.domain.hub.revision)
+
         async for event in with_heartbeats(self.domain.subscribe(r.engine_id, r.tp_rank, r.after_revision), heartbeat, HEARTBEAT_S):
             yield event
 

@@ -40,6 +40,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
+from kvbaton import params
 from kvbaton.services import tracing
 from kvbaton.services.metrics import RouterMetrics, router_metrics
 
@@ -134,10 +135,9 @@ class Router:
                      conversation_id, lease_pb2.RenewStatus.Name(renewed.status),
                      lease_pb2.LeaseState.Name(lease.state), lease.retention_id, ret.retention_id)
             return None
-        return {"conversation_id": conversation_id, "engine_id": ret.engine_id, "lease_id": lease.lease_id,
-                "retention_id": ret.retention_id, "block_ids": list(ret.block_ids),
-                "num_tokens": ret.num_tokens, "tokens_per_block": ret.tokens_per_block,
-                "block_hashes": [h.hex() for h in ret.block_hashes]}
+        return params.ReuseOffer(conversation_id, ret.engine_id, lease.lease_id, ret.retention_id,
+                                 tuple(ret.block_ids), ret.num_tokens, ret.tokens_per_block,
+                                 tuple(ret.block_hashes)).to_params()
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -207,7 +207,7 @@ class Router:
         if not tp:
             return None
         if isinstance(body.get("kv_transfer_params"), dict):
-            body["kv_transfer_params"]["traceparent"] = tp
+            body["kv_transfer_params"][params.TRACEPARENT] = tp
         return {tracing.TRACEPARENT: tp}
 
     async def _dispatch_body(self, request: web.Request, path: str, sp: Any) -> web.StreamResponse:
@@ -233,17 +233,14 @@ class Router:
             return await self._pull(request, path, body, transfer_id, conv, reuse)
         return await self._push(request, path, body, transfer_id, conv, reuse)
 
-    def _prefill_body(self, body: dict[str, Any], transfer_id: str, extra: dict[str, Any],
+    def _prefill_body(self, body: dict[str, Any], transfer_id: str, mode: str,
                       reuse: dict[str, Any] | None = None) -> dict[str, Any]:
-        if reuse:
-            extra = {**extra, "reuse": reuse}
         pb = copy.deepcopy(body)
         pb["max_tokens"] = 1
         pb.pop("max_completion_tokens", None)
         pb["stream"] = False
         pb.pop("stream_options", None)
-        pb["kv_transfer_params"] = {"do_remote_decode": True, "do_remote_prefill": False,
-                                    "transfer_id": transfer_id, **extra}
+        pb["kv_transfer_params"] = params.prefill_request(transfer_id, mode=mode, reuse=reuse)
         return pb
 
     def _leg_span(self, leg: str, transfer_id: str, url: str):
@@ -255,7 +252,7 @@ class Router:
         url = f"{self.prefill_url}{path}"
         t0 = time.perf_counter()
         with self._leg_span("prefill", transfer_id, url) as sp:
-            pb = self._prefill_body(body, transfer_id, {}, reuse)
+            pb = self._prefill_body(body, transfer_id, "", reuse)
             try:
                 async with self.session.post(url, json=pb, headers=self._trace_leg(pb)) as r:
                     raw = await r.read()
@@ -281,20 +278,21 @@ class Router:
             self.metrics.missing_transfer_params.inc()
             db.pop("kv_transfer_params", None)
         if conv:
-            db["kv_transfer_params"] = {**(db.get("kv_transfer_params") or {}), "conversation_id": conv}
+            db["kv_transfer_params"] = {**(db.get("kv_transfer_params") or {}), params.CONVERSATION_ID: conv}
         return await self._relay(request, f"{self.decode_url}{path}", db, transfer_id)
 
     async def _push(self, request: web.Request, path: str, body: dict[str, Any],
                     transfer_id: str, conv: str = "", reuse: dict[str, Any] | None = None) -> web.StreamResponse:
-        bind = {"decode_engine_id": self.decode_engine_id} if self.decode_engine_id else {}
-        pb = self._prefill_body(body, transfer_id, {"transfer_mode": "push", **bind}, reuse)
+        pb = self._prefill_body(body, transfer_id, "push", reuse)
         db = copy.deepcopy(body)
-        db["kv_transfer_params"] = {"do_remote_prefill": True, "do_remote_decode": False,
-                                    "transfer_id": transfer_id, "transfer_mode": "push"}
+        db["kv_transfer_params"] = params.decode_push_request(transfer_id)
+        # Bind the transfer to the pair (README "Security"): each side names the other.
+        if self.decode_engine_id:
+            pb["kv_transfer_params"][params.DECODE_ENGINE_ID] = self.decode_engine_id
         if self.prefill_engine_id:
-            db["kv_transfer_params"]["prefill_engine_id"] = self.prefill_engine_id
+            db["kv_transfer_params"][params.PREFILL_ENGINE_ID] = self.prefill_engine_id
         if conv:
-            db["kv_transfer_params"]["conversation_id"] = conv
+            db["kv_transfer_params"][params.CONVERSATION_ID] = conv
 
         async def prefill() -> tuple[int, bytes]:
             url = f"{self.prefill_url}{path}"
