@@ -21,6 +21,8 @@ from kvbaton.client import KvbatonClient
 from kvbaton.security import ClientSecurity
 from kvbaton.v1 import common_pb2, registrar_pb2, rendezvous_pb2
 
+from .settings import KvbatonSettings
+
 log = logging.getLogger("kvbaton.connector.control")
 T = TypeVar("T")
 
@@ -138,6 +140,14 @@ class ControlThread:
             log.debug("kvbaton: control client close failed", exc_info=True)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=2.0)
+
+
+def security_of(settings: KvbatonSettings) -> ClientSecurity:
+    """The engine's TLS files and token: its ``control_tls_*`` / ``control_token*``
+    settings, each falling back to its ``$KVBATON_*`` variable (kvbaton/security.py)."""
+    return ClientSecurity.resolve(tls_ca=settings.control_tls_ca, tls_cert=settings.control_tls_cert,
+                                  tls_key=settings.control_tls_key, token=settings.control_token,
+                                  token_file=settings.control_token_file)
 
 
 def complete_request(engine_id: str, timeout_s: float, transfer_id: str, block_ids: tuple[int, ...],

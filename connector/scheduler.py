@@ -50,7 +50,7 @@ from kvbaton.services.metrics import connector_metrics
 from kvbaton.services.tracing import grpc_metadata
 from kvbaton.v1 import rendezvous_pb2 as rpb
 
-from .control import ControlThread, complete_request
+from .control import ControlThread, complete_request, security_of
 from .metadata import KvbatonMeta, LoadSpec, ReuseSource, SendSpec
 from .reuse import RetentionManager, reusable_blocks
 from .settings import MODE_PULL, MODE_PUSH, MODE_REUSE, KvbatonSettings
@@ -98,7 +98,7 @@ class KvbatonScheduler:
     def _control_thread(self) -> ControlThread:
         if self._control is None:
             self._control = ControlThread(self.settings.control_plane, name="kvbaton-sched-control",
-                                          security=self.settings.control_security())
+                                          security=security_of(self.settings))
         return self._control
 
     def bind_block_pool(self, block_pool: Any) -> None:

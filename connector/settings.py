@@ -123,8 +123,8 @@ class KvbatonSettings:
         0, "Slots per pool; each engine has one send and one receive pool, registered once.", shown="0 (4)")
     staging_target_chunks: int = setting(
         16, "How many chunks a packed transfer aims to be cut into (packing overlaps the WRITEs).")
-    # How the engine reaches the control plane securely (kvbaton/security.py); each falls
-    # back to its environment variable, so a Secret can be mounted or exported instead.
+    # How the engine reaches the control plane securely (connector/control.security_of and
+    # kvbaton/security.py); each falls back to its environment variable.
     control_tls_ca: str = setting(
         "", "CA that signed the control plane's certificate; set, the connector talks TLS (required off "
         "loopback).", shown="`$KVBATON_TLS_CA`")
@@ -136,14 +136,6 @@ class KvbatonSettings:
         "out of command lines. **Per engine.**", shown="`$KVBATON_TOKEN`", secret=True)
     control_token_file: str = setting(
         "", "File holding the bearer token (e.g. a mounted Secret).", shown="`$KVBATON_TOKEN_FILE`")
-
-    def control_security(self) -> Any:
-        """The resolved :class:`kvbaton.security.ClientSecurity` (settings, then environment)."""
-        from kvbaton.security import ClientSecurity
-
-        return ClientSecurity.resolve(tls_ca=self.control_tls_ca, tls_cert=self.control_tls_cert,
-                                      tls_key=self.control_tls_key, token=self.control_token,
-                                      token_file=self.control_token_file)
 
     def staging_pool(self, device: str) -> tuple[int, int]:
         """(slot bytes, slots) of this engine's pools on ``device`` ("cpu"/"cuda")."""
