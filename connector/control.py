@@ -83,14 +83,27 @@ class ControlThread:
                         await client.call(client.registrar.RefreshEngine, registrar_pb2.RefreshEngineRequest(
                             engine_id=rank.engine_id, tp_rank=rank.tp_rank, incarnation=incarnation))
                     delay = 0.2
-                    await asyncio.sleep(max(ttl_ms / 3000, 0.2))
+                    # Refresh every TTL/3, or at once when the control plane announces a new
+                    # store incarnation (its store restarted: this registration is gone).
+                    if await client.wait_incarnation_change(max(ttl_ms / 3000, 0.2)):
+                        log.warning("kvbaton: control plane store restarted; re-registering engine %s rank %d",
+                                    rank.engine_id, rank.tp_rank)
+                        incarnation = ""
                 except grpc.aio.AioRpcError as exc:
+                    if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                        # Refused for what it is (e.g. metadata over the store's size limit):
+                        # the same registration can never succeed, so don't retry it forever.
+                        log.error("kvbaton: registration of engine %s rank %d refused: %s",
+                                  rank.engine_id, rank.tp_rank, exc.details())
+                        raise
                     if exc.code() == grpc.StatusCode.NOT_FOUND:
                         incarnation = ""  # lease lapsed: register again
                     log.warning("kvbaton: registrar call failed (%s); retrying in %.1fs",
                                 exc.code().name, delay)
                     await asyncio.sleep(delay)
-                    delay = min(delay * 2, 5.0)
+                    # At most 1 s between tries: a restarted control plane sees engines back
+                    # within a second or two.
+                    delay = min(delay * 2, 1.0)
         fut = asyncio.run_coroutine_threadsafe(_keep(), self._loop)
         self._refresh_task = fut
         return fut

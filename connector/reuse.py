@@ -368,14 +368,14 @@ class RetentionManager:
         while True:
             await asyncio.sleep(period)
             try:
-                resp = await c.call(c.lease.List, lpb.ListLeasesRequest(engine_id=self.settings.engine_id),
-                                    retries=0)
+                # Every page: a hold missing from the list is ended below.
+                listed = await c.list_leases(engine_id=self.settings.engine_id, retries=0)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - unreachable: the hard cap takes over
                 log.debug("kvbaton: lease List failed: %r", exc)
                 continue
-            live = {i.lease_id: i for i in resp.leases}
+            live = {i.lease_id: i for i in listed}
             now = time.monotonic()
             with self._lock:
                 for h in list(self._holds.values()):
@@ -402,12 +402,12 @@ async def revoke_oldest(c: Any, engine_id: str, excess_blocks: int, spare: str =
     ``spare``, the turn that just finished); returns how many were revoked. The lease
     events that follow free the blocks (a pinned lease drains first)."""
     try:
-        resp = await c.call(c.lease.List, lpb.ListLeasesRequest(engine_id=engine_id), retries=1)
+        listed = await c.list_leases(engine_id=engine_id, retries=1)
     except Exception as exc:  # noqa: BLE001 - pressure stays; the next retained turn tries again
         log.warning("kvbaton: cannot list leases to relieve pressure: %r", exc)
         return 0
     revoked = 0
-    for info in sorted(resp.leases, key=lambda i: i.expires_at_ms - i.ttl_ms):
+    for info in sorted(listed, key=lambda i: i.expires_at_ms - i.ttl_ms):
         if excess_blocks <= 0:
             break
         if info.lease_id == spare:
