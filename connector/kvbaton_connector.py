@@ -68,7 +68,8 @@ class KvbatonConnector(KVConnectorBase_V1):
             # Our background threads (gRPC, NIXL) need the GIL several times per call;
             # while the engine loop runs Python, each hand-off waits up to one switch
             # interval (5 ms by default). Measured with a busy main thread: a unary call
-            # from the control thread took 25.7 ms (median) at 5 ms, 2.3 ms at 0.5 ms.
+            # from the control thread took 13.3 ms (median) at 5 ms, 3.1 ms at 0.5 ms
+            # (benchmarks/results/gil_handoff.json).
             sys.setswitchinterval(self.settings.gil_switch_interval_ms / 1000.0)
         self._sched: KvbatonScheduler | None = None
         self._worker: KvbatonWorker | None = None

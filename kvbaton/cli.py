@@ -151,7 +151,8 @@ def _serve(args) -> int:
                           etcd_ca=args.etcd_ca or "", etcd_cert=args.etcd_cert or "", etcd_key=args.etcd_key or "",
                           tls_cert=args.tls_cert or "", tls_key=args.tls_key or "", tls_client_ca=args.tls_client_ca or "",
                           insecure=args.insecure, tokens_file=args.tokens or "", rate_limit=args.rate_limit,
-                          max_streams_per_client=args.max_streams_per_client, otlp_endpoint=args.otlp_endpoint)
+                          max_streams_per_client=args.max_streams_per_client, otlp_endpoint=args.otlp_endpoint,
+                          shed_lag_ms=args.shed_lag_ms)
     config.lease.default_ttl_ms = args.default_lease_ttl_ms
     # /metrics and the status page listen on the gRPC address's host: loopback by
     # default, every interface when --listen is 0.0.0.0 (containers).
@@ -161,7 +162,15 @@ def _serve(args) -> int:
     if args.web_port is not None:
         config.web_address = f"{host}:{args.web_port}"
     try:
-        asyncio.run(serve(config))
+        if args.event_loop == "uvloop":
+            try:
+                import uvloop
+            except ImportError:
+                print("kvbaton serve: --event-loop uvloop needs the uvloop package (pip install uvloop)", file=sys.stderr)
+                return 2
+            uvloop.run(serve(config))
+        else:
+            asyncio.run(serve(config))
     except KeyboardInterrupt:
         pass
     except (ValueError, OSError) as exc:  # bad configuration: say what, not a traceback
@@ -191,6 +200,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--rate-limit", type=float, default=0.0, help="requests/s per client (0: off)")
     s.add_argument("--max-streams-per-client", type=int, default=256)
     s.add_argument("--default-lease-ttl-ms", type=int, default=30_000)
+    s.add_argument("--event-loop", choices=("asyncio", "uvloop"), default="asyncio",
+                   help="the server's event loop; uvloop costs less CPU per call (needs the uvloop package)")
+    s.add_argument("--shed-lag-ms", type=float, default=20.0,
+                   help="refuse new transfers (RESOURCE_EXHAUSTED) while the server's event loop runs more than "
+                        "this many ms behind; 0: never (default %(default)s)")
     s.add_argument("--log-level", default=None)
     s.add_argument("--metrics-port", type=int, default=None,
                    help="serve /metrics (and the status page, /api/state) on this port (default: off; 9464 is usual)")

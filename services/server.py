@@ -24,6 +24,7 @@ from kvbaton.v1 import lease_pb2, lease_pb2_grpc, registrar_pb2, registrar_pb2_g
 
 from . import tracing
 from .api.lease import LeaseServicer
+from .api.overload import CORE_BACKLOG_OPTIONS, LoopLag
 from .api.registrar import RegistrarServicer
 from .api.rendezvous import RendezvousServicer
 from .domain.clock import Clock, WallClock
@@ -75,6 +76,11 @@ class ServerConfig:
     metrics_address: str | None = None
     # A separate host:port for the status page and /api/state; None: served with /metrics.
     web_address: str | None = None
+    # Load shedding (services/api/overload.py): while the event loop is saturated or runs
+    # more than this many ms behind, messages that would open a new transfer are refused
+    # with RESOURCE_EXHAUSTED. 0: never. Off for planes built in-process (tests drive them
+    # from their own loop); `kvbaton serve` turns it on (--shed-lag-ms, default 20).
+    shed_lag_ms: float = 0.0
     # OpenTelemetry collector (OTLP/gRPC) for traces; None: $KVBATON_OTLP_ENDPOINT; "": off.
     # Tracing already configured in this process (tests: an in-memory exporter) is kept.
     otlp_endpoint: str | None = None
@@ -101,6 +107,7 @@ class ControlPlane:
         self.metrics = ServiceMetrics(CollectorRegistry())
         self._engine_counts: tuple[dict[tuple[str, ...], float], dict[tuple[str, ...], float]] = ({}, {})
         self.web: WebServer | None = None  # once started (metrics_address or web_address set)
+        self.load = LoopLag(max_lag_ms=config.shed_lag_ms)
 
     @property
     def address(self) -> str:
@@ -120,7 +127,7 @@ class ControlPlane:
                 ("grpc.keepalive_permit_without_calls", 1),
                 # Clients ping every 10 s (kvbaton/client.py); without this the server's
                 # default (5 min) answers their pings with GOAWAY "Too many pings".
-                ("grpc.http2.min_ping_interval_without_data_ms", 5_000)]
+                ("grpc.http2.min_ping_interval_without_data_ms", 5_000), *CORE_BACKLOG_OPTIONS]
         from .api.guard import Guard, GuardConfig
         from .auth import TokenBook
 
@@ -154,7 +161,9 @@ class ControlPlane:
                                                 engine_exists=self.registrar.engine_exists, metrics=self.metrics,
                                                 retained_lookup=self.registrar.find_retained)
             await self.rendezvous.start(run_sweeper=True)
-            rendezvous_pb2_grpc.add_RendezvousServicer_to_server(RendezvousServicer(self.rendezvous), self.server)
+            self.load.start()
+            rendezvous_pb2_grpc.add_RendezvousServicer_to_server(RendezvousServicer(self.rendezvous, load=self.load),
+                                                                 self.server)
         if "lease" in self.config.services:
             self.lease = LeaseService(store, clock=self.clock, config=self.config.lease, metrics=self.metrics,
                                       engine_alive=self.registrar.engine_exists)
@@ -308,6 +317,7 @@ class ControlPlane:
             task.cancel()
             await bounded(asyncio.gather(task, return_exceptions=True), "campaign")
             await bounded(election.resign(), "resign")
+        await bounded(self.load.stop(), "loop-lag")
         for domain in (self.lease, self.rendezvous):
             if domain is not None:
                 await bounded(domain.stop(), type(domain).__name__)
