@@ -106,11 +106,27 @@ async def _engines(args) -> int:
             print(json.dumps(out, indent=2))
         else:
             rows = [[r.engine_id, _enum(common_pb2.EngineRole.Name(r.role), "ENGINE_ROLE_"), f"{r.tp_rank}/{r.tp_size}",
-                     r.agent_name, str(r.geometry.num_blocks), str(r.geometry.tokens_per_block),
+                     _kv_heads(r), r.agent_name, str(r.geometry.num_blocks), str(r.geometry.tokens_per_block),
                      f"{r.geometry.bytes_per_block * len(r.geometry.region_base_addrs) * r.geometry.num_blocks / 2**20:.1f}",
                      r.geometry.device or "?", r.geometry.fingerprint[:16]] for r in ranks]
-            print(_table(rows, ["ENGINE", "ROLE", "RANK", "AGENT", "BLOCKS", "TOK/BLK", "KV_MIB", "DEVICE", "FINGERPRINT"]))
+            print(_table(rows, ["ENGINE", "ROLE", "RANK", "KV_HEADS", "AGENT", "BLOCKS", "TOK/BLK", "KV_MIB", "DEVICE",
+                                "FINGERPRINT"]))
     return 0
+
+
+def _kv_heads(rank) -> str:
+    """The KV heads a rank holds, e.g. ``2-3/8`` (of the model's 8), ``?`` when unpublished."""
+    from kvbaton.kvgeometry import KvIncompatible, rank_heads
+
+    total = rank.geometry.total_kv_heads
+    if not total:
+        return "?"
+    try:
+        heads = rank_heads(rank.tp_size, total, rank.tp_rank)
+    except (KvIncompatible, ValueError):
+        return f"!/{total}"
+    first, last = heads.start, heads.stop - 1
+    return f"{first}/{total}" if first == last else f"{first}-{last}/{total}"
 
 
 async def _transfers(args) -> int:

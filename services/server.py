@@ -158,7 +158,8 @@ class ControlPlane:
                                                                self.server)
         if "rendezvous" in self.config.services:
             self.rendezvous = RendezvousService(store, clock=self.clock, config=self.config.rendezvous,
-                                                engine_exists=self.registrar.engine_exists, metrics=self.metrics,
+                                                engine_exists=self.registrar.engine_exists,
+                                                pair_check=self.registrar.pair_verdict, metrics=self.metrics,
                                                 retained_lookup=self.registrar.find_retained)
             await self.rendezvous.start(run_sweeper=True)
             self.load.start()
@@ -166,7 +167,8 @@ class ControlPlane:
                                                                  self.server)
         if "lease" in self.config.services:
             self.lease = LeaseService(store, clock=self.clock, config=self.config.lease, metrics=self.metrics,
-                                      engine_alive=self.registrar.engine_exists)
+                                      engine_alive=self.registrar.engine_exists,
+                                      pair_check=self.registrar.pair_verdict, on_refused=self._record_refused)
             await self.lease.start(run_expiry=True)
             self._ownership.lease = self.lease
             lease_pb2_grpc.add_LeaseServicer_to_server(LeaseServicer(self.lease, self._ownership), self.server)
@@ -189,6 +191,14 @@ class ControlPlane:
             await self.web.start()
         log.info("kvbaton.serving", address=self.address, store=store.name, services=list(self.config.services),
                  metrics=self.web.metrics_url if self.web else None)
+
+    async def _record_refused(self, transfer_id: str, owner: str, reader: str, reason: str) -> None:
+        """A reuse READ refused at its pin (incompatible KV) becomes a failed transfer, seen
+        in ``kvbaton transfers list --phase failed`` next to refused push matches. Without
+        the rendezvous service in this process, the refusal is only in the pin's status."""
+        if self.rendezvous is not None:
+            await self.rendezvous.record_refused(transfer_id, owner_engine_id=owner, reader_engine_id=reader,
+                                                 reason=reason)
 
     def _wire_state_gauges(self) -> None:
         """Points the scrape-time gauges at this replica's caches. Each is exported only by
