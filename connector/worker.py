@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from kvbaton.services.tracing import grpc_metadata
 from kvbaton.v1 import common_pb2, registrar_pb2
 
-from .control import ControlThread, complete_request, role_of
+from .control import ControlThread, complete_request, role_of, security_of
 from .loop import TransferLoop
 from .metadata import KvbatonMeta, SendSpec
 from .settings import KvbatonSettings
@@ -56,7 +56,7 @@ class KvbatonWorker:
         # into one NIXL registration.
         tensors = list(kv_caches.values())
         layout = KvLayout.from_tensors(tensors, block_size, block_dim=0)
-        self._control = ControlThread(self.settings.control_plane)
+        self._control = ControlThread(self.settings.control_plane, security=security_of(self.settings))
         fp = Fingerprinter(layout, tensors, self.settings.verify_kv_alg) if self.settings.verify_kv else None
         self._xfer = TransferLoop(self.settings, self.tp_rank, layout, self._control, self.stats, fp,
                                   tensors=tensors, tp_size=self.tp_size)
@@ -113,7 +113,7 @@ class KvbatonWorker:
         Complete ends in the hold's timeout and decode's recompute."""
         assert self._control is not None
         req = complete_request(self.settings.engine_id, self.settings.timeout_s, sspec.transfer_id, sspec.block_ids,
-                               sspec.num_tokens, sspec.request_id)
+                               sspec.num_tokens, sspec.request_id, sspec.peer_engine_id)
         md = grpc_metadata(sspec.traceparent)
         t0 = time.monotonic()
         fut = self._control.submit(lambda c: c.call(c.rendezvous.Complete, req, metadata=md))

@@ -18,6 +18,8 @@ from collections.abc import Sequence
 import grpc
 from google.protobuf import json_format
 
+from kvbaton import security
+
 DEFAULT_ADDR = "127.0.0.1:50051"
 
 
@@ -150,14 +152,9 @@ async def _transfers(args) -> int:
 
 
 def _client(args):
-    """A client from the common flags: --addr, --timeout, --token (or $KVBATON_TOKEN), --tls-*."""
-    import os
-
-    from kvbaton.client import ClientTls, KvbatonClient
-
-    tls = ClientTls(args.tls_ca, args.tls_cert or "", args.tls_key or "") if getattr(args, "tls_ca", None) else None
-    token = getattr(args, "token", None) or os.environ.get("KVBATON_TOKEN") or None
-    return KvbatonClient(args.addr, timeout_s=args.timeout, tls=tls, token=token)
+    """A client from the common flags: --addr, --timeout, --tls-* and --token[-file]
+    (each falling back to its $KVBATON_* variable; kvbaton/security.py)."""
+    return security.from_args(args).client(args.addr, timeout_s=args.timeout)
 
 
 def _serve(args) -> int:
@@ -167,6 +164,7 @@ def _serve(args) -> int:
     logs.configure(args.log_level)
     services = args.services or list(ALL_SERVICES)
     config = ServerConfig(address=args.listen, store_url=args.store, services=services,
+                          etcd_ca=args.etcd_ca or "", etcd_cert=args.etcd_cert or "", etcd_key=args.etcd_key or "",
                           tls_cert=args.tls_cert or "", tls_key=args.tls_key or "", tls_client_ca=args.tls_client_ca or "",
                           insecure=args.insecure, tokens_file=args.tokens or "", rate_limit=args.rate_limit,
                           max_streams_per_client=args.max_streams_per_client, otlp_endpoint=args.otlp_endpoint,
@@ -205,7 +203,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("services", nargs="*", default=[],
                    help="which services (default: all three)")
     s.add_argument("--listen", default=DEFAULT_ADDR, help="host:port to listen on (default %(default)s)")
-    s.add_argument("--store", default="memory://", help="memory:// (default) or etcd://host:port[,host:port...]")
+    s.add_argument("--store", default="memory://",
+                   help="memory:// (default), etcd://host:port[,host:port...] or etcds://... (TLS)")
+    s.add_argument("--etcd-ca", help="CA that signed etcd's certificate: TLS to etcd (default $KVBATON_ETCD_CA)")
+    s.add_argument("--etcd-cert", help="client certificate for etcd --client-cert-auth (default $KVBATON_ETCD_CERT)")
+    s.add_argument("--etcd-key", help="client key for etcd (default $KVBATON_ETCD_KEY)")
     s.add_argument("--tls-cert", help="server certificate (PEM)")
     s.add_argument("--tls-key", help="server private key (PEM)")
     s.add_argument("--tls-client-ca", help="CA for client certificates: turns on mutual TLS")
@@ -233,10 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--addr", default=DEFAULT_ADDR, help="control plane address(es), comma separated")
         sp.add_argument("--json", action="store_true", help="JSON instead of a table")
         sp.add_argument("--timeout", type=float, default=5.0, help="seconds per call")
-        sp.add_argument("--token", help="bearer token (default: $KVBATON_TOKEN)")
-        sp.add_argument("--tls-ca", help="CA certificate that signed the server's (turns TLS on)")
-        sp.add_argument("--tls-cert", help="client certificate, for mutual TLS")
-        sp.add_argument("--tls-key", help="client key, for mutual TLS")
+        security.add_client_flags(sp)
 
     lp = sub.add_parser("leases", help="decode-side leases")
     lsub = lp.add_subparsers(dest="action", required=True)
@@ -279,10 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
     tp.add_argument("--interval", type=float, default=1.0, help="seconds between frames (default %(default)s)")
     tp.add_argument("--once", action="store_true", help="print one frame and exit (rates over one interval)")
     tp.add_argument("--timeout", type=float, default=5.0, help="seconds per call")
-    tp.add_argument("--token", help="bearer token (default: $KVBATON_TOKEN)")
-    tp.add_argument("--tls-ca", help="CA certificate that signed the server's (turns TLS on)")
-    tp.add_argument("--tls-cert", help="client certificate, for mutual TLS")
-    tp.add_argument("--tls-key", help="client key, for mutual TLS")
+    security.add_client_flags(tp)
     tp.set_defaults(func=_top)
     return p
 
@@ -305,6 +301,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.func(args) or 0
     except grpc.aio.AioRpcError as exc:
         print(f"kvbaton: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 2
+    except ValueError as exc:  # half-configured TLS / token flags: say what, not a traceback
+        print(f"kvbaton: {exc}", file=sys.stderr)
         return 2
 
 

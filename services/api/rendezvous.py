@@ -10,6 +10,7 @@ import structlog
 from kvbaton.v1 import rendezvous_pb2 as pb
 from kvbaton.v1 import rendezvous_pb2_grpc as pb_grpc
 
+from ..domain import limits
 from ..domain.errors import DomainError, exhausted
 from ..domain.rendezvous import RendezvousService
 from ..store import RequestTooLargeError, StoreError
@@ -47,7 +48,7 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
         self._admit(r.transfer_id)
         msg = self.domain.validate(is_offer=True, transfer_id=r.transfer_id, attempt=r.attempt,
                                    engine_id=r.decode_engine_id, block_ids=r.block_ids, num_tokens=r.num_tokens,
-                                   timeout_ms=r.timeout_ms, request_id=r.request_id)
+                                   timeout_ms=r.timeout_ms, request_id=r.request_id, peer=r.prefill_engine_id)
         state, matched, dup = await self.domain.submit(msg)
         return pb.RendezvousResponse(state=state, matched_now=matched, duplicate=dup)
 
@@ -55,7 +56,8 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
         self._admit(r.transfer_id)
         msg = self.domain.validate(is_offer=False, transfer_id=r.transfer_id, attempt=r.attempt,
                                    engine_id=r.prefill_engine_id, block_ids=r.block_ids, num_tokens=r.num_tokens,
-                                   timeout_ms=r.timeout_ms, request_id=r.request_id, writers=r.writers)
+                                   timeout_ms=r.timeout_ms, request_id=r.request_id, writers=r.writers,
+                                   peer=r.decode_engine_id)
         state, matched, dup = await self.domain.submit(msg)
         return pb.RendezvousResponse(state=state, matched_now=matched, duplicate=dup)
 
@@ -69,6 +71,7 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
 
     @streaming
     async def Subscribe(self, r: pb.SubscribeRequest, context):
+        limits.check_engine_id("engine_id", r.engine_id)  # "*" (every engine's events) is no engine's id
         after = await incarnation.resume_from(self.domain.store, r.after_revision, r.incarnation, "subscribe")
         await incarnation.announce(context, self.domain.store)
         # A heartbeat first: the subscriber knows it is registered before it offers. Its

@@ -235,7 +235,7 @@ class LeaseService:
         labels: dict[str, str] | None = None,
     ) -> tuple[pb.LeaseInfo, pb.LeaseInfo | None]:
         limits.check_id("conversation_id", conversation_id)
-        limits.check_id("engine_id", engine_id)
+        limits.check_engine_id("engine_id", engine_id)
         limits.check_id("retention_id", retention_id, required=False)
         if num_blocks > limits.MAX_BLOCK_IDS:
             raise invalid(f"num_blocks is {num_blocks}; the limit is {limits.MAX_BLOCK_IDS}")

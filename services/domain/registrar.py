@@ -2,7 +2,10 @@
 blocks decode engines retain per conversation.
 
 An engine rank lives at ``<prefix>e/<engine_id>/<rank>`` under a store TTL lease; if it
-stops refreshing, the store deletes the record and watchers see it go. A refresh for an
+stops refreshing, the store deletes the record and watchers see it go. The identity that
+registered it (a token's or client certificate's, never shown in answers) lives beside
+it at ``<prefix>o/<engine_id>/<rank>`` under the same lease: while any rank of an engine
+lives, only that identity may register or deregister the engine id again. A refresh for an
 incarnation the store no longer has answers NOT_FOUND, which tells the engine to
 register again rather than stay invisible.
 """
@@ -29,7 +32,7 @@ from ..metrics import ServiceMetrics
 from ..store.base import Compare, Delete, EventType, LeaseNotFoundError, Put, Store
 from . import limits, paging
 from .clock import Clock, WallClock
-from .errors import Code, DomainError, invalid, not_found, precondition
+from .errors import Code, DomainError, denied, invalid, not_found, precondition
 
 log = structlog.get_logger(__name__)
 
@@ -89,12 +92,26 @@ class RegistrarService:
         base = self.prefix + b"e/" + engine_id.encode() + b"/"
         return base if rank is None else base + b"%05d" % rank
 
+    def _okey(self, engine_id: str, rank: int | None = None) -> bytes:
+        base = self.prefix + b"o/" + engine_id.encode() + b"/"
+        return base if rank is None else base + b"%05d" % rank
+
+    async def _check_owner(self, engine_id: str, owner: str, verb: str) -> None:
+        """Refuses ``owner`` if a live rank of ``engine_id`` was registered by another identity."""
+        if not owner:
+            return
+        kvs, _ = await self.store.range(self._okey(engine_id))
+        if any(kv.value.decode() != owner for kv in kvs):
+            raise denied(f"engine {engine_id} is registered by another identity (token or client certificate); "
+                         f"it may {verb} only as that identity, or after its registration lapses")
+
     def _rkey(self, conversation_id: str) -> bytes:
         return self.prefix + b"r/" + conversation_id.encode()
 
     # -- engines -----------------------------------------------------------
-    async def register_engine(self, rank: pb.EngineRank, ttl_ms: int) -> tuple[pb.EngineRank, int]:
-        limits.check_id("engine_id", rank.engine_id)
+    async def register_engine(self, rank: pb.EngineRank, ttl_ms: int, *, owner: str = "") -> tuple[pb.EngineRank, int]:
+        """``owner``: the caller's identity ("" = unauthenticated: not recorded, not checked)."""
+        limits.check_engine_id("engine_id", rank.engine_id)
         if rank.role == cpb.ENGINE_ROLE_UNSPECIFIED:
             raise invalid("role is required (PREFILL, DECODE or BOTH)")
         if not 1 <= rank.tp_size <= limits.MAX_TP_SIZE:
@@ -127,6 +144,7 @@ class RegistrarService:
         rec.CopyFrom(rank)
         rec.registered_at_ms = self.clock.now_ms()
         rec.incarnation = secrets.token_hex(8)
+        await self._check_owner(rank.engine_id, owner, "be registered again")
         key = self._ekey(rank.engine_id, rank.tp_rank)
         limit = self.store.max_request_bytes
         if limit and rec.ByteSize() + len(key) + 64 > limit:
@@ -137,6 +155,8 @@ class RegistrarService:
                 f"takes at most {limit} bytes per write; shrink the NIXL metadata or raise the store's request limit")
         old = await self.store.get(key)
         store_lease = await self.store.grant_lease(ttl / 1000)
+        if owner:
+            await self.store.put(self._okey(rank.engine_id, rank.tp_rank), owner.encode(), lease=store_lease)
         await self.store.put(key, rec.SerializeToString(), lease=store_lease)
         if old is not None and old.lease and old.lease != store_lease:
             await self.store.revoke_lease(old.lease)  # the previous incarnation's liveness
@@ -159,8 +179,9 @@ class RegistrarService:
             raise not_found(f"engine {engine_id} rank {tp_rank}'s liveness lapsed: register again") from None
         return int(ttl_s * 1000)
 
-    async def deregister_engine(self, engine_id: str, tp_rank: int | None = None) -> int:
+    async def deregister_engine(self, engine_id: str, tp_rank: int | None = None, *, owner: str = "") -> int:
         limits.check_id("engine_id", engine_id)
+        await self._check_owner(engine_id, owner, "be deregistered")
         if tp_rank is None:
             kvs, _ = await self.store.range(self._ekey(engine_id))
         else:
@@ -168,6 +189,7 @@ class RegistrarService:
             kvs = [kv] if kv else []
         for kv in kvs:
             await self.store.delete(kv.key)
+            await self.store.delete(self._okey(engine_id) + kv.key.rsplit(b"/", 1)[-1])
             if kv.lease:
                 await self.store.revoke_lease(kv.lease)
         if kvs:
@@ -244,7 +266,7 @@ class RegistrarService:
     # -- retained blocks ---------------------------------------------------
     async def register_retained(self, retained: pb.RetainedBlocks) -> tuple[pb.RetainedBlocks, pb.RetainedBlocks | None]:
         limits.check_id("conversation_id", retained.conversation_id)
-        limits.check_id("engine_id", retained.engine_id)
+        limits.check_engine_id("engine_id", retained.engine_id)
         ids = limits.check_block_ids("block_ids", retained.block_ids)
         if retained.tokens_per_block == 0:
             raise invalid("tokens_per_block must be > 0")

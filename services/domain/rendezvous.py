@@ -8,7 +8,16 @@ EXPIRED, CANCELLED and DONE.
 
 Attempts: every message carries ``attempt``. A message for an older attempt than the
 record's is refused (FAILED_PRECONDITION); a newer attempt supersedes the record (the
-old sides' owners are told CANCELLED so they free their blocks). The same message twice
+old sides' owners are told CANCELLED so they free their blocks). Only a party of the
+record (an engine on a side, or named by one) may start a newer attempt, and by at most
+``limits.MAX_ATTEMPT_STEP`` (PERMISSION_DENIED / INVALID_ARGUMENT otherwise).
+
+Binding: a side may name the engine it expects on the other side (``peer_engine_id``,
+from the router). A message from an engine the existing side did not name is refused
+(PERMISSION_DENIED); an existing side from an engine the incoming message did not name
+is dropped (it was never the router's choice) and the incoming side recorded. So a
+transfer whose sides both name their peers is only ever matched between those two: an
+impostor can make it expire (if it knows the transfer id), never read or write its KV. The same message twice
 is a duplicate and answered with the current state; a different message for a side that
 is already there is a conflict (FAILED_PRECONDITION).
 
@@ -43,7 +52,7 @@ from ..store.base import Compare, EventType, Get, KeyValue, Put, Store, WatchEve
 from . import limits, paging
 from .background import Tombstones, cancel_all, leader_ticks
 from .clock import Clock, WallClock
-from .errors import Code, DomainError, exhausted, invalid, not_found, precondition
+from .errors import Code, DomainError, denied, exhausted, invalid, not_found, precondition
 from .hub import PrefixHub
 
 log = structlog.get_logger(__name__)
@@ -89,6 +98,10 @@ class RendezvousConfig:
     # message otherwise); an engine that deregisters may still be matched meanwhile, as it
     # may be anyway when it dies right after the check.
     engine_cache_s: float = 1.0
+    # Offers must name their prefill and completions their decode (peer_engine_id), so no
+    # transfer is matched with an engine the router did not choose. None: on when the
+    # server has tokens (services/server.py), off otherwise.
+    require_binding: bool | None = None
 
 
 def _parse(value: bytes) -> pb.TransferState:
@@ -133,6 +146,26 @@ def _owners(t: pb.TransferState) -> list[str]:
     return list(dict.fromkeys(e for e in (t.offer.engine_id, t.completion.engine_id) if e))
 
 
+def _parties(t: pb.TransferState) -> set[str]:
+    """Engines on a side of ``t`` or named by one: who may start its next attempt."""
+    return {e for e in (t.offer.engine_id, t.completion.engine_id, t.offer.peer_engine_id,
+                        t.completion.peer_engine_id) if e}
+
+
+def _check_binding(msg: SideMessage, cur: pb.TransferState) -> bool:
+    """Same attempt: may ``msg`` join ``cur``? Raises PERMISSION_DENIED if the other side
+    named another engine; returns True if the other side must be dropped (``msg`` named
+    another engine than the one there)."""
+    other = cur.completion if msg.is_offer else cur.offer
+    if not other.engine_id:
+        return False
+    if other.peer_engine_id and other.peer_engine_id != msg.engine_id:
+        role = "decode" if msg.is_offer else "prefill"
+        raise denied(f"transfer {msg.transfer_id} is bound to {role} engine {other.peer_engine_id} "
+                     f"(named by {other.engine_id}); engine {msg.engine_id} may not {'offer' if msg.is_offer else 'complete'} on it")
+    return bool(msg.peer) and msg.peer != other.engine_id
+
+
 @dataclasses.dataclass(frozen=True)
 class SideMessage:
     """An offer (decode) or a completion (prefill), validated."""
@@ -146,6 +179,7 @@ class SideMessage:
     timeout_ms: int
     request_id: str
     writers: int = 1
+    peer: str = ""  # the engine this side names for the other side ("" = any)
 
     @property
     def side_name(self) -> str:
@@ -215,15 +249,19 @@ class RendezvousService:
 
     # -- validation --------------------------------------------------------
     def validate(self, *, is_offer: bool, transfer_id: str, attempt: int, engine_id: str, block_ids: Sequence[int],
-                 num_tokens: int, timeout_ms: int, request_id: str, writers: int = 1) -> SideMessage:
+                 num_tokens: int, timeout_ms: int, request_id: str, writers: int = 1, peer: str = "") -> SideMessage:
         limits.check_id("transfer_id", transfer_id)
-        limits.check_id("decode_engine_id" if is_offer else "prefill_engine_id", engine_id)
+        limits.check_engine_id("decode_engine_id" if is_offer else "prefill_engine_id", engine_id)
+        limits.check_engine_id("prefill_engine_id" if is_offer else "decode_engine_id", peer, required=False)
         limits.check_id("request_id", request_id, required=False)
         ids = limits.check_block_ids("block_ids", block_ids)
         timeout = limits.check_range("timeout_ms", timeout_ms, limits.MIN_RENDEZVOUS_TIMEOUT_MS,
                                      limits.MAX_RENDEZVOUS_TIMEOUT_MS, default=self.config.default_timeout_ms)
         writers = limits.check_range("writers", writers, 1, limits.MAX_TP_SIZE, default=1)
-        return SideMessage(is_offer, transfer_id, attempt, engine_id, ids, num_tokens, timeout, request_id, writers)
+        if self.config.require_binding and not peer:
+            raise invalid(f"transfer {transfer_id}: {'an offer must name its prefill_engine_id' if is_offer else 'a completion must name its decode_engine_id'} "
+                          "(the router passes it; this control plane requires bound transfers)")
+        return SideMessage(is_offer, transfer_id, attempt, engine_id, ids, num_tokens, timeout, request_id, writers, peer)
 
     # -- offer / complete --------------------------------------------------
     async def submit(self, msg: SideMessage) -> tuple[pb.TransferState, bool, bool]:
@@ -254,10 +292,18 @@ class RendezvousService:
             side = pb.TransferSide(
                 engine_id=msg.engine_id, block_ids=msg.block_ids, num_tokens=msg.num_tokens,
                 deadline_ms=now + msg.timeout_ms, received_at_ms=now, request_id=msg.request_id,
+                peer_engine_id=msg.peer,
             )
             if cur is not None and cur.attempt > msg.attempt:
                 raise precondition(
                     f"transfer {msg.transfer_id}: attempt {msg.attempt} is superseded by attempt {cur.attempt}")
+            if cur is not None and cur.attempt < msg.attempt and msg.engine_id not in _parties(cur):
+                raise denied(f"engine {msg.engine_id} is not a party of transfer {msg.transfer_id} "
+                             f"(attempt {cur.attempt}): only its parties start a new attempt")
+            base = cur.attempt if cur is not None else 0
+            if msg.attempt > base + limits.MAX_ATTEMPT_STEP:
+                raise invalid(f"transfer {msg.transfer_id}: attempt {msg.attempt} skips ahead of attempt {base} by more "
+                              f"than {limits.MAX_ATTEMPT_STEP}")
             superseded = cur is not None and cur.attempt < msg.attempt and cur.phase not in TERMINAL
             if cur is None and len(self.hub.records) >= self.config.max_pending:
                 raise exhausted(f"{len(self.hub.records)} transfers are pending (limit {self.config.max_pending}); "
@@ -276,8 +322,15 @@ class RendezvousService:
                     raise precondition(
                         f"transfer {msg.transfer_id} attempt {msg.attempt} is already "
                         f"{P.Name(cur.phase).removeprefix('TRANSFER_PHASE_').lower()}: {cur.reason}")
+                drop_other = _check_binding(msg, cur)
                 new = pb.TransferState()
                 new.CopyFrom(cur)
+                if drop_other:
+                    dropped = new.completion if msg.is_offer else new.offer
+                    log.warning("rendezvous.impostor_dropped", transfer_id=msg.transfer_id, engine_id=dropped.engine_id,
+                                named=msg.peer, by=msg.engine_id)
+                    self.metrics.transfers.labels("cancelled", "impostor").inc()
+                    dropped.Clear()
             (new.offer if msg.is_offer else new.completion).CopyFrom(side)
             if not msg.is_offer:
                 new.expected_outcomes = msg.writers
@@ -644,7 +697,7 @@ class RendezvousService:
 
     async def subscribe(self, engine_id: str, tp_rank: int, after_revision: int = 0) -> AsyncIterator[pb.RendezvousEvent]:
         """Pending matches of this engine (when starting fresh), then live events."""
-        limits.check_id("engine_id", engine_id)
+        limits.check_engine_id("engine_id", engine_id)
         if not after_revision:
             after_revision = self.hub.revision
             for t, rev in list(self.hub.records.values()):
