@@ -91,6 +91,10 @@ class KvbatonSettings:
     staging_slot_bytes: int = 0
     staging_slots: int = 0
     staging_target_chunks: int = 16
+    # The engine's own OpenAI-compatible API base URL (http://host:port), published with its
+    # registration so routers discover it (vLLM's config does not carry the API server's
+    # host/port). Empty: the engine is not routable by discovery.
+    serve_url: str = ""
 
     def staging_pool(self, device: str) -> tuple[int, int]:
         """(slot bytes, slots) of this engine's pools on ``device`` ("cpu"/"cuda")."""
@@ -140,7 +144,8 @@ class KvbatonSettings:
                    staging=staging,
                    staging_slot_bytes=int(get("staging_slot_bytes", 0) or 0),
                    staging_slots=int(get("staging_slots", 0) or 0),
-                   staging_target_chunks=int(get("staging_target_chunks", 16) or 16))
+                   staging_target_chunks=int(get("staging_target_chunks", 16) or 16),
+                   serve_url=str(get("serve_url", "") or "").rstrip("/"))
 
 
 def _flag(v: Any) -> bool:

@@ -1324,7 +1324,7 @@ class KvbatonWorker:
             engine_id=self.settings.engine_id, role=role_of(self.kv_role), tp_size=1,
             tp_rank=self.tp_rank, agent_name=self._xfer.name, agent_metadata=self._xfer.metadata,
             geometry=common_pb2.KvGeometry(**layout.to_proto_fields()),
-            labels={"mode": self.settings.mode})
+            labels={"mode": self.settings.mode}, serve_url=self.settings.serve_url)
         si = self._xfer.staging_info
         if si is not None:  # where peers WRITE staged chunks into us (pack path)
             rank.staging.CopyFrom(common_pb2.KvStaging(base_addr=si.base_addr, slot_bytes=si.slot_bytes,
