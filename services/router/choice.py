@@ -58,9 +58,15 @@ class Engine:
     def serves(self, role: str) -> bool:
         return self.role == role or self.role == ROLE_BOTH
 
+    def registered(self) -> bool:
+        return self.static or len(self.ranks) >= self.tp_size
+
+    def alive(self, now: float) -> bool:
+        """Expected to answer (an HTTP request, or a NIXL READ of its retained KV)."""
+        return not self.draining and self.suspect_until <= now and self.registered()
+
     def routable(self, now: float) -> bool:
-        return (not self.draining and self.suspect_until <= now and bool(self.url)
-                and (self.static or len(self.ranks) >= self.tp_size))
+        return self.alive(now) and bool(self.url)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,10 +79,12 @@ class Choice:
 class Fleet:
     """The engines of a router, keyed by engine id."""
 
-    def __init__(self, *, slack: int = 4, suspect_s: float = 5.0) -> None:
+    def __init__(self, *, slack: int = 4, suspect_s: float = 5.0, discovering: bool = False) -> None:
         if slack < 0:
             raise ValueError(f"slack must be >= 0, got {slack}")
         self.slack = slack
+        # True when the registrar is followed: an engine it does not list is gone.
+        self.discovering = discovering
         self.suspect_s = suspect_s
         self.engines: dict[str, Engine] = {}
         self._seq = itertools.count(1)
@@ -149,7 +157,12 @@ class Fleet:
             e.suspect_until = now + self.suspect_s
 
     def routable(self, role: str, now: float) -> list[Engine]:
-        return [e for e in self.engines.values() if e.serves(role) and e.routable(now)]
+        """Engines of ``role`` to send to; when every such engine is suspect, the suspects
+        (trying one beats answering 503)."""
+        out = [e for e in self.engines.values() if e.serves(role) and e.routable(now)]
+        if not out:
+            out = [e for e in self.engines.values() if e.serves(role) and e.routable(e.suspect_until)]
+        return out
 
     # ------------------------------------------------------------ choice
     def choose_prefill(self, now: float, exclude: Iterable[str] = ()) -> Engine | None:
@@ -173,12 +186,12 @@ class Fleet:
         routable, or unknown here (a static fleet without engine ids)."""
         e = self.engines.get(holder_id)
         if e is None:
-            return not any(not x.static for x in self.engines.values())
-        return e.routable(now)
+            return not self.discovering
+        return e.alive(now)
 
     def snapshot(self, now: float) -> list[dict[str, object]]:
         return [{"engine_id": e.engine_id, "url": e.url, "role": e.role, "draining": e.draining,
-                 "static": e.static, "routable": e.routable(now), "suspect": e.suspect_until > now,
+                 "static": e.static, "routable": e.routable(now), "alive": e.alive(now), "suspect": e.suspect_until > now,
                  "ranks": sorted(e.ranks), "tp_size": e.tp_size, "prefill_tokens": e.prefill_tokens,
                  "prefill_requests": e.prefill_requests, "decode_requests": e.decode_requests}
                 for e in sorted(self.engines.values(), key=lambda x: x.engine_id)]

@@ -9,7 +9,7 @@ from kvbaton.services.router.choice import (ROLE_BOTH, ROLE_DECODE, ROLE_PREFILL
 
 
 def _fleet(n_p: int = 2, n_d: int = 2, slack: int = 2) -> Fleet:
-    f = Fleet(slack=slack, suspect_s=5.0)
+    f = Fleet(slack=slack, suspect_s=5.0, discovering=True)
     for i in range(n_p):
         f.put_rank(f"p{i}", 0, 1, ROLE_PREFILL, f"http://p{i}", False)
     for i in range(n_d):
@@ -57,6 +57,9 @@ def test_holder_gone_draining_suspect_or_excluded_is_not_chosen():
     f.put_rank("d1", 0, 1, ROLE_DECODE, "http://d1", False)
     f.mark_suspect("d1", now=10.0)
     assert f.choose(12.0, holder_id="d1").decode.engine_id == "d0"
+    f.mark_suspect("d0", now=10.0)  # every decode suspect: try one rather than fail
+    assert f.choose(12.0).decode is not None
+    f.engines["d0"].suspect_until = 0.0
     assert f.choose(15.5, holder_id="d1").decode.engine_id == "d1"  # suspicion lapses
     assert f.choose(20.0, holder_id="d1", exclude={"d1"}).decode.engine_id == "d0"
     assert f.choose(20.0, exclude={"p0", "p1"}).prefill is None
