@@ -71,3 +71,32 @@ async def test_drain_of_unknown_engine_is_remembered_and_bad_id_refused(kv):
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await kv.call(kv.registrar.DrainEngine, pb.DrainEngineRequest(engine_id="a/b"))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_cli_drain_releases_conversations_and_lists_the_drain(kv, plane, capsys):
+    import json
+
+    from kvbaton import cli
+    from kvbaton.v1 import lease_pb2
+
+    await _register(kv, "d-cli", "http://127.0.0.1:8202")
+    for conv in ("c1", "c2"):
+        reg = await kv.call(kv.registrar.RegisterRetained, pb.RegisterRetainedRequest(retained=pb.RetainedBlocks(
+            conversation_id=conv, engine_id="d-cli", block_ids=[1, 2], num_tokens=32, tokens_per_block=16)))
+        await kv.call(kv.lease.Grant, lease_pb2.GrantRequest(
+            conversation_id=conv, engine_id="d-cli", ttl_ms=30_000, num_blocks=2,
+            retention_id=reg.retained.retention_id))
+    args = cli.build_parser().parse_args(["engines", "drain", "d-cli", "--addr", plane.address, "--wait", "1",
+                                          "--reason", "node upgrade", "--json"])
+    assert await cli._engines(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out == {"engine_id": "d-cli", "draining": True, "ranks": 1, "in_flight_left": 0,
+                   "conversations_released": 2}
+    left = await kv.call(kv.lease.List, lease_pb2.ListLeasesRequest(engine_id="d-cli"))
+    assert list(left.leases) == []
+    got = await kv.call(kv.lease.Get, lease_pb2.GetLeaseRequest(conversation_id="c1"))
+    assert got.state == lease_pb2.LEASE_STATE_REVOKED and "node upgrade" in got.reason
+    args = cli.build_parser().parse_args(["engines", "list", "--addr", plane.address])
+    assert await cli._engines(args) == 0
+    table = capsys.readouterr().out
+    assert "draining" in table and "http://127.0.0.1:8202" in table
