@@ -287,6 +287,9 @@ class Router:
                                   "engines": self.fleet.snapshot(time.monotonic()),
                                   "decision_us": {"n": len(ds), "p50": pct(0.5), "p99": pct(0.99)}})
 
+    async def stats_endpoint(self, request: web.Request) -> web.Response:
+        return web.json_response(self.stats_json())
+
     def stats_json(self) -> dict[str, Any]:
         return {**self.stats, "served": {f"{p}>{d}": n for (p, d), n in self.stats["served"].items()}}
 
@@ -599,7 +602,7 @@ def build_app(prefill_url: str | Sequence[str] = (), decode_url: str | Sequence[
     app.on_cleanup.append(router.stop)
     app.router.add_get("/health", router.health)
     app.router.add_get("/v1/models", router.models)
-    app.router.add_get("/kvbaton/stats", lambda r: web.json_response(router.stats_json()))
+    app.router.add_get("/kvbaton/stats", router.stats_endpoint)
     app.router.add_get("/kvbaton/fleet", router.fleet_endpoint)
     app.router.add_get("/metrics", router.metrics_endpoint)
     app.router.add_post("/v1/completions", router.completions)
