@@ -95,6 +95,10 @@ class KvbatonSettings:
     # registration so routers discover it (vLLM's config does not carry the API server's
     # host/port). Empty: the engine is not routable by discovery.
     serve_url: str = ""
+    # The role the engine registers with, i.e. what routers send it: "prefill", "decode"
+    # or "both". Empty: from vLLM's kv_role (kv_both registers as both, so a fleet of
+    # kv_both engines names each engine's job here).
+    serve_role: str = ""
 
     def staging_pool(self, device: str) -> tuple[int, int]:
         """(slot bytes, slots) of this engine's pools on ``device`` ("cpu"/"cuda")."""
@@ -145,7 +149,15 @@ class KvbatonSettings:
                    staging_slot_bytes=int(get("staging_slot_bytes", 0) or 0),
                    staging_slots=int(get("staging_slots", 0) or 0),
                    staging_target_chunks=int(get("staging_target_chunks", 16) or 16),
-                   serve_url=str(get("serve_url", "") or "").rstrip("/"))
+                   serve_url=str(get("serve_url", "") or "").rstrip("/"),
+                   serve_role=_serve_role(get("serve_role", "")))
+
+
+def _serve_role(v: Any) -> str:
+    role = str(v or "").lower()
+    if role not in ("", "prefill", "decode", "both"):
+        raise ValueError(f"kvbaton: serve_role must be 'prefill', 'decode' or 'both', got {role!r}")
+    return role
 
 
 def _flag(v: Any) -> bool:

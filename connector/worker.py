@@ -1321,7 +1321,9 @@ class KvbatonWorker:
         from kvbaton.v1 import common_pb2, registrar_pb2
 
         rank = registrar_pb2.EngineRank(
-            engine_id=self.settings.engine_id, role=role_of(self.kv_role), tp_size=1,
+            engine_id=self.settings.engine_id, tp_size=1,
+            role=role_of({"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}.get(
+                self.settings.serve_role, self.kv_role)),
             tp_rank=self.tp_rank, agent_name=self._xfer.name, agent_metadata=self._xfer.metadata,
             geometry=common_pb2.KvGeometry(**layout.to_proto_fields()),
             labels={"mode": self.settings.mode}, serve_url=self.settings.serve_url)
