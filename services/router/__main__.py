@@ -9,11 +9,10 @@ control plane, every engine registered there with a ``serve_url`` (followed live
 from __future__ import annotations
 
 import argparse
-import os
 import logging
+import os
 
 from aiohttp import web
-
 from kvbaton.services import tracing
 
 from .app import build_app

@@ -58,12 +58,18 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
-
 from kvbaton.services import tracing
 from kvbaton.services.metrics import RouterMetrics, router_metrics
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
-from .choice import ROLE_DECODE, ROLE_PREFILL, Choice, Engine, Fleet, estimate_prompt_tokens
+from .choice import (
+    ROLE_DECODE,
+    ROLE_PREFILL,
+    Choice,
+    Engine,
+    Fleet,
+    estimate_prompt_tokens,
+)
 
 log = logging.getLogger("kvbaton.router")
 
@@ -204,7 +210,7 @@ class Router:
                 self._watch = asyncio.create_task(follow_registrar(self._kv, self.fleet, ready=self.discovered))
                 try:  # the first listing, so that the first request has engines to go to
                     await asyncio.wait_for(self.discovered.wait(), 5.0)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     log.warning("no engine listing from the control plane yet; serving on static engines only")
 
     async def stop(self, app: web.Application) -> None:
@@ -263,7 +269,7 @@ class Router:
             try:
                 async with self.session.get(f"{url}/health", timeout=aiohttp.ClientTimeout(total=5)) as r:
                     return r.status == 200
-            except (aiohttp.ClientError, asyncio.TimeoutError):
+            except (TimeoutError, aiohttp.ClientError):
                 return False
         now = time.monotonic()
         engines = {e.engine_id: e for role in (ROLE_PREFILL, ROLE_DECODE) for e in self.fleet.routable(role, now)}
@@ -282,7 +288,7 @@ class Router:
     async def fleet_endpoint(self, request: web.Request) -> web.Response:
         """The engines this router routes over and its decision cost (µs, p50/p99)."""
         ds = sorted(self.decisions_ns)
-        pct = (lambda q: ds[min(len(ds) - 1, int(q * len(ds)))] / 1000 if ds else None)  # noqa: E731
+        pct = (lambda q: ds[min(len(ds) - 1, int(q * len(ds)))] / 1000 if ds else None)
         return web.json_response({"mode": self.mode, "discover": self.discover,
                                   "engines": self.fleet.snapshot(time.monotonic()),
                                   "decision_us": {"n": len(ds), "p50": pct(0.5), "p99": pct(0.99)}})

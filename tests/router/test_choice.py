@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import pytest
-
-from kvbaton.services.router.choice import (ROLE_BOTH, ROLE_DECODE, ROLE_PREFILL, DecodeReason, Fleet,
-                                            estimate_prompt_tokens)
+from kvbaton.services.router.choice import (
+    ROLE_BOTH,
+    ROLE_DECODE,
+    ROLE_PREFILL,
+    DecodeReason,
+    Fleet,
+    estimate_prompt_tokens,
+)
 
 
 def _fleet(n_p: int = 2, n_d: int = 2, slack: int = 2) -> Fleet:
