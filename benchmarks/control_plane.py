@@ -36,8 +36,8 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from kvbaton.client import KvbatonClient  # noqa: E402
-from kvbaton.v1 import common_pb2, lease_pb2, registrar_pb2, rendezvous_pb2  # noqa: E402
+from kvbaton.client import KvbatonClient
+from kvbaton.v1 import common_pb2, lease_pb2, registrar_pb2, rendezvous_pb2
 
 
 def free_port() -> int:
@@ -123,7 +123,7 @@ async def bench_rendezvous(kv: KvbatonClient, *, rate: float, concurrency: int, 
                              timeout=5))
                 t_match = await asyncio.wait_for(fut, 5)
                 latencies.append((t_match - t0) * 1000)
-            except Exception:
+            except Exception:  # noqa: BLE001 - any failure counts as an error of the open-loop run
                 errors += 1
                 waiting.pop(tid, None)
 
@@ -277,7 +277,7 @@ def main() -> int:
     for store in args.store or ["memory://"]:
         cluster = None
         if store == "etcd3":
-            from tests.harness.etcd_cluster import EtcdCluster
+            from kvbaton.stack.etcd_cluster import EtcdCluster
 
             cluster = EtcdCluster(3).start()
             store = cluster.url

@@ -11,7 +11,8 @@ plain memory copy of the same bytes. Every run is verified by comparing the bloc
 Both agents live in this process and are driven by one thread (the passive side is
 progressed between polls, as the connector's transfer thread does); UCX moves the bytes
 (shared memory / CMA on one host). ``datapath_gpu.py`` reuses this file for CUDA tensors.
-Needs only torch, numpy and nixl; imports the connector from the repo via sys.path.
+Needs torch, numpy and nixl, and kvbaton installed (``pip install --no-deps -e .``): the
+connector is imported as ``kvbaton.connector``, the one name the product uses.
 """
 
 from __future__ import annotations
@@ -27,17 +28,15 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import torch  # before nixl: on GPUs torch must own the CUDA context first
+
+from kvbaton.connector.descriptors import coalesce_runs, plan_transfer
+from kvbaton.connector.geometry import KvLayout
+from kvbaton.connector.nixl_agent import NixlEndpoint
+from kvbaton.connector.staging import StagedPeer, choose_strategy, plan_tiles, region_byte_views
+
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-import numpy as np  # noqa: E402
-import torch  # noqa: E402  (before nixl: on GPUs torch must own the CUDA context first)
-
-from connector.descriptors import coalesce_runs, plan_transfer  # noqa: E402
-from connector.geometry import KvLayout  # noqa: E402
-from connector.nixl_agent import NixlEndpoint  # noqa: E402
-from connector.staging import (StagedPeer, choose_strategy, plan_tiles,  # noqa: E402
-                               region_byte_views)
 
 STRATEGIES = ("per_block", "runs", "pack")
 GB = 1e9

@@ -21,8 +21,8 @@ destination blocks must equal those of the source blocks (destination zeroed bef
     python benchmarks/datapath_gpu.py --smoke            # tiny, seconds
     python benchmarks/datapath_gpu.py --tokens 16384 --iters 5 --out /tmp/x.json
 
-Needs only torch, numpy, triton and nixl (``nixl`` + ``nixl-cu13`` wheels); the connector
-is imported from this repository via sys.path, nothing is installed. Exits 0 with
+Needs torch, numpy, triton and nixl (``nixl`` + ``nixl-cu13`` wheels), and kvbaton installed
+(``pip install --no-deps -e .``: the connector is ``kvbaton.connector``). Exits 0 with
 "skipped: no CUDA" where there is no GPU.
 """
 
@@ -39,15 +39,22 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402  (torch before nixl: it must own the CUDA context first)
+import numpy as np
+import torch  # torch before nixl: it must own the CUDA context first
 
-import datapath  # noqa: E402  (puts the repo root on sys.path)
-from connector.descriptors import coalesce_runs, plan_transfer  # noqa: E402
-from connector.geometry import KvLayout  # noqa: E402
-from connector.nixl_agent import NixlEndpoint  # noqa: E402
-from connector.staging import (GpuRowCopier, StagedPeer, choose_strategy,  # noqa: E402
-                               pack_blocks, plan_tiles, region_byte_views, unpack_blocks)
+import datapath  # this directory, put on sys.path above
+from kvbaton.connector.descriptors import coalesce_runs, plan_transfer
+from kvbaton.connector.geometry import KvLayout
+from kvbaton.connector.nixl_agent import NixlEndpoint
+from kvbaton.connector.staging import (
+    GpuRowCopier,
+    StagedPeer,
+    choose_strategy,
+    pack_blocks,
+    plan_tiles,
+    region_byte_views,
+    unpack_blocks,
+)
 
 GB = 1e9
 
@@ -362,7 +369,8 @@ class GpuBench:
             ms = timed(fn, dev)
             out.append({"kernel": name, "tiles": len(tiles), "ms": round(ms, 3),
                         "gbps": round(self.nbytes / (ms / 1e3) / GB, 1)})
-        del scratch, vsc
+        cases.clear()  # its closures hold the scratch cache: drop them before empty_cache
+        scratch = vsc = cb = None
         if self.src_dev.type == "cuda":
             torch.cuda.empty_cache()
         return out

@@ -42,8 +42,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from kvbaton.tinymodel import ensure_tiny_model  # noqa: E402
-from tests.harness.pd_stack import PdStack, StreamResult, stream_request  # noqa: E402
+from kvbaton.stack.pd_stack import PdStack, StreamResult, stream_request
+from kvbaton.tinymodel import ensure_tiny_model
 
 VOCAB_LO, VOCAB_HI = 10, 4000  # the tiny model's vocab is 4096; stay clear of specials
 

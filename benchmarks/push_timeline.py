@@ -37,7 +37,7 @@ if str(ROOT) not in sys.path:
 
 from benchmarks.pd_compare import VOCAB_HI, VOCAB_LO
 from benchmarks.sweep import CpuMeter, stack_components
-from tests.harness.pd_stack import PdStack, stream_request
+from kvbaton.stack.pd_stack import PdStack, stream_request
 
 
 def _median(rows: list[dict[str, Any]], key: str) -> float | None:
@@ -68,7 +68,7 @@ def run_config(model: Path, work: Path, extra: dict[str, Any], *, requests: int,
             time.sleep(0.3)
             ev = {f"{e}:{x['event']}": x for e in ("p0", "d0") for x in st.events(e, since=n0[e])}
 
-            def rel(t: float) -> float:
+            def rel(t: float, t0: float = t0) -> float:
                 return round((t - t0) * 1000, 1)
 
             row: dict[str, Any] = {"config": extra, "mode": mode, "i": i, "warmup": i < 2,

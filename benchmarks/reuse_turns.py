@@ -45,9 +45,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from kvbaton.stack.pd_stack import stop_group, stream_request, wait_port
+from kvbaton.stack.vllm_server import VllmServer, free_port, small_engine_args
 from kvbaton.tinymodel import ensure_tiny_model
-from tests.harness.pd_stack import stop_group, stream_request, wait_port
-from tests.harness.vllm_server import VllmServer, free_port, small_engine_args
 
 PY = sys.executable
 BLOCK = 128
@@ -90,7 +90,7 @@ def wait_leased(cp: str, conv: str, num_tokens: int, timeout_s: float = 10.0) ->
                     if (lease.state == lease_pb2.LEASE_STATE_ACTIVE and ret.num_tokens == num_tokens
                             and lease.retention_id == ret.retention_id):
                         return True
-                except Exception:  # noqa: BLE001, S110 - not registered/leased yet: poll again
+                except Exception:  # noqa: BLE001 - not registered/leased yet: poll again
                     pass
                 await asyncio.sleep(0.02)
             return False
@@ -152,7 +152,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def run_mode(args: argparse.Namespace, mode: str, url: str, p: VllmServer, cp: str,
              stats: Path) -> list[dict[str, Any]]:
     rnd = random.Random(f"{args.seed}-{mode}")
-    fresh = lambda n: [rnd.randrange(10, 4000) for _ in range(n)]
+
+    def fresh(n: int) -> list[int]:
+        return [rnd.randrange(10, 4000) for _ in range(n)]
+
     conv = f"bench-{mode}-{int(time.time())}"
     prompt = fresh(args.first_tokens)
     rows: list[dict[str, Any]] = []

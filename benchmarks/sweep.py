@@ -6,7 +6,7 @@ swept over input length and request rate, on real vLLM engines (tiny model, this
     .venv/bin/python benchmarks/plot.py             # PNGs from the JSONs
 
 What it does, and why:
-- Starts what it needs with :class:`tests.harness.pd_stack.PdStack`: the control plane,
+- Starts what it needs with :class:`kvbaton.stack.pd_stack.PdStack`: the control plane,
   P (core 0) and D (core 1) with the kvbaton connector, and one router per mode (push,
   pull). Then a second stack with vLLM's own ``NixlConnector`` (pull only) as the
   baseline. The two stacks run one after the other: an idle NixlConnector engine keeps
@@ -59,7 +59,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.pd_compare import VOCAB_HI, VOCAB_LO, _pct
-from tests.harness.pd_stack import PdStack, StreamResult, stream_request
+from kvbaton.stack.pd_stack import PdStack, StreamResult, stream_request
 
 RESULTS = ROOT / "benchmarks" / "results" / "sweep"
 COALESCED_TPOT_MS = 0.5  # below this the tokens arrived in one burst (see summarize)
@@ -225,7 +225,7 @@ def join_connector_stats(stack: PdStack, records: list[dict[str, Any]], since: d
                 continue
             by_rid.setdefault(rid, {})[f"{eng}_{ev['event']}"] = ev
     counts = {"recv_done": 0, "recv_failed": 0, "send_done": 0, "send_failed": 0, "send_expired": 0, "bytes": 0}
-    for eng, lst in evs.items():
+    for lst in evs.values():
         for ev in lst:
             if ev["event"] in counts:
                 counts[ev["event"]] += 1
@@ -261,10 +261,10 @@ def spawn_client(spec: ClientSpec, work: Path) -> dict[str, Any]:
     limit = spec.deadline_s + spec.warmup * spec.request_timeout_s + 60
     try:
         proc.wait(timeout=limit)
-    except subprocess.TimeoutExpired:
+    except subprocess.TimeoutExpired as exc:
         proc.kill()
         proc.wait(timeout=10)
-        raise TimeoutError(f"client process exceeded {limit:.0f}s and was killed")
+        raise TimeoutError(f"client process exceeded {limit:.0f}s and was killed") from exc
     if not out_path.exists():
         raise RuntimeError(f"client exited rc={proc.returncode} without results")
     return json.loads(out_path.read_text())
@@ -331,7 +331,7 @@ def stack_components(stack: PdStack) -> dict[str, list[int]]:
     """PIDs of every process of the stack, by component: where the CPU goes during a run
     is the profile that explains push vs pull on 2 cores (engine-core/API processes float,
     only the workers' OMP threads are pinned)."""
-    from tests.harness.vllm_server import process_group_members
+    from kvbaton.stack.vllm_server import process_group_members
 
     comps: dict[str, list[int]] = {}
     for name, srv in (("prefill", stack.p), ("decode", stack.d)):

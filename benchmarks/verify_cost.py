@@ -32,10 +32,10 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-import torch  # noqa: E402
+import torch
 
-from kvbaton.connector.geometry import KvLayout  # noqa: E402
-from kvbaton.connector.integrity import ALG_CRC32, ALG_TORCH64, Fingerprinter  # noqa: E402
+from kvbaton.connector.geometry import KvLayout
+from kvbaton.connector.integrity import ALG_CRC32, ALG_TORCH64, Fingerprinter
 
 
 def throughput(layers: int, layer_block_bytes: int, cache_blocks: int, sample: int, tokens: int,
@@ -64,8 +64,8 @@ def throughput(layers: int, layer_block_bytes: int, cache_blocks: int, sample: i
 
 
 def ttft_pair(first_tokens: int, new_tokens: int) -> list[dict[str, Any]]:
+    from kvbaton.stack.pd_stack import PdStack, post_json, stream_request
     from kvbaton.tinymodel import ensure_tiny_model
-    from tests.harness.pd_stack import PdStack, post_json, stream_request
 
     model = ensure_tiny_model(Path(os.environ.get("KVBATON_TINY_MODEL", "/tmp/kvbaton-tiny-model")))
     rnd = random.Random(5)

@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from benchmarks.pd_compare import VOCAB_HI, VOCAB_LO, _pct
-from tests.harness.pd_stack import PdStack, post_json, stream_request
+from kvbaton.stack.pd_stack import PdStack, post_json, stream_request
 
 T = TypeVar("T")
 _INTERESTING = re.compile(r"ERROR|WARNING|Traceback|Exception|[Tt]imed? ?out|expired|fail", re.IGNORECASE)
@@ -229,7 +229,8 @@ def run_bidir(model: Path, work: Path, length: int, turns: int, new_tokens: int,
             t0 = time.perf_counter()
             legs: dict[str, float] = {}
 
-            def one_turn() -> dict[str, Any]:
+            def one_turn(rid: str = rid, tokens: list[int] = tokens, p_params: dict[str, Any] = p_params,
+                         legs: dict[str, float] = legs, t0: float = t0) -> dict[str, Any]:
                 """P leg, then D leg, each with what is left of the turn's budget."""
                 pb = {"_url": p_url, "model": "tiny", "prompt": tokens, "max_tokens": 1, "temperature": 0.0,
                       "stream": False, "request_id": rid, "kv_transfer_params": p_params}

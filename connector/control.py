@@ -103,7 +103,7 @@ class ControlThread:
                         on_event(ev)
                 except asyncio.CancelledError:
                     raise
-                except Exception:  # noqa: BLE001
+                except Exception:
                     log.warning("kvbaton: rendezvous subscription failed; restarting", exc_info=True)
                     await asyncio.sleep(1.0)
         fut = asyncio.run_coroutine_threadsafe(_loop(), self._loop)
@@ -127,7 +127,7 @@ class ControlThread:
                 await self._client.close()
         try:
             asyncio.run_coroutine_threadsafe(_shutdown(), self._loop).result(timeout=2.0)
-        except Exception:  # noqa: BLE001 - shutdown is best effort
+        except Exception:  # shutdown is best effort
             log.debug("kvbaton: control client close failed", exc_info=True)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=2.0)

@@ -295,8 +295,8 @@ def _dense_block_elems(region: torch.Tensor) -> int:
     A block must be one contiguous byte range, or it cannot be one NIXL descriptor. Dims
     after the block dim may be permuted (HND views) but must tile the chunk exactly.
     """
-    inner = sorted(((region.stride(d), region.shape[d]) for d in range(1, region.dim())
-                    if region.shape[d] != 1))
+    inner = sorted((region.stride(d), region.shape[d]) for d in range(1, region.dim())
+                    if region.shape[d] != 1)
     expect = 1
     for stride, size in inner:
         if stride != expect:

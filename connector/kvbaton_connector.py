@@ -22,12 +22,13 @@ import logging
 import sys
 from typing import TYPE_CHECKING, Any
 
-from kvbaton.services.metrics import connector_metrics
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
 )
+
+from kvbaton.services.metrics import connector_metrics
 
 from .metadata import KvbatonMeta, KvbatonSettings
 from .scheduler import KvbatonScheduler

@@ -304,12 +304,12 @@ class NixlEndpoint:
         for peer in list(self._peers):
             try:
                 self.remove_peer(peer)
-            except Exception:  # noqa: BLE001 - best effort on shutdown
+            except Exception:  # best effort on shutdown
                 log.warning("remove_peer(%s) failed on close", peer, exc_info=True)
         for reg in list(self._regs):
             try:
                 self.deregister(reg)
-            except Exception:  # noqa: BLE001
+            except Exception:
                 log.warning("deregister failed on close", exc_info=True)
 
     def __enter__(self) -> NixlEndpoint:

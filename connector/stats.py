@@ -21,11 +21,12 @@ import dataclasses
 import json
 from typing import Any
 
-from kvbaton.services.metrics import ConnectorMetrics
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
     KVConnectorStats,
 )
+
+from kvbaton.services.metrics import ConnectorMetrics
 
 #: What the API server exports: name -> (help, connector label names). Sample names of
 #: the engine-side families map onto these in :func:`_series`.

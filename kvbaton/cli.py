@@ -42,8 +42,8 @@ def _enum(name: str, prefix: str) -> str:
 def _lease_rows(leases) -> list[list[str]]:
     from kvbaton.v1 import lease_pb2
 
-    return [[l.conversation_id, l.lease_id, l.engine_id, _enum(lease_pb2.LeaseState.Name(l.state), "LEASE_STATE_"),
-             _ms(l.remaining_ms), str(len(l.pins)), str(l.num_blocks), str(l.renewals), l.reason] for l in leases]
+    return [[ls.conversation_id, ls.lease_id, ls.engine_id, _enum(lease_pb2.LeaseState.Name(ls.state), "LEASE_STATE_"),
+             _ms(ls.remaining_ms), str(len(ls.pins)), str(ls.num_blocks), str(ls.renewals), ls.reason] for ls in leases]
 
 
 LEASE_HEADERS = ["CONVERSATION", "LEASE", "ENGINE", "STATE", "REMAINING", "PINS", "BLOCKS", "RENEWALS", "REASON"]
@@ -59,7 +59,7 @@ async def _leases(args) -> int:
                 engine_id=args.engine or "", states=states, expiring_within_ms=int(args.expiring_within * 1000),
                 limit=args.limit))
             if args.json:
-                print(json.dumps([_dump(l) for l in resp.leases], indent=2))
+                print(json.dumps([_dump(ls) for ls in resp.leases], indent=2))
             else:
                 print(_table(_lease_rows(resp.leases), LEASE_HEADERS))
         elif args.action == "get":
@@ -77,9 +77,9 @@ async def _leases(args) -> int:
                     if args.json:
                         print(json.dumps({"type": kind, **_dump(ev.lease)}), flush=True)
                     else:
-                        l = ev.lease
-                        print(f"{kind:9} {l.conversation_id} lease={l.lease_id} engine={l.engine_id} "
-                              f"remaining={_ms(l.remaining_ms)} {l.reason}".rstrip(), flush=True)
+                        ls = ev.lease
+                        print(f"{kind:9} {ls.conversation_id} lease={ls.lease_id} engine={ls.engine_id} "
+                              f"remaining={_ms(ls.remaining_ms)} {ls.reason}".rstrip(), flush=True)
             try:
                 await asyncio.wait_for(consume(), None if deadline is None else max(deadline - time.monotonic(), 0.01))
             except TimeoutError:
@@ -245,8 +245,8 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--tls-cert", help="client certificate, for mutual TLS")
         sp.add_argument("--tls-key", help="client key, for mutual TLS")
 
-    l = sub.add_parser("leases", help="decode-side leases")
-    lsub = l.add_subparsers(dest="action", required=True)
+    lp = sub.add_parser("leases", help="decode-side leases")
+    lsub = lp.add_subparsers(dest="action", required=True)
     ll = lsub.add_parser("list")
     client_args(ll)
     ll.add_argument("--engine")
@@ -263,7 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
     client_args(lw)
     lw.add_argument("--engine")
     lw.add_argument("--for", dest="for_s", type=float, default=0, help="stop after this many seconds")
-    l.set_defaults(func=lambda a: asyncio.run(_leases(a)))
+    lp.set_defaults(func=lambda a: asyncio.run(_leases(a)))
 
     e = sub.add_parser("engines", help="registered engines")
     esub = e.add_subparsers(dest="action", required=True)

@@ -83,7 +83,7 @@ class KvbatonClient:
     and moves to the next on ``reconnect()`` (streams do it for you).
     """
 
-    def __init__(self, addresses: str | Sequence[str], *, timeout_s: float = 5.0, tls: "ClientTls | None" = None,
+    def __init__(self, addresses: str | Sequence[str], *, timeout_s: float = 5.0, tls: ClientTls | None = None,
                  token: str | None = None) -> None:
         self.addresses = [a for a in (addresses.split(",") if isinstance(addresses, str) else addresses) if a]
         if not self.addresses:
@@ -145,7 +145,7 @@ class KvbatonClient:
             await self._session.close()
         await self.channel.close(grace=0)
 
-    async def __aenter__(self) -> "KvbatonClient":
+    async def __aenter__(self) -> KvbatonClient:
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -258,7 +258,7 @@ class KvbatonClient:
 
 
     @property
-    def session(self) -> "RendezvousSession":
+    def session(self) -> RendezvousSession:
         """The client's engine session: offers, completions, outcomes and cancels over one
         Rendezvous/Session stream instead of one unary call each (opened on first use)."""
         if self._session is None:
@@ -345,6 +345,7 @@ class RendezvousSession:
         self._queue: collections.deque[rendezvous_pb2.SessionCall] = collections.deque()
         self._waiting: dict[int, asyncio.Future] = {}
         self._wakeup = asyncio.Event()
+        self._generation = 0  # one per stream opened; an older stream's request iterator stops
         self._task = asyncio.get_running_loop().create_task(self._run(), name="kvbaton-session")
 
     async def offer(self, req: rendezvous_pb2.OfferRequest) -> rendezvous_pb2.RendezvousResponse:
@@ -399,16 +400,16 @@ class RendezvousSession:
 
     async def _run(self) -> None:
         backoff = 0.05
-        generation = 0
         while True:
-            generation += 1
+            self._generation += 1
             sent: dict[int, rendezvous_pb2.SessionCall] = {}
             watch = _StuckWatch(self.client.timeout_s)
 
-            async def requests(mine: int = generation):
+            async def requests(mine: int = self._generation, sent: dict[int, rendezvous_pb2.SessionCall] = sent,
+                               watch: _StuckWatch = watch):
                 while True:
                     await self._wakeup.wait()
-                    if mine != generation:
+                    if mine != self._generation:
                         return  # a broken stream's iterator must not take the new stream's work
                     self._wakeup.clear()
                     while self._queue:
@@ -465,7 +466,7 @@ class RendezvousSession:
                 log.info("client.session_reconnect", code=code.name, address=self.client.address)
                 if len(self.client.addresses) > 1 and code in _RETRYABLE:
                     await self.client.reconnect(if_channel=channel)
-            except Exception as exc:  # the stream broke; whatever the cause, open another
+            except Exception as exc:  # noqa: BLE001 - the stream broke; whatever the cause, open another
                 call.cancel()
                 log.info("client.session_reconnect", error=repr(exc)[:200])
                 if len(self.client.addresses) > 1:
@@ -507,6 +508,7 @@ class _RenewalBatcher:
         self.max_batch = max_batch
         self._queue: list[tuple[lease_pb2.RenewRequest, asyncio.Future]] = []
         self._wakeup = asyncio.Event()
+        self._generation = 0  # one per stream opened; an older stream's request iterator stops
         self._task = asyncio.get_running_loop().create_task(self._run(), name="kvbaton-keepalive")
 
     async def renew(self, req: lease_pb2.RenewRequest) -> lease_pb2.RenewResult:
@@ -517,18 +519,18 @@ class _RenewalBatcher:
 
     async def _run(self) -> None:
         backoff = 0.05
-        generation = 0
         while True:
             inflight: dict[int, list[tuple[lease_pb2.RenewRequest, asyncio.Future]]] = {}
             seq = 0
-            generation += 1
+            self._generation += 1
             watch = _StuckWatch(self.client.timeout_s)
 
-            async def requests(mine: int = generation):
+            async def requests(mine: int = self._generation, inflight: dict[int, list[tuple[lease_pb2.RenewRequest,
+                               asyncio.Future]]] = inflight, watch: _StuckWatch = watch):
                 nonlocal seq
                 while True:
                     await self._wakeup.wait()
-                    if mine != generation:
+                    if mine != self._generation:
                         return  # a broken stream's iterator must not take the new stream's work
                     self._wakeup.clear()
                     while self._queue:
@@ -555,7 +557,7 @@ class _RenewalBatcher:
                 if not watch.owns_cancel():
                     call.cancel()
                     raise
-            except Exception as exc:  # the stream broke; whatever the cause, open another
+            except Exception as exc:  # noqa: BLE001 - the stream broke; whatever the cause, open another
                 call.cancel()
                 log.info("client.keepalive_reconnect", error=repr(exc)[:200])
                 if len(self.client.addresses) > 1:
@@ -601,7 +603,7 @@ class LeaseKeeper:
         self._stopped = asyncio.Event()
         self._attempt_s = 1.0  # per-renewal bound, set from the TTL on entry
 
-    async def __aenter__(self) -> "LeaseKeeper":
+    async def __aenter__(self) -> LeaseKeeper:
         first = await self.renew_once()
         if first.status == lease_pb2.RENEW_STATUS_OK and self.interval_s is None:
             # A third of the TTL: two renewals can be lost before the lease is at risk.

@@ -25,8 +25,8 @@ plane lists no transfers in that mode (only the registrar is used, for NIXL meta
 
 ``python -m kvbaton.demo`` is the control-plane-only walk-through (no model, no vLLM).
 
-The stack is started with ``tests/harness/pd_stack.py`` (shared with the e2e tests and
-``benchmarks/pd_compare.py``), so this module runs from a source checkout.
+The stack is started with :mod:`kvbaton.stack.pd_stack` (shared with the e2e tests and
+the benchmarks).
 """
 
 from __future__ import annotations
@@ -40,6 +40,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvbaton.stack import pd_stack
+
 ROOT = Path(__file__).resolve().parents[1]
 
 #: What the user says each turn; the assistant's (gibberish: random weights) answers are
@@ -52,18 +54,6 @@ TURNS = [
     "Summarise the whole conversation so far for an operator who watches the control plane.",
     "Thanks. Last question: what should happen to these blocks if the prefill engine dies?",
 ]
-
-
-def _import_stack() -> Any:
-    """The shared stack launcher lives with the tests (``tests/harness``): import it from
-    the checkout this module belongs to."""
-    if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))
-    try:
-        from tests.harness import pd_stack
-    except ImportError as exc:  # installed without the source tree
-        raise SystemExit(f"kvbaton.pd_demo needs the source checkout (tests/harness): {exc}") from exc
-    return pd_stack
 
 
 def _moved(stack: Any, mode: str, marks: dict[str, int], timeout_s: float = 5.0) -> dict[str, Any]:
@@ -107,7 +97,6 @@ def run(mode: str, turns: int, max_tokens: int, model_dir: Path, workdir: Path) 
     """The demo; returns the process exit code."""
     from kvbaton.tinymodel import ensure_tiny_model
 
-    pd_stack = _import_stack()
     t_start = time.monotonic()
     print(f"kvbaton P/D demo, mode {mode.upper()} (--mode push|pull); work dir {workdir}", flush=True)
     model = ensure_tiny_model(model_dir)

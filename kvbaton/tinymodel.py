@@ -235,9 +235,9 @@ def _build_lock(out_dir: Path, timeout_s: float = 600.0) -> Iterator[None]:
             try:
                 fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
-            except BlockingIOError:
+            except BlockingIOError as exc:
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"could not lock {lock_path} within {timeout_s}s")
+                    raise TimeoutError(f"could not lock {lock_path} within {timeout_s}s") from exc
                 time.sleep(0.2)
         try:
             yield

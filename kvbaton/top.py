@@ -31,7 +31,7 @@ SCRAPE_TIMEOUT_S = 3.0
 
 
 def _scrape_one(url: str) -> dict[str, float]:
-    with urllib.request.urlopen(url, timeout=SCRAPE_TIMEOUT_S) as resp:  # noqa: S310 - operator-given URL
+    with urllib.request.urlopen(url, timeout=SCRAPE_TIMEOUT_S) as resp:  # operator-given URL
         text = resp.read().decode()
     totals: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
@@ -78,7 +78,7 @@ async def snapshot(kv: Any) -> dict[str, Any]:
     out: dict[str, Any] = {"errors": []}
     for name, resp in (("engines", engines), ("transfers", transfers), ("leases", leases)):
         if isinstance(resp, BaseException):
-            out["errors"].append(f"{name}: {getattr(resp, 'details', lambda: repr(resp))()}")
+            out["errors"].append(f"{name}: {resp.details() if hasattr(resp, 'details') else repr(resp)}")
     out["engines"] = [] if isinstance(engines, BaseException) else engine_rows(list(engines.ranks))
     if not isinstance(transfers, BaseException):
         ts = sorted(transfers.transfers, key=lambda t: min(

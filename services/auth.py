@@ -61,7 +61,7 @@ class TokenBook:
         self._by_digest = {hashlib.sha256(tok.encode()).digest(): p for tok, p in entries}
 
     @classmethod
-    def load(cls, path: str | pathlib.Path) -> "TokenBook":
+    def load(cls, path: str | pathlib.Path) -> TokenBook:
         data = json.loads(pathlib.Path(path).read_text())
         entries = []
         for i, item in enumerate(data.get("tokens", [])):

@@ -16,26 +16,26 @@ from collections.abc import Sequence
 
 import grpc
 import structlog
-from prometheus_client import CollectorRegistry
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry
 
 from kvbaton.v1 import lease_pb2, lease_pb2_grpc, registrar_pb2, registrar_pb2_grpc, rendezvous_pb2, rendezvous_pb2_grpc
 
+from . import tracing
 from .api.lease import LeaseServicer
 from .api.registrar import RegistrarServicer
 from .api.rendezvous import RendezvousServicer
 from .domain.clock import Clock, WallClock
-from .domain.lease import LeaseConfig, LeaseService
-from .domain.registrar import RegistrarService
-from .domain.rendezvous import PENDING as RDV_PENDING
-from .domain.rendezvous import RendezvousConfig, RendezvousService
 from .domain.lease import ACTIVE as LEASE_ACTIVE
 from .domain.lease import DRAINING as LEASE_DRAINING
-from .domain.registrar import role_name
+from .domain.lease import LeaseConfig, LeaseService
+from .domain.registrar import RegistrarService, role_name
+from .domain.rendezvous import PENDING as RDV_PENDING
+from .domain.rendezvous import RendezvousConfig, RendezvousService
 from .metrics import InstrumentedStore, ServiceMetrics
 from .store import Store, open_store
-from . import tracing
+from .web import WebServer
 
 log = structlog.get_logger(__name__)
 
@@ -96,7 +96,7 @@ class ControlPlane:
         # One registry per plane: several planes in one process each count only their own.
         self.metrics = ServiceMetrics(CollectorRegistry())
         self._engine_counts: tuple[dict[tuple[str, ...], float], dict[tuple[str, ...], float]] = ({}, {})
-        self.web = None  # services.web.WebServer once started
+        self.web: WebServer | None = None  # once started (metrics_address or web_address set)
 
     @property
     def address(self) -> str:
@@ -155,8 +155,6 @@ class ControlPlane:
         await _set(health_servicer, "", health_pb2.HealthCheckResponse.SERVING)
         self.health = health_servicer
         if self.config.metrics_address is not None or self.config.web_address is not None:
-            from .web import WebServer
-
             self.web = WebServer(self)
             await self.web.start()
         log.info("kvbaton.serving", address=self.address, store=store.name, services=list(self.config.services),
@@ -199,7 +197,11 @@ class ControlPlane:
         if "registrar" in self.config.services:
             sources["kvbaton_engines"] = lambda: self._engine_counts[0]
             sources["kvbaton_engine_ranks"] = lambda: self._engine_counts[1]
-        sources["kvbaton_leader"] = lambda: {(e.name,): float(bool(e.is_leader)) for e, _ in self._leadership}
+        sources["kvbaton_leader"] = lambda: {(name,): float(lead) for name, lead in self.leadership().items()}
+
+    def leadership(self) -> dict[str, bool]:
+        """Election name (``lease-expiry``, ``rendezvous-sweeper``) -> whether this replica leads it."""
+        return {e.name: bool(e.is_leader) for e, _ in self._leadership}
 
     async def refresh_state_gauges(self, timeout_s: float = 2.0) -> None:
         """Re-reads what no cache holds (registered engines) for the next scrape. Bounded: a
@@ -208,7 +210,7 @@ class ControlPlane:
             return
         try:
             ranks = await asyncio.wait_for(self.registrar.list_engines(), timeout_s)
-        except Exception as exc:  # store down: keep the last values; store_errors says why
+        except Exception as exc:  # noqa: BLE001 - store down: keep the last values; store_errors says why
             log.debug("metrics.engine_refresh_failed", error=repr(exc))
             return
         engines: dict[tuple[str, ...], set[str]] = {}
@@ -263,7 +265,7 @@ class ControlPlane:
         async def bounded(aw, what: str) -> None:
             try:
                 await asyncio.wait_for(aw, 5.0)
-            except Exception as exc:  # shutting down: log and go on
+            except Exception as exc:  # noqa: BLE001 - shutting down: log and go on
                 log.warning("kvbaton.stop_step_failed", step=what, error=repr(exc))
 
         if self.web is not None:
@@ -292,7 +294,7 @@ async def _campaign_forever(election) -> None:
             log.warning("leader.lost", name=election.name)
         except asyncio.CancelledError:
             raise
-        except Exception as exc:  # store unreachable: try again shortly
+        except Exception as exc:  # noqa: BLE001 - store unreachable: try again shortly
             log.warning("leader.campaign_failed", name=election.name, error=str(exc))
             await asyncio.sleep(0.5)
 

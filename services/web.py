@@ -18,7 +18,7 @@ import collections
 import contextlib
 import html
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import structlog
 from aiohttp import web
@@ -27,9 +27,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from kvbaton.v1 import lease_pb2, rendezvous_pb2
 
 from .domain.registrar import role_name
-
-if TYPE_CHECKING:
-    from .server import ControlPlane
+from .plane_view import PlaneView
 
 log = structlog.get_logger(__name__)
 
@@ -103,7 +101,7 @@ def engine_rows(ranks: list[Any]) -> list[dict[str, Any]]:
 class WebServer:
     """Serves one ``ControlPlane``'s metrics and status page; ``start()`` / ``stop()``."""
 
-    def __init__(self, plane: ControlPlane) -> None:
+    def __init__(self, plane: PlaneView) -> None:
         self.plane = plane
         self._runner: web.AppRunner | None = None
         self._web_runner: web.AppRunner | None = None
@@ -187,13 +185,13 @@ class WebServer:
         out: dict[str, Any] = {
             "time_ms": now_ms, "address": plane.address, "store": plane.store.name if plane.store else "",
             "services": list(plane.config.services),
-            "leader": {e.name: bool(e.is_leader) for e, _ in plane._leadership},
+            "leader": plane.leadership(),
             "engines": [], "transfers": None, "leases": None, "errors": [],
         }
         try:
             ranks = await asyncio.wait_for(plane.registrar.list_engines(), STATE_TIMEOUT_S) if plane.registrar else []
             out["engines"] = engine_rows(ranks)
-        except Exception as exc:  # the store may be down: show what we have, say why
+        except Exception as exc:  # noqa: BLE001 - the store may be down: show what we have, say why
             out["errors"].append(f"engines: {exc!r}")
         if plane.rendezvous is not None:
             ts = await plane.rendezvous.list()

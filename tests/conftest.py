@@ -17,7 +17,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def etcd_cluster():
     """One real etcd member on loopback for the whole session (stopped by pid at the end)."""
-    from tests.harness.etcd_cluster import EtcdCluster, find_etcd
+    from kvbaton.stack.etcd_cluster import EtcdCluster, find_etcd
 
     if find_etcd() is None:
         pytest.skip("etcd binary not found (scripts/test.sh installs Debian's etcd-server)")

@@ -8,7 +8,7 @@ from collections.abc import Awaitable, Callable, Iterable
 
 import structlog
 
-from ..store import Store
+from ..store.base import Store
 
 log = structlog.get_logger(__name__)
 
@@ -24,7 +24,7 @@ async def leader_ticks(name: str, tick_s: float, is_leader: Callable[[], bool], 
             await work()
         except asyncio.CancelledError:
             raise
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - a failed tick is logged; the next tick tries again
             log.warning(f"{name}.tick_failed", error=str(exc))
 
 

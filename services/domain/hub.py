@@ -16,7 +16,7 @@ from typing import Generic, TypeVar
 
 import structlog
 
-from ..store import CompactedError, EventType, KeyValue, Store, StoreError, WatchEvent
+from ..store.base import CompactedError, EventType, KeyValue, Store, StoreError, WatchEvent
 
 log = structlog.get_logger(__name__)
 

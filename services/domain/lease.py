@@ -32,11 +32,11 @@ import structlog
 from kvbaton.v1 import lease_pb2 as pb
 
 from ..metrics import ServiceMetrics
-from ..store import Compare, CompareOp, CompareTarget, EventType, KeyValue, Put, Store, WatchEvent
+from ..store.base import Compare, CompareOp, CompareTarget, EventType, KeyValue, Put, Store, WatchEvent
 from . import limits
+from .background import Tombstones, cancel_all, leader_ticks
 from .clock import Clock, WallClock
 from .errors import Code, DomainError, exhausted, invalid, not_found, precondition
-from .background import Tombstones, cancel_all, leader_ticks
 from .hub import PrefixHub
 
 log = structlog.get_logger(__name__)
@@ -385,7 +385,7 @@ class LeaseService:
         outcomes: dict[str, bool | BaseException] = {}
         try:
             outcomes = await self._write_batch([(lid, dl) for lid, (dl, _) in chunk])
-        except Exception as exc:  # a store hiccup: the per-lease path below decides
+        except Exception as exc:  # noqa: BLE001 - a store hiccup: the per-lease path below decides
             log.debug("lease.batch_flush_failed", error=str(exc))
         rest = [(lid, dl) for lid, (dl, _) in chunk if lid not in outcomes]
         if rest:

@@ -18,7 +18,7 @@ from kvbaton.v1 import common_pb2 as cpb
 from kvbaton.v1 import registrar_pb2 as pb
 
 from ..metrics import ServiceMetrics
-from ..store import Compare, Delete, EventType, LeaseNotFoundError, Put, Store
+from ..store.base import Compare, Delete, EventType, LeaseNotFoundError, Put, Store
 from . import limits
 from .clock import Clock, WallClock
 from .errors import Code, DomainError, invalid, not_found, precondition

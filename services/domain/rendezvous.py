@@ -32,11 +32,11 @@ import structlog
 from kvbaton.v1 import rendezvous_pb2 as pb
 
 from ..metrics import ServiceMetrics
-from ..store import Compare, EventType, Get, KeyValue, Put, Store, WatchEvent
+from ..store.base import Compare, EventType, Get, KeyValue, Put, Store, WatchEvent
 from . import limits
+from .background import Tombstones, cancel_all, leader_ticks
 from .clock import Clock, WallClock
 from .errors import Code, DomainError, exhausted, invalid, not_found, precondition
-from .background import Tombstones, cancel_all, leader_ticks
 from .hub import PrefixHub
 
 log = structlog.get_logger(__name__)

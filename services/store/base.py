@@ -80,11 +80,11 @@ class Compare:
     operand: int | bytes
 
     @staticmethod
-    def absent(key: bytes) -> "Compare":
+    def absent(key: bytes) -> Compare:
         return Compare(key, CompareTarget.CREATE_REVISION, CompareOp.EQUAL, 0)
 
     @staticmethod
-    def unchanged(kv: "KeyValue | None", key: bytes) -> "Compare":
+    def unchanged(kv: KeyValue | None, key: bytes) -> Compare:
         """True while the key is as ``kv`` read it (or still absent if ``kv`` is None)."""
         if kv is None:
             return Compare.absent(key)

@@ -272,7 +272,7 @@ class Election:
                 work.cancel()
             await self.resign()
 
-    async def __aenter__(self) -> "Election":
+    async def __aenter__(self) -> Election:
         await self.campaign()
         return self
 

@@ -57,8 +57,8 @@ from .base import (
     CompareOp,
     CompareTarget,
     Delete,
-    Get,
     EventType,
+    Get,
     KeyValue,
     LeaseNotFoundError,
     Op,
@@ -182,7 +182,7 @@ class _Endpoint:
     maintenance: pb_grpc.MaintenanceStub
 
     @classmethod
-    def open(cls, target: str) -> "_Endpoint":
+    def open(cls, target: str) -> _Endpoint:
         ch = grpc.aio.insecure_channel(target, options=_CHANNEL_OPTIONS)
         return cls(
             target, ch, pb_grpc.KVStub(ch), pb_grpc.WatchStub(ch), pb_grpc.LeaseStub(ch),
@@ -248,7 +248,7 @@ class _KeepAliveStream:
 class _EtcdWatch(Watch):
     """One etcd watch on its own stream, re-created from ``next_rev`` after a disconnect."""
 
-    def __init__(self, store: "EtcdStore", prefix: bytes, start_revision: int, prev_kv: bool) -> None:
+    def __init__(self, store: EtcdStore, prefix: bytes, start_revision: int, prev_kv: bool) -> None:
         self._store = store
         self._prefix = prefix
         self._prev_kv = prev_kv
@@ -422,7 +422,7 @@ class EtcdStore(Store):
         timeout_s: float = 10.0,
         attempt_timeout_s: float = 3.0,
         watch_retry_s: float = 60.0,
-    ) -> "EtcdStore":
+    ) -> EtcdStore:
         """Opens channels and returns once one endpoint answers ``Status`` with a leader.
 
         ``timeout_s`` bounds every operation including its failover retries;
@@ -585,7 +585,7 @@ class EtcdStore(Store):
                         results = [
                             self._txn_result(r.response_txn.succeeded, rev, r.response_txn.responses, item[2], item[3])
                             for item, r in zip(taken, resp.responses)]
-                except Exception as exc:  # every write of the batch shares its fate
+                except Exception as exc:  # noqa: BLE001 - every write of the batch shares its fate
                     for item in taken:
                         if not item[4].done():
                             item[4].set_exception(exc)

@@ -22,8 +22,8 @@ from .base import (
     CompareOp,
     CompareTarget,
     Delete,
-    Get,
     EventType,
+    Get,
     KeyValue,
     LeaseNotFoundError,
     Op,
@@ -39,7 +39,7 @@ _WATCH_QUEUE = 1_000_000
 
 
 class _MemoryWatch(Watch):
-    def __init__(self, store: "MemoryStore", prefix: bytes, start_revision: int = 0) -> None:
+    def __init__(self, store: MemoryStore, prefix: bytes, start_revision: int = 0) -> None:
         self._store = store
         self._prefix = prefix
         # A watch from a future revision must not see the revisions before it (etcd).

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import time
+import sys
+from collections.abc import Callable
 
 import numpy as np
 import pytest
 
-from kvbaton.connector.descriptors import (build_descriptors, coalesce_runs, plan_transfer,
-                                           runs_of)
+from kvbaton.connector.descriptors import build_descriptors, coalesce_runs, plan_transfer, runs_of
 from kvbaton.connector.geometry import KvLayout, KvLayoutMismatch
 
 
@@ -171,23 +171,37 @@ def test_from_tensors_both_layouts() -> None:
     assert KvLayout.from_tensors(mla, tokens_per_block=2, block_dim=0).num_regions == 1
 
 
-def test_planning_is_fast() -> None:
-    """10k fragmented blocks × 128 regions plan in a few ms (no per-block Python loops)."""
+def _python_calls(fn: Callable[[], object]) -> int:
+    """Python-level and builtin calls made while ``fn`` runs (deterministic, unlike a timer)."""
+    calls = 0
+
+    def prof(frame: object, event: str, arg: object) -> None:
+        nonlocal calls
+        if event in ("call", "c_call"):
+            calls += 1
+
+    sys.setprofile(prof)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
+def test_planning_has_no_per_block_python_loop() -> None:
+    """Planning 10k fragmented blocks x 128 regions costs the same number of Python calls as
+    planning 100: the work is in numpy, not in per-block Python loops. (Speed itself is measured
+    by ``benchmarks/datapath.py``'s plan_ms, not asserted by a timed test.)"""
     rng = np.random.default_rng(7)
     a, b = layout(num_blocks=20000, regions=128, bpb=32768), layout(num_blocks=20000, regions=128, bpb=32768, base=1 << 44)
+
+    def counts(n: int) -> tuple[int, int]:
+        src, dst = rng.permutation(20000)[:n], rng.permutation(20000)[:n]
+        plan_transfer(a, src, b, dst)  # warm up (imports, caches)
+        return (_python_calls(lambda: coalesce_runs(src, dst)),
+                _python_calls(lambda: plan_transfer(a, src, b, dst)))
+
+    small, large = counts(100), counts(10_000)
+    assert large == small, (small, large)
     src, dst = rng.permutation(20000)[:10000], rng.permutation(20000)[:10000]
-    plan_transfer(a, src, b, dst)  # warm up
-    t = time.perf_counter()
-    for _ in range(5):
-        s, d, ln = coalesce_runs(src, dst)
-    t_coalesce = (time.perf_counter() - t) / 5
-    t = time.perf_counter()
-    build_descriptors(a, s, ln)
-    t_one_region_set = time.perf_counter() - t
-    t = time.perf_counter()
-    plan = plan_transfer(a, src, b, dst)
-    t_plan = time.perf_counter() - t
-    assert plan.num_descs > 1_000_000
-    assert t_coalesce < 1e-3, t_coalesce
-    # building 2 × 1.28M descriptors is memory bound (~60 MB of uint64); generous bound
-    assert t_plan < 0.5 and t_one_region_set < 0.25, (t_plan, t_one_region_set)
+    assert plan_transfer(a, src, b, dst).num_descs > 1_000_000

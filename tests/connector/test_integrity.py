@@ -48,7 +48,7 @@ def _random_cache(rnd: random.Random) -> tuple[KvLayout, list[torch.Tensor], np.
 def _block_bytes(arr: np.ndarray, layout: KvLayout, b: int) -> bytes:
     base0 = layout.region_base_addrs[0] - arr.ctypes.data
     out = b""
-    for r, base in enumerate(layout.region_base_addrs):
+    for base in layout.region_base_addrs:
         off = base - layout.region_base_addrs[0] + base0 + b * layout.block_stride_bytes
         out += arr[off:off + layout.bytes_per_block].tobytes()
     return out

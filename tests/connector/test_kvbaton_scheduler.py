@@ -14,10 +14,10 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from vllm.v1.request import RequestStatus  # noqa: E402
+from vllm.v1.request import RequestStatus
 
-from kvbaton.connector.metadata import KvbatonSettings  # noqa: E402
-from kvbaton.connector.scheduler import KvbatonScheduler  # noqa: E402
+from kvbaton.connector.metadata import KvbatonSettings
+from kvbaton.connector.scheduler import KvbatonScheduler
 
 BS = 128
 
@@ -116,7 +116,7 @@ def test_push_complete_from_worker_moves_the_rpc_to_the_send_spec() -> None:
         s = KvbatonScheduler(KvbatonSettings(control_plane="127.0.0.1:1", engine_id="p0",
                                              complete_from_worker=here), BS)
         sent: list[str] = []
-        s._rpc = lambda what, fn, tid="": sent.append(what)  # type: ignore[method-assign]
+        s._rpc = lambda what, fn, tid="", sent=sent: sent.append(what)  # type: ignore[method-assign]
         r = _req("p9", 300, {"do_remote_decode": True, "transfer_id": "t9", "transfer_mode": "push"},
                  status=RequestStatus.FINISHED_LENGTH_CAPPED, computed=300)
         hold, out = s.request_finished(r, [3, 4, 5])

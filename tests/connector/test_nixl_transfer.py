@@ -136,7 +136,7 @@ def test_idle_agent_does_not_spin() -> None:
     ep.close()
 
 
-def _child(conn: "mp.connection.Connection", nbytes: int) -> None:
+def _child(conn: mp.connection.Connection, nbytes: int) -> None:
     """Second process: owns a buffer, lets the parent WRITE into it, reports a checksum."""
     ep = NixlEndpoint("child", net_devices="lo", ucx_tls="tcp,self,sm")
     buf = torch.zeros(nbytes, dtype=torch.uint8)

@@ -27,11 +27,12 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from vllm.v1.request import RequestStatus
+
 from kvbaton.connector.control import ControlThread
 from kvbaton.connector.metadata import MODE_REUSE, KvbatonSettings
 from kvbaton.connector.reuse import RetentionManager, hash_chain, reusable_blocks
 from kvbaton.connector.scheduler import KvbatonScheduler
-from vllm.v1.request import RequestStatus
 
 BS = 128
 
@@ -147,9 +148,9 @@ def control_plane() -> Iterator[str]:
 
 def _register_decode(addr: str, engine_id: str) -> None:
     import torch
-    from kvbaton.connector.geometry import KvLayout
 
     from kvbaton.client import KvbatonClient
+    from kvbaton.connector.geometry import KvLayout
     from kvbaton.v1 import common_pb2, registrar_pb2
 
     layout = KvLayout.from_tensors([torch.zeros(8, 2, BS, 128)], BS, block_dim=0)

@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvbaton.connector.metadata import KvbatonSettings  # noqa: E402
+from kvbaton.connector.metadata import KvbatonSettings
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "connector-settings.md"
 

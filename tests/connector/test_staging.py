@@ -12,8 +12,7 @@ torch = pytest.importorskip("torch")
 
 from kvbaton.connector.descriptors import coalesce_runs  # noqa: E402
 from kvbaton.connector.geometry import KvLayout  # noqa: E402
-from kvbaton.connector.staging import (choose_strategy, pack_blocks,  # noqa: E402
-                                       plan_tiles, region_byte_views, unpack_blocks)
+from kvbaton.connector.staging import choose_strategy, pack_blocks, plan_tiles, region_byte_views, unpack_blocks  # noqa: E402
 
 LAYERS, NUM_BLOCKS, TPB = 3, 80, 16
 _names = itertools.count()

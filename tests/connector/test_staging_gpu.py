@@ -17,12 +17,10 @@ pytest.importorskip("triton")
 
 try:
     from kvbaton.connector.geometry import KvLayout
-    from kvbaton.connector.staging import (GpuRowCopier, pack_blocks, plan_tiles,
-                                           region_byte_views)
+    from kvbaton.connector.staging import GpuRowCopier, pack_blocks, plan_tiles, region_byte_views
 except ImportError:  # a checkout run without installing the package
     from connector.geometry import KvLayout  # type: ignore[no-redef]
-    from connector.staging import (GpuRowCopier, pack_blocks, plan_tiles,  # type: ignore[no-redef]
-                                   region_byte_views)
+    from connector.staging import GpuRowCopier, pack_blocks, plan_tiles, region_byte_views  # type: ignore[no-redef]
 
 pytestmark = pytest.mark.gpu
 LAYERS, NUM_BLOCKS, TPB = 3, 80, 16
@@ -55,7 +53,7 @@ def test_kernel_matches_torch(shape_first: str, head: int) -> None:
     ref = torch.empty(size, dtype=torch.uint8, device="cuda")
     got = torch.empty(size, dtype=torch.uint8, device="cuda")
     pack_blocks(vs, sids, ref)
-    for r0, r1, b0, b1 in plan_tiles(n, ls.num_regions, ls.bytes_per_block, size // 3):
+    for r0, r1, _b0, _b1 in plan_tiles(n, ls.num_regions, ls.bytes_per_block, size // 3):
         assert r1 - r0 >= 1
     assert cs.gather(sids, 0, ls.num_regions, got) == size
     assert torch.equal(got, ref)

@@ -10,13 +10,14 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
 from kvbaton.connector.stats import (
     CounterDeltas,
     KvbatonConnectorStats,
     KvbatonPromMetrics,
 )
 from kvbaton.services.metrics import ConnectorMetrics
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 
 def _prom(registry: CollectorRegistry) -> KvbatonPromMetrics:

@@ -38,8 +38,8 @@ from typing import Any
 
 import pytest
 
+from kvbaton.stack.pd_stack import PdStack, post_json, revoke_lease, usage_back_to_zero
 from kvbaton.tinymodel import ensure_tiny_model
-from tests.harness.pd_stack import PdStack, post_json, revoke_lease, usage_back_to_zero
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 

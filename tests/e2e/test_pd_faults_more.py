@@ -21,8 +21,8 @@ from typing import Any
 import pytest
 import requests
 
+from kvbaton.stack.pd_stack import PdStack, post_json, usage_back_to_zero
 from kvbaton.tinymodel import ensure_tiny_model
-from tests.harness.pd_stack import PdStack, post_json, usage_back_to_zero
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(420)]
 

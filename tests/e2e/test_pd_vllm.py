@@ -19,9 +19,9 @@ from typing import Any
 
 import pytest
 
+from kvbaton.stack.pd_stack import PdStack, post_json, stream_request, usage_back_to_zero
+from kvbaton.stack.vllm_server import VllmServer
 from kvbaton.tinymodel import ensure_tiny_model
-from tests.harness.pd_stack import PdStack, post_json, stream_request, usage_back_to_zero
-from tests.harness.vllm_server import VllmServer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 

@@ -38,9 +38,9 @@ from typing import Any
 
 import pytest
 
+from kvbaton.stack.pd_stack import revoke_lease
+from kvbaton.stack.vllm_server import VllmServer, free_port, small_engine_args
 from kvbaton.tinymodel import ensure_tiny_model
-from tests.harness.vllm_server import VllmServer, free_port, small_engine_args
-from tests.harness.pd_stack import revoke_lease
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(400)]
 

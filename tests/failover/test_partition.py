@@ -15,9 +15,9 @@ import grpc
 import pytest
 
 from kvbaton.client import KvbatonClient, LeaseKeeper
+from kvbaton.stack.etcd_cluster import find_etcd
 from kvbaton.v1 import common_pb2, lease_pb2, registrar_pb2
 from tests.failover.test_replicas import Replica, cluster  # noqa: F401  (module-scoped 3-member etcd)
-from tests.harness.etcd_cluster import find_etcd
 from tests.harness.tcp_proxy import TcpProxy
 from tests.services.helpers import engine_rank
 

@@ -19,8 +19,8 @@ import time
 import pytest
 
 from kvbaton.client import KvbatonClient, LeaseKeeper
+from kvbaton.stack.etcd_cluster import EtcdCluster, _free_port, find_etcd
 from kvbaton.v1 import common_pb2, lease_pb2, rendezvous_pb2
-from tests.harness.etcd_cluster import EtcdCluster, _free_port, find_etcd
 from tests.services.helpers import register
 
 pytestmark = [pytest.mark.etcd, pytest.mark.skipif(find_etcd() is None, reason="etcd not installed")]

@@ -49,7 +49,7 @@ class TcpProxy:
             up_reader, up_writer = await asyncio.wait_for(asyncio.open_connection(*self.target), 5)
             self._conns.add(up_writer)
             await asyncio.gather(self._pipe(reader, up_writer), self._pipe(up_reader, writer))
-        except (OSError, asyncio.TimeoutError):
+        except (TimeoutError, OSError):
             pass
         finally:
             for w in (writer,):

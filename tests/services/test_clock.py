@@ -27,11 +27,14 @@ def test_clock_ignores_forward_steps_and_never_goes_back():
     t = {"wall": 1_000_000, "mono": 5_000}
     clock = WallClock(wall_ms=lambda: t["wall"], mono_ms=lambda: t["mono"])
     assert clock.now_ms() == 1_000_000
-    t["wall"] += 100; t["mono"] += 100
+    t["wall"] += 100
+    t["mono"] += 100
     assert clock.now_ms() == 1_000_100
-    t["wall"] += 3_600_000; t["mono"] += 50  # an hour's step forward during 50 ms
+    t["wall"] += 3_600_000  # an hour's step forward during 50 ms
+    t["mono"] += 50
     assert clock.now_ms() == 1_000_150
-    t["wall"] -= 7_200_000; t["mono"] += 50  # two hours back
+    t["wall"] -= 7_200_000  # two hours back
+    t["mono"] += 50
     assert clock.now_ms() == 1_000_150  # holds still
     assert clock.steps_ignored_ms >= 3_600_000 - 50
 

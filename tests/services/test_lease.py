@@ -86,7 +86,7 @@ async def test_keepalive_stream_renews_many_conversations(kv):
         assert statuses[:-1] == [pb.RENEW_STATUS_OK] * 50 and statuses[-1] == pb.RENEW_STATUS_NOT_FOUND
     assert seqs == list(range(8))
     listed = await kv.call(kv.lease.List, pb.ListLeasesRequest())
-    assert {l.conversation_id for l in listed.leases} >= set(convs)
+    assert {x.conversation_id for x in listed.leases} >= set(convs)
 
 
 async def test_pin_holds_off_expiry_and_unpin_releases(kv):
@@ -171,12 +171,12 @@ async def test_list_filters(kv):
     await grant(kv, "l2", ttl_ms=60_000, engine="e1")
     await grant(kv, "l3", ttl_ms=60_000, engine="e2")
     by_engine = await kv.call(kv.lease.List, pb.ListLeasesRequest(engine_id="e1"))
-    assert [l.conversation_id for l in by_engine.leases] == ["l1", "l2"]  # soonest first
+    assert [x.conversation_id for x in by_engine.leases] == ["l1", "l2"]  # soonest first
     soon = await kv.call(kv.lease.List, pb.ListLeasesRequest(expiring_within_ms=5000))
-    assert [l.conversation_id for l in soon.leases] == ["l1"]
+    assert [x.conversation_id for x in soon.leases] == ["l1"]
     await kv.call(kv.lease.Revoke, pb.RevokeRequest(conversation_id="l3"))
     revoked = await kv.call(kv.lease.List, pb.ListLeasesRequest(states=[pb.LEASE_STATE_REVOKED]))
-    assert [l.conversation_id for l in revoked.leases] == ["l3"]
+    assert [x.conversation_id for x in revoked.leases] == ["l3"]
 
 
 async def test_lease_keeper_renews_until_exit_and_release_revokes(kv):

@@ -22,8 +22,8 @@ from kvbaton.client import KvbatonClient
 from kvbaton.services.domain.clock import WallClock
 from kvbaton.services.metrics import metric_names
 from kvbaton.services.server import ControlPlane
-from kvbaton.v1 import common_pb2, lease_pb2, rendezvous_pb2 as rpb
-
+from kvbaton.v1 import common_pb2, lease_pb2
+from kvbaton.v1 import rendezvous_pb2 as rpb
 from tests.services.conftest import fast_config
 from tests.services.helpers import register
 

@@ -17,7 +17,15 @@ from google.protobuf import descriptor as D
 
 from kvbaton.services.server import ControlPlane
 from kvbaton.services.store import MemoryStore
-from kvbaton.v1 import common_pb2, lease_pb2, lease_pb2_grpc, registrar_pb2, registrar_pb2_grpc, rendezvous_pb2, rendezvous_pb2_grpc
+from kvbaton.v1 import (
+    common_pb2,
+    lease_pb2,
+    lease_pb2_grpc,
+    registrar_pb2,
+    registrar_pb2_grpc,
+    rendezvous_pb2,
+    rendezvous_pb2_grpc,
+)
 from tests.services.conftest import fast_config
 
 hypothesis = pytest.importorskip("hypothesis")

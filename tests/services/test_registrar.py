@@ -7,8 +7,8 @@ import asyncio
 import grpc
 import pytest
 
-from kvbaton.v1 import common_pb2, registrar_pb2 as pb
-
+from kvbaton.v1 import common_pb2
+from kvbaton.v1 import registrar_pb2 as pb
 from tests.services.helpers import engine_rank, register
 
 

@@ -9,8 +9,8 @@ import random
 import grpc
 import pytest
 
-from kvbaton.v1 import common_pb2, rendezvous_pb2 as pb
-
+from kvbaton.v1 import common_pb2
+from kvbaton.v1 import rendezvous_pb2 as pb
 from tests.services.helpers import register
 
 Ev = pb.RendezvousEvent

@@ -27,7 +27,7 @@ from cryptography.x509.oid import NameOID  # noqa: E402
 
 def _cert(subject: str, issuer_key, issuer_name, *, ca: bool = False, san: bool = False):
     key = ec.generate_private_key(ec.SECP256R1())
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)])
     builder = (x509.CertificateBuilder().subject_name(name).issuer_name(issuer_name or name)
                .public_key(key.public_key()).serial_number(x509.random_serial_number())
@@ -161,7 +161,7 @@ async def test_tokens_authenticate_and_scope(secured):
     # The router looks up; the operator lists and revokes anything.
     assert await _code(c["router"].registrar.ListEngines(registrar_pb2.ListEnginesRequest(), timeout=3)) == grpc.StatusCode.OK
     listed = await c["ops"].lease.List(lease_pb2.ListLeasesRequest(), timeout=3)
-    assert {l.conversation_id for l in listed.leases} == {"acme-1", "other-1"}
+    assert {x.conversation_id for x in listed.leases} == {"acme-1", "other-1"}
     assert await _code(revoke(c["ops"], "other-1")) == grpc.StatusCode.OK
     # KeepAlive: one renewal out of scope refuses the stream with the reason.
     async def batches():

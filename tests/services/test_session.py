@@ -12,10 +12,10 @@ import grpc
 import pytest
 
 from kvbaton.client import KvbatonClient
-from kvbaton.v1 import common_pb2, rendezvous_pb2 as pb
-
 from kvbaton.services.server import ControlPlane
 from kvbaton.services.store import MemoryStore
+from kvbaton.v1 import common_pb2
+from kvbaton.v1 import rendezvous_pb2 as pb
 from tests.services.conftest import fast_config
 from tests.services.helpers import register
 from tests.services.test_rendezvous import Collector, complete, offer

@@ -227,9 +227,10 @@ def test_connector_scheduler_forwards_the_requests_traceparent():
     pytest.importorskip("vllm")
     import types
 
+    from vllm.v1.request import RequestStatus
+
     from kvbaton.connector.metadata import KvbatonSettings
     from kvbaton.connector.scheduler import KvbatonScheduler
-    from vllm.v1.request import RequestStatus
 
     calls: list[tuple[str, object, object]] = []
 

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 
 from kvbaton.services.store import MemoryStore, Store
-from tests.harness.etcd_cluster import EtcdCluster, find_etcd
+from kvbaton.stack.etcd_cluster import EtcdCluster, find_etcd
 
 NO_ETCD = "etcd binary not found (need Debian's etcd-server): run scripts/ensure_etcd.sh"
 

@@ -16,7 +16,7 @@ import pytest
 
 from kvbaton.services.store import EventType, StoreError, WatchEvent
 from kvbaton.services.store.etcd import EtcdStore
-from tests.harness.etcd_cluster import EtcdCluster, find_etcd
+from kvbaton.stack.etcd_cluster import EtcdCluster, find_etcd
 
 from .conftest import NO_ETCD
 

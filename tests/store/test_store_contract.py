@@ -340,7 +340,7 @@ async def test_watch_compacted(store: Store, ns: bytes, backend: str) -> None:
     else:
         from kvbaton.services.store import memory
 
-        for i in range(memory._HISTORY + 1):  # push r1 out of the memory store's window
+        for _ in range(memory._HISTORY + 1):  # push r1 out of the memory store's window
             await store.put(ns + b"c", b"x")
     with pytest.raises(CompactedError) as err:
         w = await store.watch(ns, start_revision=r1)

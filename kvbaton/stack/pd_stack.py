@@ -1,5 +1,5 @@
 """Start and stop a whole P/D stack (control plane, prefill + decode vLLM, routers) for
-tests, the demo and the benchmark, without leaking processes.
+the main job, the tests and the benchmarks, without leaking processes.
 
 Why one module: the e2e tests, the fault tests, ``kvbaton.pd_demo`` and
 ``benchmarks/pd_compare.py`` all need the same four things started the same way, and
@@ -39,9 +39,9 @@ import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, IO
+from typing import IO, Any
 
-from tests.harness.vllm_server import VllmServer, free_port, small_engine_args
+from kvbaton.stack.vllm_server import VllmServer, free_port, small_engine_args
 
 __all__ = [
     "NIXL_VARIANTS", "PdStack", "StreamResult", "kvbaton_kv_config", "nixl_kv_config", "post_json",

@@ -1,0 +1,1 @@
+"""Developer tools that are neither product nor tests (run from the repository root)."""
