@@ -50,15 +50,12 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 from kvbaton.services.router.choice import ROLE_DECODE, ROLE_PREFILL, Fleet
-
+from kvbaton.stack.fleet_stack import FleetStack, stream_tokens
+from kvbaton.stack.pd_stack import stop_group, wait_port
+from kvbaton.stack.vllm_server import free_port
 from kvbaton.tinymodel import ensure_tiny_model
-from tests.harness.fleet_stack import FleetStack, stream_tokens
-from tests.harness.pd_stack import stop_group, wait_port
-from tests.harness.vllm_server import free_port
 
 PY = sys.executable
 BLOCK = 128
@@ -147,7 +144,9 @@ def router_overhead(n: int, workdir: Path) -> dict[str, Any]:
             direct.append(post(f"http://127.0.0.1:{ports[0]}/v1/completions")
                           + post(f"http://127.0.0.1:{ports[1]}/v1/completions"))
             via.append(post(f"http://127.0.0.1:{rport}/v1/completions"))
-        ms = lambda xs, q: round(_pct(xs, q) * 1000, 3)
+        def ms(xs: list[float], q: float) -> float:
+            return round(_pct(xs, q) * 1000, 3)
+
         return {"requests": n, "direct_p50_ms": ms(direct, 0.5), "direct_p99_ms": ms(direct, 0.99),
                 "router_p50_ms": ms(via, 0.5), "router_p99_ms": ms(via, 0.99),
                 "added_p50_ms": round((statistics.median(via) - statistics.median(direct)) * 1000, 3),

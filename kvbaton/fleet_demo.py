@@ -39,16 +39,6 @@ ROOT = Path(__file__).resolve().parents[1]
 BLOCK = 128  # vLLM's CPU block size for this model (tokens per KV block)
 
 
-def _import_stack() -> Any:
-    if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))
-    try:
-        from tests.harness import fleet_stack
-    except ImportError as exc:  # installed without the source tree
-        raise SystemExit(f"kvbaton.fleet_demo needs the source checkout (tests/harness): {exc}") from exc
-    return fleet_stack
-
-
 def _ids(rnd: random.Random, n: int) -> list[int]:
     return [rnd.randrange(10, 4000) for _ in range(n)]
 
@@ -96,9 +86,9 @@ def _wait_leased(cp: str, conv: str, num_tokens: int, timeout_s: float = 10.0) -
 
 
 def run(args: argparse.Namespace, workdir: Path) -> int:
+    from kvbaton.stack import fleet_stack
     from kvbaton.tinymodel import ensure_tiny_model
 
-    fleet_stack = _import_stack()
     t_start = time.monotonic()
     print(f"kvbaton fleet demo: 2 prefill + {args.decodes} decode engines, one router (discovery), "
           f"mode {args.mode.upper()}; work dir {workdir}", flush=True)

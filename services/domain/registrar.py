@@ -18,7 +18,7 @@ from kvbaton.v1 import common_pb2 as cpb
 from kvbaton.v1 import registrar_pb2 as pb
 
 from ..metrics import ServiceMetrics
-from ..store.base import Compare, Delete, EventType, LeaseNotFoundError, Put, Store
+from ..store.base import Compare, Delete, EventType, KeyValue, LeaseNotFoundError, Put, Store
 from . import limits
 from .clock import Clock, WallClock
 from .errors import Code, DomainError, invalid, not_found, precondition
@@ -168,26 +168,29 @@ class RegistrarService:
         out: list[pb.EngineRank] = []
         kvs, _ = await self.store.range(self._ekey(engine_id))
         for kv in kvs:
-            for _ in range(16):
-                rec = pb.EngineRank.FromString(kv.value)
-                if rec.draining == (not undo):
-                    break
-                rec.draining = not undo
-                result = await self.store.txn([Compare.unchanged(kv, kv.key)],
-                                              [Put(kv.key, rec.SerializeToString(), lease=kv.lease)])
-                if result.succeeded:
-                    break
-                fresh = await self.store.get(kv.key)
-                if fresh is None:  # the rank went away meanwhile
-                    rec = None
-                    break
-                kv = fresh
-            else:
-                raise DomainError(Code.ABORTED, f"engine {engine_id} kept changing; retry the drain")
+            rec = await self._set_draining(engine_id, kv, not undo)
             if rec is not None:
                 out.append(rec)
         log.info("engine.drain", engine_id=engine_id, undo=undo, ranks=len(out), reason=reason)
         return out
+
+    async def _set_draining(self, engine_id: str, kv: KeyValue, draining: bool) -> pb.EngineRank | None:
+        """Rewrite one rank record with ``draining`` (under its own liveness lease);
+        None when the rank went away meanwhile."""
+        for _ in range(16):
+            rec = pb.EngineRank.FromString(kv.value)
+            if rec.draining == draining:
+                return rec
+            rec.draining = draining
+            result = await self.store.txn([Compare.unchanged(kv, kv.key)],
+                                          [Put(kv.key, rec.SerializeToString(), lease=kv.lease)])
+            if result.succeeded:
+                return rec
+            fresh = await self.store.get(kv.key)
+            if fresh is None:
+                return None
+            kv = fresh
+        raise DomainError(Code.ABORTED, f"engine {engine_id} kept changing; retry the drain")
 
     async def is_draining(self, engine_id: str) -> bool:
         return await self.store.get(self._dkey(engine_id)) is not None

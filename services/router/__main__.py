@@ -13,6 +13,7 @@ import logging
 import os
 
 from aiohttp import web
+
 from kvbaton.services import tracing
 
 from .app import build_app

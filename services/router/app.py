@@ -58,9 +58,10 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+
 from kvbaton.services import tracing
 from kvbaton.services.metrics import RouterMetrics, router_metrics
-from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
 from .choice import (
     ROLE_DECODE,
@@ -288,7 +289,10 @@ class Router:
     async def fleet_endpoint(self, request: web.Request) -> web.Response:
         """The engines this router routes over and its decision cost (µs, p50/p99)."""
         ds = sorted(self.decisions_ns)
-        pct = (lambda q: ds[min(len(ds) - 1, int(q * len(ds)))] / 1000 if ds else None)
+
+        def pct(q: float) -> float | None:
+            return ds[min(len(ds) - 1, int(q * len(ds)))] / 1000 if ds else None
+
         return web.json_response({"mode": self.mode, "discover": self.discover,
                                   "engines": self.fleet.snapshot(time.monotonic()),
                                   "decision_us": {"n": len(ds), "p50": pct(0.5), "p99": pct(0.99)}})
@@ -389,7 +393,8 @@ class Router:
                 missing = "prefill" if choice.prefill is None else "decode"
                 return _error(503, f"no {missing} engine available", "ServiceUnavailable")
             if attempt == 0:
-                self.stats[f"decode_{choice.reason.value}"] += 1 if choice.reason else 0
+                if choice.reason is not None:
+                    self.stats[f"decode_{choice.reason.value}"] += 1
                 if conv:
                     self.stats["reuse_offered" if reuse else "reuse_unavailable"] += 1
             transfer_id = uuid.uuid4().hex  # fresh per dispatch: a retry is a new transfer

@@ -29,7 +29,7 @@ ROLE_DECODE = "decode"
 ROLE_BOTH = "both"
 
 
-class DecodeReason(str, enum.Enum):
+class DecodeReason(enum.StrEnum):
     """Why a decode engine was chosen (a stats / metrics label)."""
 
     AFFINITY = "affinity"  # the engine holding the conversation's KV
@@ -232,9 +232,10 @@ def estimate_prompt_tokens(body: dict[str, object]) -> int:
     """Prompt size in tokens, as well as the router can tell without a tokenizer: token-id
     lists count exactly, text at ~4 characters a token."""
     prompt = body.get("prompt")
-    if prompt is None and isinstance(body.get("messages"), list):
+    messages = body.get("messages")
+    if prompt is None and isinstance(messages, list):
         chars = 0
-        for m in body["messages"]:  # type: ignore[union-attr]
+        for m in messages:
             c = m.get("content") if isinstance(m, dict) else None
             if isinstance(c, str):
                 chars += len(c)

@@ -25,8 +25,8 @@ from typing import Any
 
 import pytest
 
+from kvbaton.stack.fleet_stack import FleetStack, stream_tokens
 from kvbaton.tinymodel import ensure_tiny_model
-from tests.harness.fleet_stack import FleetStack, stream_tokens
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from kvbaton.services.router.choice import (
     ROLE_BOTH,
     ROLE_DECODE,

@@ -15,12 +15,12 @@ import time
 import aiohttp
 import pytest
 from aiohttp import web
+
+from kvbaton.client import KvbatonClient
 from kvbaton.services.domain.clock import WallClock
 from kvbaton.services.router.app import build_app, conversation_of, parse_engine_spec
 from kvbaton.services.server import ControlPlane
 from kvbaton.services.store import MemoryStore
-
-from kvbaton.client import KvbatonClient
 from kvbaton.v1 import common_pb2, lease_pb2, registrar_pb2
 from tests.services.conftest import fast_config
 from tests.services.helpers import engine_rank

@@ -2,7 +2,7 @@
 register their ``serve_url`` and role, and K routers that discover them (issue 13).
 
 Shared by ``kvbaton.fleet_demo`` (the main job), ``tests/e2e/test_fleet_vllm.py`` and
-``benchmarks/fleet.py``. Same rules as :mod:`tests.harness.pd_stack`: every child in its own
+``benchmarks/fleet.py``. Same rules as :mod:`kvbaton.stack.pd_stack`: every child in its own
 session (a stop kills its tree), every wait bounded, engines started in parallel and
 pinned by role (prefill engines on core 0, decode engines on core 1:
 ``VLLM_CPU_OMP_THREADS_BIND``), the connectors' stats files are what says KV moved.
@@ -23,8 +23,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from tests.harness.pd_stack import kvbaton_kv_config, stop_group, wait_port
-from tests.harness.vllm_server import VllmServer, free_port, small_engine_args
+from kvbaton.stack.pd_stack import kvbaton_kv_config, stop_group, wait_port
+from kvbaton.stack.vllm_server import VllmServer, free_port, small_engine_args
 
 __all__ = ["FleetStack"]
 
