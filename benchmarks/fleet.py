@@ -52,7 +52,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 
 from kvbaton.services.router.choice import ROLE_DECODE, ROLE_PREFILL, Fleet
-from kvbaton.stack.fleet_stack import FleetStack, stream_tokens
+from kvbaton.stack.fleet_stack import FleetStack, stream_tokens, wait_leased
 from kvbaton.stack.pd_stack import stop_group, wait_port
 from kvbaton.stack.vllm_server import free_port
 from kvbaton.tinymodel import ensure_tiny_model
@@ -160,29 +160,6 @@ def router_overhead(n: int, workdir: Path) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------- 3. the fleet
-def _wait_leased(cp: str, conv: str, num_tokens: int, timeout_s: float = 10.0) -> float:
-    """Seconds until decode's retention of the turn is under a live lease (bounded)."""
-    from kvbaton.client import KvbatonClient
-    from kvbaton.v1 import lease_pb2, registrar_pb2
-
-    async def go() -> float:
-        t0 = time.monotonic()
-        async with KvbatonClient(cp) as kv:
-            while time.monotonic() - t0 < timeout_s:
-                try:
-                    lease = await kv.lease.Get(lease_pb2.GetLeaseRequest(conversation_id=conv), timeout=2)
-                    ret = (await kv.registrar.LookupRetained(
-                        registrar_pb2.LookupRetainedRequest(conversation_id=conv), timeout=2)).retained
-                    if (lease.state == lease_pb2.LEASE_STATE_ACTIVE and ret.num_tokens >= num_tokens
-                            and lease.retention_id == ret.retention_id):
-                        return time.monotonic() - t0
-                except Exception:  # noqa: BLE001 - not yet
-                    pass
-                await asyncio.sleep(0.05)
-        return -1.0
-    return asyncio.run(go())
-
-
 def conversation(stack: FleetStack, router: str, conv: str, reuse: bool, seed: int, args: argparse.Namespace,
                  lock: threading.Lock) -> list[dict[str, Any]]:
     rnd = random.Random(seed)
@@ -208,7 +185,9 @@ def conversation(stack: FleetStack, router: str, conv: str, reuse: bool, seed: i
         rec["read_ms"] = [round(float(e["duration_s"]) * 1000, 2) for e in reads]
         if reuse and turn < args.turns:
             full = (len(prompt) + args.output_tokens - 1) // BLOCK * BLOCK
-            rec["lease_wait_s"] = round(_wait_leased(stack.cp_address, conv, full), 3)
+            t_lease = time.monotonic()
+            held = wait_leased(stack.cp_address, conv, full)
+            rec["lease_wait_s"] = round(time.monotonic() - t_lease, 3) if held else -1.0
         out.append(rec)
         prompt = prompt + res["token_ids"] + [rnd.randrange(10, 4000) for _ in range(args.new_tokens)]
     return out

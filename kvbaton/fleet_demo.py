@@ -59,32 +59,6 @@ def _reads(stack: Any, conv: str, marks: dict[str, int], timeout_s: float = 5.0,
         time.sleep(0.05)
 
 
-def _wait_leased(cp: str, conv: str, num_tokens: int, timeout_s: float = 10.0) -> bool:
-    """Until decode's retention of the last turn is under a live lease (decode registers it
-    just after the answer; an agent's next turn comes later than that anyway)."""
-    import asyncio
-
-    from kvbaton.client import KvbatonClient
-    from kvbaton.v1 import lease_pb2, registrar_pb2
-
-    async def go() -> bool:
-        async with KvbatonClient(cp) as kv:
-            deadline = time.monotonic() + timeout_s
-            while time.monotonic() < deadline:
-                try:
-                    lease = await kv.lease.Get(lease_pb2.GetLeaseRequest(conversation_id=conv), timeout=2)
-                    ret = await kv.registrar.LookupRetained(
-                        registrar_pb2.LookupRetainedRequest(conversation_id=conv), timeout=2)
-                    if (lease.state == lease_pb2.LEASE_STATE_ACTIVE and ret.retained.num_tokens >= num_tokens
-                            and lease.retention_id == ret.retained.retention_id):
-                        return True
-                except Exception:  # noqa: BLE001 - not there yet
-                    pass
-                await asyncio.sleep(0.05)
-            return False
-    return asyncio.run(go())
-
-
 def run(args: argparse.Namespace, workdir: Path) -> int:
     from kvbaton.stack import fleet_stack
     from kvbaton.tinymodel import ensure_tiny_model
@@ -135,7 +109,7 @@ def run(args: argparse.Namespace, workdir: Path) -> int:
             turns.append((prompt, res["token_ids"]))
             if i < args.turns:
                 full = (len(prompt) + args.max_tokens - 1) // BLOCK * BLOCK
-                if not _wait_leased(stack.cp_address, conv, full):
+                if fleet_stack.wait_leased(stack.cp_address, conv, full) is None:
                     problems.append(f"turn {i}: decode's retained KV never came under a lease")
                 prompt = prompt + res["token_ids"] + _ids(rnd, args.new_tokens)
         reads_total = sum(len([e for e in stack.events(eid, "reuse_read") if e["conversation_id"] == conv])

@@ -23,10 +23,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
+import grpc
+
 from kvbaton.stack.pd_stack import kvbaton_kv_config, stop_group, wait_port
 from kvbaton.stack.vllm_server import VllmServer, free_port, small_engine_args
 
-__all__ = ["FleetStack"]
+__all__ = ["FleetStack", "stream_tokens", "wait_leased"]
 
 ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable
@@ -230,3 +232,31 @@ def stream_tokens(url: str, body: dict[str, Any], headers: dict[str, str] | None
                     ttft = time.perf_counter() - t0
                 ids.extend(got)
     return {"token_ids": ids, "ttft_s": ttft, "total_s": time.perf_counter() - t0, "headers": kv_headers}
+
+
+def wait_leased(cp: str, conv: str, num_tokens: int, timeout_s: float = 10.0) -> str | None:
+    """Until decode's retention of ``conv`` covers ``num_tokens`` and is under a live lease
+    (decode registers it just after the answer); returns the holding engine, or None if
+    that did not happen within ``timeout_s``."""
+    import asyncio
+
+    from kvbaton.client import KvbatonClient
+    from kvbaton.v1 import lease_pb2, registrar_pb2
+
+    async def go() -> str | None:
+        async with KvbatonClient(cp) as kv:
+            deadline = time.monotonic() + timeout_s
+            while time.monotonic() < deadline:
+                try:
+                    lease = await kv.lease.Get(lease_pb2.GetLeaseRequest(conversation_id=conv), timeout=2)
+                    ret = (await kv.registrar.LookupRetained(
+                        registrar_pb2.LookupRetainedRequest(conversation_id=conv), timeout=2)).retained
+                    if (lease.state == lease_pb2.LEASE_STATE_ACTIVE and ret.num_tokens >= num_tokens
+                            and lease.retention_id == ret.retention_id):
+                        return ret.engine_id
+                except grpc.aio.AioRpcError as exc:  # NOT_FOUND: not there yet
+                    if exc.code() != grpc.StatusCode.NOT_FOUND:
+                        raise
+                await asyncio.sleep(0.05)
+            return None
+    return asyncio.run(go())

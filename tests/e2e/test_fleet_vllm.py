@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from kvbaton.stack.fleet_stack import FleetStack, stream_tokens
+from kvbaton.stack.fleet_stack import FleetStack, stream_tokens, wait_leased
 from kvbaton.tinymodel import ensure_tiny_model
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -56,39 +56,12 @@ class Conversation:
         return (len(last["prompt"]) + MAX_TOKENS - 1) // BLOCK * BLOCK
 
 
-def _lease_of(cp: str, conv: str) -> tuple[Any, Any]:
-    import asyncio
-
-    from kvbaton.client import KvbatonClient
-    from kvbaton.v1 import lease_pb2, registrar_pb2
-
-    async def go() -> tuple[Any, Any]:
-        async with KvbatonClient(cp) as kv:
-            out: list[Any] = []
-            for coro in (kv.lease.Get(lease_pb2.GetLeaseRequest(conversation_id=conv), timeout=5),
-                         kv.registrar.LookupRetained(registrar_pb2.LookupRetainedRequest(conversation_id=conv),
-                                                     timeout=5)):
-                try:
-                    out.append(await coro)
-                except Exception:  # noqa: BLE001 - NOT_FOUND: none
-                    out.append(None)
-            return out[0], (out[1].retained if out[1] is not None else None)
-    return asyncio.run(go())
-
-
-def _wait_leased(cp: str, conv: Conversation, timeout_s: float = 15.0) -> str:
+def _wait_leased(cp: str, conv: Conversation) -> str:
     """Until decode's retention of the conversation's last turn is under a live lease;
     returns the holding engine."""
-    from kvbaton.v1 import lease_pb2
-
-    deadline = time.monotonic() + timeout_s
-    while True:
-        lease, ret = _lease_of(cp, conv.id)
-        if (lease is not None and ret is not None and lease.state == lease_pb2.LEASE_STATE_ACTIVE
-                and ret.num_tokens == conv.retained_tokens and lease.retention_id == ret.retention_id):
-            return ret.engine_id
-        assert time.monotonic() < deadline, (conv.id, lease, ret)
-        time.sleep(0.05)
+    holder = wait_leased(cp, conv.id, conv.retained_tokens, timeout_s=15.0)
+    assert holder is not None, f"{conv.id}: last turn never came under a lease"
+    return holder
 
 
 def _single(stack: FleetStack, prompt: list[int]) -> list[int]:
