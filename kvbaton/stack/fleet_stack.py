@@ -136,9 +136,12 @@ class FleetStack:
                 engines += ["--prefill", f"{eid}={self.engines[eid].base_url}"]
             for eid in self.decode_ids:
                 engines += ["--decode", f"{eid}={self.engines[eid].base_url}"]
+        # Router i talks to control-plane replica i first (replicas share the store).
+        i = len(self.routers) % len(self.cp_addresses)
+        cps = ",".join(self.cp_addresses[i:] + self.cp_addresses[:i])
         proc = self._spawn(f"router{len(self.routers)}", [
             PY, "-m", "kvbaton.services.router", *engines, "--mode", self.mode, "--port", str(port),
-            "--control-plane", self.cp_address, *(["--no-discover"] if self.static_routers else []),
+            "--control-plane", cps, *(["--no-discover"] if self.static_routers else []),
             *self.router_args, *extra])
         wait_port(port, proc)
         url = f"http://127.0.0.1:{port}"

