@@ -280,9 +280,38 @@ def plot(summary: dict[str, Any], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def markdown(result: dict[str, Any]) -> str:
+    """The README's tables, from a results file (``--table results/fleet.json``)."""
+    s, cfg = result["summary"], result["config"]
+    lines = [f"{cfg['convs']} conversations with reuse + {cfg['convs']} without, concurrently, {cfg['turns']} turns "
+             f"(+{cfg['new_tokens']} tokens a turn, {cfg['output_tokens']} out), {cfg['mode']}; "
+             f"commit `{result['commit'][:7]}`",
+             "", "| turn | prompt tokens | TTFT reuse on (ms, median) | TTFT reuse off (ms, median) "
+                 "| reuse READs | tokens read back |", "|---|---|---|---|---|---|"]
+    for p in s["per_turn"]:
+        lines.append(f"| {p['turn']} | {p['prompt_tokens']} | {p['ttft_on_ms']:.0f} | {p['ttft_off_ms']:.0f} "
+                     f"| {p['reads_on']} | {p['read_tokens_on']} |")
+    lines += ["", f"Affinity: {s['affinity_hits']}/{s['affinity_later_turns']} later turns on the decode holding "
+                  f"their KV; longest turn TTFT on/off = {s['longest_turn_on_over_off']}; retries "
+                  f"{s['retries']}; last turns equal to a single engine: "
+                  f"{sum(result['fleet']['last_turns_equal_single'])}/{len(result['fleet']['last_turns_equal_single'])}.",
+              "", "| router cost | p50 | p99 |", "|---|---|---|"]
+    for d in result["decision_cost"]:
+        lines.append(f"| decision, {d['engines']} engines, in-process | {d['p50_us']} µs | {d['p99_us']} µs |")
+    run = result["fleet"]["router_decision_us_in_run"]
+    lines.append(f"| decision, in the router over the run ({run['n']}) | {run['p50']:.1f} µs | {run['p99']:.1f} µs |")
+    o = result["router_overhead"]
+    lines.append(f"| request straight to prefill + decode (stand-ins) | {o['direct_p50_ms']} ms | {o['direct_p99_ms']} ms |")
+    lines.append(f"| the same through the router | {o['router_p50_ms']} ms | {o['router_p99_ms']} ms |")
+    return "\n".join(lines)
+
+
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "--stand-in-engines":
         _stand_in_engines([int(p) for p in sys.argv[2:]])
+        return 0
+    if len(sys.argv) > 2 and sys.argv[1] == "--table":
+        print(markdown(json.loads(Path(sys.argv[2]).read_text())))
         return 0
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--convs", type=int, default=3, help="conversations with reuse, and as many without")
