@@ -110,3 +110,68 @@ def test_static_engines_survive_discovery_and_both_roles():
 ])
 def test_prompt_token_estimate(body, tokens):
     assert estimate_prompt_tokens(body) == tokens
+
+
+async def test_discovery_relists_after_a_broken_watch_and_forgets_engines_gone_meanwhile():
+    """``follow_registrar`` over a stand-in client: the first watch breaks (UNAVAILABLE),
+    the second listing no longer has d1 (it died while the stream was down)."""
+    import asyncio
+
+    import grpc
+
+    from kvbaton.services.router.discovery import follow_registrar
+    from kvbaton.v1 import common_pb2, registrar_pb2
+
+    def rank(eid, role, url):
+        return registrar_pb2.EngineRank(engine_id=eid, role=role, tp_size=1, serve_url=url)
+
+    listings = [[rank("p0", common_pb2.ENGINE_ROLE_PREFILL, "http://p0"), rank("d1", common_pb2.ENGINE_ROLE_DECODE, "http://d1")],
+                [rank("p0", common_pb2.ENGINE_ROLE_PREFILL, "http://p0")]]
+    second_watch = asyncio.Event()
+
+    class Watch:
+        def __init__(self, n):
+            self.n = n
+
+        def __aiter__(self):
+            return self
+
+        async def __anext__(self):
+            if self.n == 0:
+                raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "down")
+            second_watch.set()
+            await asyncio.Event().wait()
+
+        def cancel(self):
+            pass
+
+    class Kv:
+        addresses = ["a"]
+
+        def __init__(self):
+            self.registrar = self
+            self.lists = 0
+            self.watches = 0
+
+        async def call(self, method, req):
+            self.lists += 1
+            return registrar_pb2.ListEnginesResponse(ranks=listings[min(self.lists - 1, 1)])
+
+        async def ListEngines(self, req):
+            raise AssertionError("called through kv.call")
+
+        def WatchEngines(self, req):
+            self.watches += 1
+            return Watch(self.watches - 1)
+
+    fleet = Fleet(discovering=True)
+    ready = asyncio.Event()
+    seen: list[set[str]] = []
+    task = asyncio.ensure_future(follow_registrar(Kv(), fleet, ready=ready, max_backoff_s=0.05,
+                                                  on_change=lambda: seen.append(set(fleet.engines))))
+    await asyncio.wait_for(ready.wait(), 5)
+    await asyncio.wait_for(second_watch.wait(), 5)
+    assert seen[0] == {"p0", "d1"}  # first listing
+    assert set(fleet.engines) == {"p0"} and not fleet.holder_usable("d1", 0.0)
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
