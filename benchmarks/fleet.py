@@ -198,7 +198,7 @@ def run_fleet(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     t0 = time.monotonic()
     with FleetStack(model, workdir, n_prefill=2, n_decode=2, mode=args.mode,
                     extra_config={"lease_ttl_s": 120, "kv_recompute_threshold": args.recompute_threshold},
-                    engine_args=["--max-num-seqs", "16"]) as stack:
+                    engine_args=["--max-num-seqs", "16", "--max-model-len", str(args.max_model_len)]) as stack:
         stack.wait_routers_see(2, 2)
         stack.warm_up()
         started_s = time.monotonic() - t0
@@ -320,6 +320,8 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=400)
     ap.add_argument("--output-tokens", type=int, default=16)
     ap.add_argument("--think-s", type=float, default=0.5)
+    ap.add_argument("--max-model-len", type=int, default=4096,
+                    help="engines' context (the tiny model allows 8192 positions)")
     ap.add_argument("--mode", choices=("pull", "push"), default="pull")
     ap.add_argument("--recompute-threshold", type=int, default=64)
     ap.add_argument("--overhead-requests", type=int, default=300)
@@ -328,8 +330,8 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=RESULTS / "fleet.json")
     ap.add_argument("--png", type=Path, default=RESULTS / "fleet_ttft_per_turn.png")
     args = ap.parse_args()
-    if args.first_tokens + args.turns * (args.new_tokens + args.output_tokens) > 4000:
-        ap.error("conversations would outgrow the engines' 4096-token context")
+    if args.first_tokens + args.turns * (args.new_tokens + args.output_tokens) > args.max_model_len - 96:
+        ap.error(f"conversations would outgrow the engines' {args.max_model_len}-token context")
     workdir = Path(tempfile.mkdtemp(prefix="kvbaton-fleet-bench-"))
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
     dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
