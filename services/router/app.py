@@ -181,7 +181,10 @@ class Router:
             "retries": 0, "no_engine": 0, "decode_affinity": 0, "decode_no_history": 0,
             "decode_holder_overloaded": 0, "decode_holder_unavailable": 0,
             "served": collections.Counter()}
+        # Wall time (what a request waits) and this thread's CPU time (the work itself: on a
+        # loaded machine the wall time also holds the moments the process was not running).
         self.decisions_ns: collections.deque[int] = collections.deque(maxlen=_DECISIONS_KEPT)
+        self.decisions_cpu_ns: collections.deque[int] = collections.deque(maxlen=_DECISIONS_KEPT)
         self.metrics = metrics or router_metrics()
         # Series that exist from the first scrape (rate() sees 0 rather than "no data").
         for leg in ("prefill", "decode"):
@@ -287,15 +290,19 @@ class Router:
             return web.Response(status=r.status, body=await r.read(), content_type="application/json")
 
     async def fleet_endpoint(self, request: web.Request) -> web.Response:
-        """The engines this router routes over and its decision cost (µs, p50/p99)."""
-        ds = sorted(self.decisions_ns)
+        """The engines this router routes over and its decision cost (µs, p50/p99; wall
+        time and CPU time)."""
+        def summary(xs: collections.deque[int]) -> dict[str, float | int | None]:
+            ds = sorted(xs)
 
-        def pct(q: float) -> float | None:
-            return ds[min(len(ds) - 1, int(q * len(ds)))] / 1000 if ds else None
+            def pct(q: float) -> float | None:
+                return ds[min(len(ds) - 1, int(q * len(ds)))] / 1000 if ds else None
+            return {"n": len(ds), "p50": pct(0.5), "p99": pct(0.99)}
 
         return web.json_response({"mode": self.mode, "discover": self.discover,
                                   "engines": self.fleet.snapshot(time.monotonic()),
-                                  "decision_us": {"n": len(ds), "p50": pct(0.5), "p99": pct(0.99)}})
+                                  "decision_us": summary(self.decisions_ns),
+                                  "decision_cpu_us": summary(self.decisions_cpu_ns)})
 
     async def stats_endpoint(self, request: web.Request) -> web.Response:
         return web.json_response(self.stats_json())
@@ -353,10 +360,11 @@ class Router:
         return {tracing.TRACEPARENT: tp}
 
     def _choose(self, holder: str, exclude: set[str]) -> Choice:
-        t0 = time.perf_counter_ns()
+        c0, t0 = time.thread_time_ns(), time.perf_counter_ns()
         choice = self.fleet.choose(time.monotonic(), holder, exclude)
         dt = time.perf_counter_ns() - t0
         self.decisions_ns.append(dt)
+        self.decisions_cpu_ns.append(time.thread_time_ns() - c0)
         self.metrics.decision_seconds.observe(dt / 1e9)
         if choice.reason is not None:
             self.metrics.decode_choices.labels(choice.reason.value).inc()
