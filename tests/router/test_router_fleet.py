@@ -297,5 +297,7 @@ async def test_decision_cost_is_measured(fleet):
     for _ in range(3):
         await fleet.post(router, {"prompt": "x", "max_tokens": 1})
     async with fleet.session.get(router + "/kvbaton/fleet") as r:
-        cost = (await r.json())["decision_us"]
-    assert cost["n"] == 3 and 0 < cost["p50"] <= cost["p99"] < 1000
+        view = await r.json()
+    cost, cpu = view["decision_us"], view["decision_cpu_us"]
+    assert cost["n"] == cpu["n"] == 3 and 0 < cost["p50"] <= cost["p99"] < 1000
+    assert 0 < cpu["p50"] <= cpu["p99"] < 1000
