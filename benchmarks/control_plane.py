@@ -27,7 +27,6 @@ import json
 import os
 import pathlib
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -37,13 +36,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from kvbaton.client import KvbatonClient
+from kvbaton.stack.ports import free_port
 from kvbaton.v1 import common_pb2, lease_pb2, registrar_pb2, rendezvous_pb2
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def cpu_seconds(pid: int | None = None) -> float:
@@ -75,8 +69,12 @@ async def bench_rendezvous(kv: KvbatonClient, *, rate: float, concurrency: int, 
     pre, dec = f"pre-{tag}", f"dec-{tag}"
     dkv = peer or kv
     if path == "session":
-        offer = lambda req, timeout: dkv.session.offer(req)  # noqa: E731
-        complete = lambda req, timeout: kv.session.complete(req)  # noqa: E731
+        def offer(req, timeout):
+            return dkv.session.offer(req)
+
+        def complete(req, timeout):
+            return kv.session.complete(req)
+
     else:
         offer, complete = kv.rendezvous.Offer, kv.rendezvous.Complete
     await register(kv, pre, common_pb2.ENGINE_ROLE_PREFILL)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import statistics
 import sys
 import time
@@ -503,7 +504,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("skipped: no CUDA")
         return 0
     try:
-        import nixl  # noqa: F401
+        importlib.import_module("nixl")  # fail early, with what to install
     except ImportError as e:
         print(f"error: nixl is not importable ({e}); install nixl + nixl-cu13 wheels with --no-deps")
         return 2

@@ -54,7 +54,7 @@ ROOT = Path(__file__).resolve().parents[1]
 from kvbaton.services.router.choice import ROLE_DECODE, ROLE_PREFILL, Fleet
 from kvbaton.stack.fleet_stack import FleetStack, stream_tokens, wait_leased
 from kvbaton.stack.pd_stack import stop_group, wait_port
-from kvbaton.stack.vllm_server import free_port
+from kvbaton.stack.ports import free_port
 from kvbaton.tinymodel import ensure_tiny_model
 
 PY = sys.executable

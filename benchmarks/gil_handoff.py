@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -34,11 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from kvbaton.stack.ports import free_port
 
 
 def run_case(ct: object, case: str, calls: int) -> dict[str, float]:
@@ -94,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from kvbaton.connector.control import ControlThread
 
-    port = _free_port()
+    port = free_port()
     srv = subprocess.Popen([str(Path(sys.executable).parent / "kvbaton"), "serve", "--insecure", "--listen",
                             f"127.0.0.1:{port}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:

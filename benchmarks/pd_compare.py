@@ -118,8 +118,12 @@ def measure(name: str, url: str, args: argparse.Namespace, rng: random.Random) -
     return out
 
 
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1f}"
+
+
 def _fmt(s: dict[str, Any]) -> str:
-    f = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
+    f = _ms
     fail = f"  {s['n_failed']} failed" if s["n_failed"] else ""
     return f"TTFT med {f(s['ttft_ms_median'])} p90 {f(s['ttft_ms_p90'])} ms, TPOT med {f(s['tpot_ms_median'])} ms{fail}"
 
@@ -190,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name:<15}  FAILED: {r['error'][:100]}")
             continue
         for key, s in r.items():
-            f = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
+            f = _ms
             print(f"{name:<15}{key:>6}{f(s['ttft_ms_median']):>13}{f(s['ttft_ms_p90']):>13}"
                   f"{f(s['tpot_ms_median']):>13}{s['n_ok']:>4}/{s['n_ok'] + s['n_failed']}")
     print(f"\n{doc['runtime_s']:.0f}s; JSON in {args.out}")

@@ -3,7 +3,7 @@
 and with what TTFT? Run through ``benchmarks/sweep.py --baselines-only``.
 
 Why a separate, sequential, strictly bounded step: both hung or froze in earlier runs on
-this machine (vllm-cpu-notes.md), so they can't share the open-loop sweep's client (one
+this machine, so they can't share the open-loop sweep's client (one
 wedged request would eat a run's budget and say little). Here every request is sent
 alone, every leg and every whole request/turn has a timeout, a length stops after two
 consecutive timeouts (the engines are wedged by then), and for each failure the new

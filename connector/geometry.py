@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -167,14 +167,6 @@ class KvLayout:
                 f"KV fingerprint differs: {self.fingerprint!r} vs {other.fingerprint!r} "
                 "(different model or cache configuration)")
 
-    def is_compatible(self, other: KvLayout) -> bool:
-        """:meth:`compatible` as a bool, for callers that only route."""
-        try:
-            self.compatible(other)
-        except (ValueError, NotImplementedError):
-            return False
-        return True
-
     # ------------------------------------------------------------------ wire format
     def to_proto_fields(self) -> dict[str, Any]:
         """Plain-typed kwargs for ``kvbaton.v1.common_pb2.KvGeometry(**fields)``."""
@@ -207,10 +199,6 @@ class KvLayout:
         args["device"] = kw.get("device") or "cpu"
         args["layout"] = kw.get("layout") or LAYOUT_BLOCK_MAJOR
         return cls(**args)
-
-    @classmethod
-    def from_mapping(cls, fields: Mapping[str, Any]) -> KvLayout:
-        return cls.from_proto_fields(**dict(fields))
 
     # ------------------------------------------------------------------ from tensors
     @classmethod

@@ -90,7 +90,7 @@ class KvbatonConnectorStats(KVConnectorStats):
         return self.data["deltas"]
 
     def reset(self) -> None:
-        self.data = {"deltas": {}}
+        self.data: dict[str, Any] = {"deltas": {}}
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         for key, value in (other.data.get("deltas") or {}).items():

@@ -27,7 +27,10 @@ def _dump(msg) -> dict:
 
 def _table(rows: list[list[str]], headers: list[str]) -> str:
     widths = [max(len(str(x)) for x in col) for col in zip(headers, *rows)] if rows else [len(h) for h in headers]
-    line = lambda r: "  ".join(str(v).ljust(w) for v, w in zip(r, widths)).rstrip()  # noqa: E731
+
+    def line(r: list[str]) -> str:
+        return "  ".join(str(v).ljust(w) for v, w in zip(r, widths)).rstrip()
+
     return "\n".join([line(headers), *(line(r) for r in rows)])
 
 
@@ -54,7 +57,7 @@ async def _leases(args) -> int:
 
     async with _client(args) as kv:
         if args.action == "list":
-            states = [lease_pb2.LeaseState.Value("LEASE_STATE_" + s.upper()) for s in args.state]
+            states = ["LEASE_STATE_" + s.upper() for s in args.state]  # enum names: protobuf checks them
             resp = await kv.call(kv.lease.List, lease_pb2.ListLeasesRequest(
                 engine_id=args.engine or "", states=states, expiring_within_ms=int(args.expiring_within * 1000),
                 limit=args.limit))
@@ -155,7 +158,7 @@ async def _transfers(args) -> int:
     from kvbaton.v1 import rendezvous_pb2
 
     async with _client(args) as kv:
-        phases = [rendezvous_pb2.TransferPhase.Value("TRANSFER_PHASE_" + p.upper()) for p in args.phase]
+        phases = ["TRANSFER_PHASE_" + p.upper() for p in args.phase]  # enum names: protobuf checks them
         resp = await kv.call(kv.rendezvous.ListTransfers, rendezvous_pb2.ListTransfersRequest(
             phases=phases, engine_id=args.engine or "", limit=args.limit))
         if args.json:

@@ -17,12 +17,20 @@ import contextlib
 import dataclasses
 import random
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
+from typing import Any
 
 import grpc
 import structlog
 
-from kvbaton.v1 import lease_pb2, lease_pb2_grpc, registrar_pb2, registrar_pb2_grpc, rendezvous_pb2, rendezvous_pb2_grpc
+from kvbaton.v1 import (
+    lease_pb2,
+    lease_pb2_grpc,
+    registrar_pb2,
+    registrar_pb2_grpc,
+    rendezvous_pb2,
+    rendezvous_pb2_grpc,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -98,19 +106,17 @@ class KvbatonClient:
 
     def _connect(self) -> None:
         addr = self.addresses[self._index % len(self.addresses)]
-        options = [
+        options: list[tuple[str, int | str]] = [
             ("grpc.max_receive_message_length", 16 * 1024 * 1024),
             ("grpc.max_send_message_length", 16 * 1024 * 1024),
             ("grpc.keepalive_time_ms", 10_000),
             ("grpc.keepalive_timeout_ms", 5_000),
             ("grpc.keepalive_permit_without_calls", 1),
         ]
-        interceptors = _BearerToken.all(self.token) if self.token else []
         from kvbaton.services import tracing
 
         # Only while tracing is on: otherwise the channel has no interceptor at all.
-        interceptors += tracing.client_interceptors()
-        interceptors = interceptors or None
+        interceptors = [*(_BearerToken.all(self.token) if self.token else []), *tracing.client_interceptors()] or None
         if self.tls is not None:
             if self.tls.server_name:
                 options.append(("grpc.ssl_target_name_override", self.tls.server_name))
@@ -182,7 +188,7 @@ class KvbatonClient:
         service, name = path.rsplit("/", 1)
         return self._STUBS[service.rsplit(".", 1)[-1].lstrip("/")], name
 
-    async def _resumable(self, open_stream, on_event) -> AsyncIterator:
+    async def _resumable(self, open_stream, on_event) -> AsyncGenerator[Any, None]:
         """Runs a server stream and re-opens it after a transport failure (on the next
         replica, with jittered backoff). ``open_stream()`` builds the call from the
         caller's resume state; ``on_event(event)`` updates that state and says whether to
@@ -207,7 +213,7 @@ class KvbatonClient:
             backoff = min(backoff * 2, 2.0)
 
     def subscribe(self, engine_id: str, tp_rank: int = 0, *, after_revision: int = 0,
-                  heartbeats: bool = False) -> AsyncIterator[rendezvous_pb2.RendezvousEvent]:
+                  heartbeats: bool = False) -> AsyncGenerator[rendezvous_pb2.RendezvousEvent, None]:
         """Rendezvous events for an engine rank, resumed across disconnects from the last
         revision seen, so nothing is lost or repeated."""
         Ev = rendezvous_pb2.RendezvousEvent
@@ -229,7 +235,7 @@ class KvbatonClient:
 
         return self._resumable(open_stream, on_event)
 
-    def watch_leases(self, engine_id: str = "", *, snapshot: bool = True) -> AsyncIterator[lease_pb2.LeaseEvent]:
+    def watch_leases(self, engine_id: str = "", *, snapshot: bool = True) -> AsyncGenerator[lease_pb2.LeaseEvent, None]:
         """Lease events for an engine (or all), resumed across disconnects; the snapshot
         of live leases comes first when ``snapshot`` is set."""
         state = {"last": 0}
@@ -272,7 +278,7 @@ def _status_error(code: int, reason: str) -> grpc.aio.AioRpcError:
         status = next(s for s in grpc.StatusCode if s.value[0] == code)
     except StopIteration:
         status = grpc.StatusCode.UNKNOWN
-    return grpc.aio.AioRpcError(status, grpc.aio.Metadata(), grpc.aio.Metadata(), details=reason)
+    return grpc.aio.AioRpcError(status, grpc.aio.Metadata(), grpc.aio.Metadata(), details=reason, debug_error_string=None)
 
 
 class _StuckWatch:
@@ -413,7 +419,7 @@ class RendezvousSession:
                         return  # a broken stream's iterator must not take the new stream's work
                     self._wakeup.clear()
                     while self._queue:
-                        batch = []
+                        batch: list[rendezvous_pb2.SessionCall] = []
                         while self._queue and len(batch) < self.max_batch:
                             call = self._queue.popleft()
                             fut = self._waiting.get(call.seq)
@@ -671,7 +677,7 @@ class EngineKeeper:
         self.client = client
         self.rank = rank
         self.ttl_ms = ttl_ms
-        self.registered = None  # the EngineRank as the registrar holds it
+        self.registered: registrar_pb2.EngineRank | None = None  # the EngineRank as the registrar holds it
         self.registrations = 0
         self._task: asyncio.Task | None = None
 
@@ -692,9 +698,10 @@ class EngineKeeper:
         backoff = 0.1
         while True:
             await asyncio.sleep(self.ttl_ms / 3000)
+            incarnation = self.registered.incarnation if self.registered is not None else ""
             try:
                 await self.client.call(self.client.registrar.RefreshEngine, registrar_pb2.RefreshEngineRequest(
-                    engine_id=self.rank.engine_id, tp_rank=self.rank.tp_rank, incarnation=self.registered.incarnation))
+                    engine_id=self.rank.engine_id, tp_rank=self.rank.tp_rank, incarnation=incarnation))
                 backoff = 0.1
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.NOT_FOUND:

@@ -20,7 +20,7 @@ from kvbaton.services.server import ControlPlane, ServerConfig
 from kvbaton.v1 import common_pb2, lease_pb2, registrar_pb2, rendezvous_pb2
 
 
-def _rank(engine_id: str, role: int) -> registrar_pb2.EngineRank:
+def _rank(engine_id: str, role: common_pb2.EngineRole) -> registrar_pb2.EngineRank:
     return registrar_pb2.EngineRank(
         engine_id=engine_id, role=role, tp_size=1, agent_name=f"{engine_id}-0", agent_metadata=b"<nixl agent metadata>",
         geometry=common_pb2.KvGeometry(region_base_addrs=[0x7F0000000000 + i * 2**26 for i in range(4)],

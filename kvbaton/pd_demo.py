@@ -106,8 +106,9 @@ def run(mode: str, turns: int, max_tokens: int, model_dir: Path, workdir: Path) 
           "(about a minute)", flush=True)
     problems: list[str] = []
     with pd_stack.PdStack(model, workdir, router_modes=(mode,), timeout_s=20.0) as stack:
-        print(f"  control plane {stack.cp_address}   prefill {stack.p.base_url} "
-              f"({stack.p.startup_s:.0f}s)   decode {stack.d.base_url} ({stack.d.startup_s:.0f}s)   "
+        prefill, decode = stack.engines()
+        print(f"  control plane {stack.cp_address}   prefill {prefill.base_url} "
+              f"({prefill.startup_s:.0f}s)   decode {decode.base_url} ({decode.startup_s:.0f}s)   "
               f"router {stack.routers[mode]}  [ready after {time.monotonic() - t_start:.0f}s]\n", flush=True)
         url = f"{stack.routers[mode]}/v1/chat/completions"
         messages: list[dict[str, str]] = []
@@ -126,7 +127,7 @@ def run(mode: str, turns: int, max_tokens: int, model_dir: Path, workdir: Path) 
                 print(f"{i:>4} request failed: {exc!r}")
                 break
             moved = _moved(stack, mode, marks)
-            single = stack.p.post_json("/v1/chat/completions", body, timeout_s=60)
+            single = prefill.post_json("/v1/chat/completions", body, timeout_s=60)
             same = single["choices"][0]["message"]["content"] == res.text
             n_prompt = int(single["usage"]["prompt_tokens"])
             print(f"{i:>4} {n_prompt:>10} {res.ttft_s * 1000:>8.1f} {res.total_s * 1000:>8.1f} "
@@ -153,7 +154,7 @@ def run(mode: str, turns: int, max_tokens: int, model_dir: Path, workdir: Path) 
         elif n_listed < turns and not problems:
             problems.append(f"control plane lists {n_listed} succeeded transfers for {turns} turns")
         for engine in ("p0", "d0"):
-            srv = stack.p if engine == "p0" else stack.d
+            srv = prefill if engine == "p0" else decode
             usage = pd_stack.usage_back_to_zero(srv, timeout_s=10)
             if usage:
                 problems.append(f"{engine} still holds KV blocks (kv_cache_usage_perc={usage})")

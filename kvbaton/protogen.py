@@ -2,7 +2,7 @@
 
 Run ``python -m kvbaton.protogen`` after editing any ``.proto``; the output under
 ``kvbaton/v1`` and ``kvbaton/etcd`` is committed and never edited by hand
-(``tests/test_protogen.py`` fails when it is stale).
+(``--check``, run by ``scripts/test.sh``, fails when it is stale).
 """
 
 from __future__ import annotations

@@ -69,11 +69,12 @@ async def snapshot(kv: Any) -> dict[str, Any]:
     """Engines, pending transfers and the leases expiring soonest, over gRPC."""
     from kvbaton.v1 import lease_pb2, registrar_pb2, rendezvous_pb2
 
-    engines, transfers, leases = await asyncio.gather(
+    answers: tuple[Any, ...] = await asyncio.gather(  # each a response or the exception it raised
         kv.call(kv.registrar.ListEngines, registrar_pb2.ListEnginesRequest()),
         kv.call(kv.rendezvous.ListTransfers, rendezvous_pb2.ListTransfersRequest()),
         kv.call(kv.lease.List, lease_pb2.ListLeasesRequest()),
         return_exceptions=True)
+    engines, transfers, leases = answers
     now_ms = int(time.time() * 1000)
     out: dict[str, Any] = {"errors": []}
     for name, resp in (("engines", engines), ("transfers", transfers), ("leases", leases)):

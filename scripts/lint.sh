@@ -39,7 +39,7 @@ sed -e 's#^kvbaton/services/#services/#' -e 's#^kvbaton/connector/#connector/#' 
 
 step "lint-imports"
 (cd "$mirror" && PYTHONPATH="$mirror" "$PY" -c 'import sys; from importlinter.cli import lint_imports_command as m; sys.argv[0] = "lint-imports"; m()' \
-    --config "$root/pyproject.toml" --no-cache) || status=1
+    "$root/pyproject.toml" --no-cache) || status=1
 
 step "no imports of tests outside tests/"
 if grep -rnE '^\s*(from|import)\s+tests(\.|\s|$)' --include='*.py' benchmarks scripts tools; then

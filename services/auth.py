@@ -40,9 +40,6 @@ class Principal:
     engines: frozenset[str] = frozenset()
     conversations: tuple[str, ...] = ()
 
-    def owns_engine(self, engine_id: str) -> bool:
-        return self.role == "operator" or engine_id in self.engines
-
     def owns_conversation(self, conversation_id: str) -> bool:
         if self.role in ("operator", "router", "engine"):
             return True  # infrastructure: which of them may do *what* is the rule's business

@@ -168,7 +168,7 @@ class ControlPlane:
         lease, rdv = self.lease, self.rendezvous
         if lease is not None:
             def leases() -> dict[tuple[str, ...], float]:
-                out = {("active",): 0.0, ("draining",): 0.0}
+                out: dict[tuple[str, ...], float] = {("active",): 0.0, ("draining",): 0.0}
                 for info, _ in list(lease.hub.records.values()):
                     if info.state in (LEASE_ACTIVE, LEASE_DRAINING):
                         out[("active" if info.state == LEASE_ACTIVE else "draining",)] += 1
@@ -186,7 +186,8 @@ class ControlPlane:
             from .domain.rendezvous import MATCHED, P
 
             def pending() -> dict[tuple[str, ...], float]:
-                out = {(P.Name(p).removeprefix("TRANSFER_PHASE_").lower(),): 0.0 for p in (*RDV_PENDING, MATCHED)}
+                out: dict[tuple[str, ...], float] = {
+                    (P.Name(p).removeprefix("TRANSFER_PHASE_").lower(),): 0.0 for p in (*RDV_PENDING, MATCHED)}
                 for t, _ in list(rdv.hub.records.values()):
                     key = (P.Name(t.phase).removeprefix("TRANSFER_PHASE_").lower(),)
                     if key in out:
@@ -232,6 +233,8 @@ class ControlPlane:
                              "mutual TLS), or --insecure to serve plaintext")
 
     def _bind(self) -> int:
+        if self.server is None:
+            raise RuntimeError("_bind() before start() built the gRPC server")
         cfg = self.config
         if cfg.tls_cert or cfg.tls_key:
             if not (cfg.tls_cert and cfg.tls_key):
@@ -256,7 +259,11 @@ class ControlPlane:
             if domain is None:
                 continue
             election = Election(store, name, ttl_s=self.config.leader_ttl_s)
-            domain.is_leader = lambda e=election: e.is_leader
+
+            def leads(e: Election = election) -> bool:
+                return e.is_leader
+
+            domain.is_leader = leads
             self._leadership.append((election, asyncio.get_running_loop().create_task(
                 _campaign_forever(election), name=f"campaign-{name}")))
 

@@ -102,7 +102,10 @@ class WebServer:
     """Serves one ``ControlPlane``'s metrics and status page; ``start()`` / ``stop()``."""
 
     def __init__(self, plane: PlaneView) -> None:
+        if plane.metrics.registry is None:
+            raise ValueError("the web server exports the plane's metrics: they need a registry")
         self.plane = plane
+        self.registry: CollectorRegistry = plane.metrics.registry
         self._runner: web.AppRunner | None = None
         self._web_runner: web.AppRunner | None = None
         self._sampler: asyncio.Task | None = None
@@ -160,7 +163,7 @@ class WebServer:
 
     # -- rates -----------------------------------------------------------------
     def _sample(self) -> None:
-        self._samples.append((time.monotonic(), counter_totals(self.plane.metrics.registry)))
+        self._samples.append((time.monotonic(), counter_totals(self.registry)))
 
     async def _sample_forever(self) -> None:
         while True:
@@ -212,7 +215,7 @@ class WebServer:
                 "retained_blocks": retained,
                 "expiring_soonest": [lease_row(i) for i in live[:MAX_ROWS]],  # list() sorts by deadline
             }
-        totals = counter_totals(plane.metrics.registry)
+        totals = counter_totals(self.registry)
         out["totals"] = {name.removeprefix("kvbaton_"): value for name, value in sorted(totals.items())}
         out["rates"] = self.rates()
         return out
@@ -223,7 +226,7 @@ class WebServer:
 
     async def metrics(self, request: web.Request) -> web.Response:
         await self.plane.refresh_state_gauges(timeout_s=STATE_TIMEOUT_S)
-        body = generate_latest(self.plane.metrics.registry)
+        body = generate_latest(self.registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def api_state(self, request: web.Request) -> web.Response:

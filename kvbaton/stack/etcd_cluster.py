@@ -20,12 +20,13 @@ import os
 import pathlib
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
 import urllib.request
 import uuid
+
+from .ports import free_port
 
 HEALTH_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 10.0
@@ -37,12 +38,6 @@ def find_etcd() -> str | None:
     if found:
         return found
     return "/usr/bin/etcd" if os.access("/usr/bin/etcd", os.X_OK) else None
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclasses.dataclass
@@ -89,7 +84,7 @@ class EtcdCluster:
         self.root = pathlib.Path(tempfile.mkdtemp(prefix="kvbaton-etcd-"))
         self.token = f"kvbaton-test-{uuid.uuid4().hex[:8]}"
         self.members = [
-            Member(f"m{i}", _free_port(), _free_port(), self.root / f"m{i}", self.root / f"m{i}.log")
+            Member(f"m{i}", free_port(), free_port(), self.root / f"m{i}", self.root / f"m{i}.log")
             for i in range(size)
         ]
 

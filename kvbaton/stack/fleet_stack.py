@@ -26,7 +26,8 @@ from typing import IO, Any
 import grpc
 
 from kvbaton.stack.pd_stack import kvbaton_kv_config, stop_group, wait_port
-from kvbaton.stack.vllm_server import VllmServer, free_port, small_engine_args
+from kvbaton.stack.ports import free_port
+from kvbaton.stack.vllm_server import VllmServer, small_engine_args
 
 __all__ = ["FleetStack", "stream_tokens", "wait_leased"]
 

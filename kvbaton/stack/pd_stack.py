@@ -99,7 +99,7 @@ def nixl_kv_config(variant: str = "nixl", engine_id: str | None = None) -> str:
 
 
 def _nixl_env(side_channel_port: int) -> dict[str, str]:
-    """Loopback UCX for NixlConnector (measured working: vllm-cpu-notes.md)."""
+    """Loopback UCX for NixlConnector (measured working on the CPU build)."""
     return {"VLLM_HOST_IP": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
             "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel_port),
             "UCX_TLS": "tcp,self,sm", "UCX_NET_DEVICES": "lo"}
@@ -287,6 +287,12 @@ class PdStack:
                                 start_new_session=True, cwd=ROOT)
         self._procs.append(proc)
         return proc
+
+    def engines(self) -> tuple[VllmServer, VllmServer]:
+        """(prefill, decode) of a started stack."""
+        if self.p is None or self.d is None:
+            raise RuntimeError("the P/D stack is not started")
+        return self.p, self.d
 
     def start(self) -> PdStack:
         """Start everything; on any failure stop what was started and re-raise."""

@@ -28,7 +28,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -36,13 +35,15 @@ import time
 import urllib.error
 import urllib.request
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from .ports import free_port
+
 __all__ = [
     "VllmServer", "VllmServerError", "free_port", "process_group_members",
-    "small_engine_args", "vllm_servers",
+    "small_engine_args",
 ]
 
 #: Arguments that make a tiny-model engine start fast and stay small on a 2-core box.
@@ -79,18 +80,6 @@ def _stop_all_live() -> None:
     for srv in list(_LIVE):
         with contextlib.suppress(Exception):
             srv.stop()
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """Return a TCP port that is free right now (bind to port 0, read it, close).
-
-    There is an unavoidable race until the server binds it; callers that start many
-    servers should retry on "address in use" (``VllmServer`` surfaces it in its log).
-    """
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def process_group_members(pgid: int) -> list[int]:
@@ -363,25 +352,6 @@ class VllmServer:
         vals = [v for k, v in self.metrics(timeout_s=timeout_s).items()
                 if k == name or k.startswith(name + "{")]
         return sum(vals) if vals else None
-
-
-@contextlib.contextmanager
-def vllm_servers(*servers: VllmServer) -> Iterator[tuple[VllmServer, ...]]:
-    """Start several servers (one after another: 2 cores) and stop all on exit."""
-    started: list[VllmServer] = []
-    try:
-        for s in servers:
-            started.append(s.start())
-        yield servers
-    finally:
-        errors = []
-        for s in reversed(started):
-            try:
-                s.stop()
-            except VllmServerError as e:  # keep stopping the others
-                errors.append(e)
-        if errors:
-            raise errors[0]
 
 
 if __name__ == "__main__":  # manual check: start, one request, report timing, stop

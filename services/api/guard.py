@@ -57,7 +57,7 @@ class Guard(grpc.aio.ServerInterceptor):
         self.streams: collections.Counter[str] = collections.Counter()
         self.refused: collections.Counter[str] = collections.Counter()
 
-    def _principal(self, metadata) -> Principal | None | str:
+    def _principal(self, metadata) -> Principal | str:
         if self.config.tokens is None:
             return ANONYMOUS
         auth = next((v for k, v in metadata if k == "authorization"), None)

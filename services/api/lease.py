@@ -86,6 +86,8 @@ class LeaseServicer(pb_grpc.LeaseServicer):
 
     @streaming
     async def Watch(self, r: pb.WatchLeasesRequest, context):
-        heartbeat = lambda: pb.LeaseEvent(type=pb.LeaseEvent.TYPE_HEARTBEAT, revision=self.domain.hub.revision)  # noqa: E731
+        def heartbeat() -> pb.LeaseEvent:
+            return pb.LeaseEvent(type=pb.LeaseEvent.TYPE_HEARTBEAT, revision=self.domain.hub.revision)
+
         async for event in with_heartbeats(self.domain.watch(r.engine_id, snapshot=r.snapshot, after_revision=r.after_revision), heartbeat, HEARTBEAT_S):
             yield event

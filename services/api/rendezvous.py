@@ -54,7 +54,10 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
     async def Subscribe(self, r: pb.SubscribeRequest, context):
         # A heartbeat first: the subscriber knows it is registered before it offers.
         yield pb.RendezvousEvent(type=pb.RendezvousEvent.TYPE_HEARTBEAT, revision=self.domain.hub.revision)
-        heartbeat = lambda: pb.RendezvousEvent(type=pb.RendezvousEvent.TYPE_HEARTBEAT, revision=self.domain.hub.revision)  # noqa: E731
+
+        def heartbeat() -> pb.RendezvousEvent:
+            return pb.RendezvousEvent(type=pb.RendezvousEvent.TYPE_HEARTBEAT, revision=self.domain.hub.revision)
+
         async for event in with_heartbeats(self.domain.subscribe(r.engine_id, r.tp_rank, r.after_revision), heartbeat, HEARTBEAT_S):
             yield event
 
@@ -91,8 +94,8 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
                 r = call.report_outcome
                 return pb.SessionResult(seq=seq, state=await self.domain.report_outcome(r.transfer_id, r.attempt, r.outcome))
             if body == "cancel":
-                r = call.cancel
-                return pb.SessionResult(seq=seq, state=await self.domain.cancel(r.transfer_id, r.attempt, r.engine_id, r.reason))
+                c = call.cancel
+                return pb.SessionResult(seq=seq, state=await self.domain.cancel(c.transfer_id, c.attempt, c.engine_id, c.reason))
             return pb.SessionResult(seq=seq, code=_INVALID,
                                     reason="session call has no body (offer, complete, report_outcome or cancel)")
         except DomainError as exc:

@@ -185,8 +185,8 @@ class PrefixHub(Generic[T, E]):
             if after_revision and after_revision < joined_at:
                 async with asyncio.timeout(30):
                     replayed = [item async for item in self._replay(route, after_revision, joined_at)]
-                for item in replayed:
-                    yield item
+                for replayed_item in replayed:
+                    yield replayed_item
             while True:
                 # Drain whatever is queued in one go: under load a stream then pays one
                 # wake-up per batch rather than per event.

@@ -1,6 +1,6 @@
 """Decode-side leases on retained KV blocks: grant, renew, pin, revoke, expire.
 
-Rules (the invariants of ``shared/design.md``):
+Rules (the lease invariants this service keeps):
 
 - Expiry is decided by this service's clock. A lease ends when ``now >= expires_at``
   and no pin is live; a pin is never granted on an ended lease or one past its deadline.
@@ -190,7 +190,7 @@ class LeaseService:
     def _slack(self, ttl_ms: int) -> int:
         return min(self.config.max_slack_ms, ttl_ms // 4)
 
-    async def _end_ops(self, info: pb.LeaseInfo, state: int, reason: str, now: int) -> list[Put]:
+    async def _end_ops(self, info: pb.LeaseInfo, state: pb.LeaseState, reason: str, now: int) -> list[Put]:
         """The writes that end ``info`` (terminal record and index, under the tombstone)."""
         tomb = await self._tombstones.lease()
         ended = pb.LeaseInfo()
@@ -384,7 +384,7 @@ class LeaseService:
     async def _flush_chunk(self, chunk: list[tuple[str, tuple[int, list[asyncio.Future]]]]) -> None:
         outcomes: dict[str, bool | BaseException] = {}
         try:
-            outcomes = await self._write_batch([(lid, dl) for lid, (dl, _) in chunk])
+            outcomes.update(await self._write_batch([(lid, dl) for lid, (dl, _) in chunk]))
         except Exception as exc:  # noqa: BLE001 - a store hiccup: the per-lease path below decides
             log.debug("lease.batch_flush_failed", error=str(exc))
         rest = [(lid, dl) for lid, (dl, _) in chunk if lid not in outcomes]

@@ -42,9 +42,9 @@ from .hub import PrefixHub
 log = structlog.get_logger(__name__)
 
 P = pb.TransferPhase
-OFFERED, COMPLETED, MATCHED = P.Value("TRANSFER_PHASE_OFFERED"), P.Value("TRANSFER_PHASE_COMPLETED"), P.Value("TRANSFER_PHASE_MATCHED")
-SUCCEEDED, FAILED = P.Value("TRANSFER_PHASE_SUCCEEDED"), P.Value("TRANSFER_PHASE_FAILED")
-EXPIRED, CANCELLED = P.Value("TRANSFER_PHASE_EXPIRED"), P.Value("TRANSFER_PHASE_CANCELLED")
+OFFERED, COMPLETED, MATCHED = pb.TRANSFER_PHASE_OFFERED, pb.TRANSFER_PHASE_COMPLETED, pb.TRANSFER_PHASE_MATCHED
+SUCCEEDED, FAILED = pb.TRANSFER_PHASE_SUCCEEDED, pb.TRANSFER_PHASE_FAILED
+EXPIRED, CANCELLED = pb.TRANSFER_PHASE_EXPIRED, pb.TRANSFER_PHASE_CANCELLED
 PENDING = (OFFERED, COMPLETED)
 TERMINAL = (SUCCEEDED, FAILED, EXPIRED, CANCELLED)
 Ev = pb.RendezvousEvent
@@ -204,7 +204,7 @@ class RendezvousService:
         if self.engine_exists is not None:
             await self._check_engine(msg.engine_id)
         key = self._key(msg.transfer_id)
-        fresh: tuple[KeyValue | None] | None = None  # the current value, read by a lost CAS
+        fresh: tuple[KeyValue | None, ...] | None = None  # the current value, read by a lost CAS
         for attempt_no in range(_CAS_RETRIES):
             now = self.clock.now_ms()
             # First try from the replica's cache, saving a store read: the CAS below is
@@ -306,7 +306,7 @@ class RendezvousService:
         """Read-modify-CAS on a transfer; ``change(state, now)`` mutates it or returns False."""
         limits.check_id("transfer_id", transfer_id)
         key = self._key(transfer_id)
-        fresh: tuple[KeyValue | None] | None = None  # the current value, read by a lost CAS
+        fresh: tuple[KeyValue | None, ...] | None = None  # the current value, read by a lost CAS
         for _ in range(_CAS_RETRIES):
             kv = fresh[0] if fresh is not None else await self.store.get(key)
             fresh = None

@@ -71,6 +71,8 @@ from .base import (
     prefix_end,
 )
 
+# What a stream call's read() returns at its end (missing from grpc-stubs 1.53's grpc.aio).
+_EOF: object = grpc.aio.EOF  # type: ignore[attr-defined]
 log = structlog.get_logger(__name__)
 
 # etcd's rpctypes.MetadataRequireLeaderKey: refuse (and cancel streams) without a leader.
@@ -212,7 +214,7 @@ class _KeepAliveStream:
         try:
             while True:
                 resp = await self.call.read()
-                if resp is grpc.aio.EOF:
+                if resp is _EOF:
                     reason = "closed by server"
                     break
                 queue = self.waiters.get(resp.ID)
@@ -283,7 +285,7 @@ class _EtcdWatch(Watch):
                 t = min(remaining, self._store._attempt_timeout_s)
                 await asyncio.wait_for(call.write(req), t)
                 resp = await asyncio.wait_for(call.read(), t)
-                if resp is grpc.aio.EOF or not resp.created:
+                if resp is _EOF or not resp.created:
                     raise StoreError(f"unexpected watch reply {resp!r}")
             except (grpc.aio.AioRpcError, asyncio.InvalidStateError, TimeoutError, StoreError) as e:
                 call.cancel()
@@ -344,7 +346,7 @@ class _EtcdWatch(Watch):
         """Delivers responses until the stream ends (returns) or fails (raises)."""
         while True:
             resp = await self._call.read()
-            if resp is grpc.aio.EOF:
+            if resp is _EOF:
                 return
             if resp.canceled:
                 self._on_cancel(resp)
@@ -613,10 +615,9 @@ class EtcdStore(Store):
                 raise TypeError(f"value compare needs bytes, got {operand!r}")
         elif not isinstance(operand, int):
             raise TypeError(f"{c.target.value} compare needs int, got {operand!r}")
-        return pb.Compare(
-            result=_COMPARE_RESULT[c.op], target=_COMPARE_TARGET[c.target], key=c.key,
-            **{_COMPARE_FIELD[c.target]: operand},
-        )
+        msg = pb.Compare(result=_COMPARE_RESULT[c.op], target=_COMPARE_TARGET[c.target], key=c.key)
+        setattr(msg, _COMPARE_FIELD[c.target], operand)  # the oneof member for this target
+        return msg
 
     @staticmethod
     def _op(op: Op) -> pb.RequestOp:
@@ -643,13 +644,6 @@ class EtcdStore(Store):
             await self._unary("lease", "LeaseRevoke", pb.LeaseRevokeRequest(ID=lease_id), mutation=False)
         except LeaseNotFoundError:
             pass
-
-    async def lease_ttl(self, lease_id: int) -> float:
-        """Seconds left on a lease (etcd-only helper); raises ``LeaseNotFoundError``."""
-        resp = await self._unary("lease", "LeaseTimeToLive", pb.LeaseTimeToLiveRequest(ID=lease_id), mutation=False)
-        if resp.TTL < 0:
-            raise LeaseNotFoundError(f"lease {lease_id:#x} not found")
-        return float(resp.TTL)
 
     async def _keepalive_stream(self) -> _KeepAliveStream:
         async with self._ka_open_lock:
@@ -730,4 +724,4 @@ class EtcdStore(Store):
         if self._ka is not None:
             await self._ka.close()
         for ep in self._endpoints:
-            await ep.channel.close()
+            await ep.channel.close(None)

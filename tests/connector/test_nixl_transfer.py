@@ -14,12 +14,13 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
+pytest.importorskip("torch")
 pytest.importorskip("nixl")
+import torch
 
-from kvbaton.connector.descriptors import plan_transfer  # noqa: E402
-from kvbaton.connector.geometry import KvLayout  # noqa: E402
-from kvbaton.connector.nixl_agent import NixlEndpoint  # noqa: E402
+from kvbaton.connector.descriptors import plan_transfer
+from kvbaton.connector.geometry import KvLayout
+from kvbaton.connector.nixl_agent import NixlEndpoint
 
 pytestmark = pytest.mark.nixl
 

@@ -8,11 +8,12 @@ import time
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
+pytest.importorskip("torch")
+import torch
 
-from kvbaton.connector.descriptors import coalesce_runs  # noqa: E402
-from kvbaton.connector.geometry import KvLayout  # noqa: E402
-from kvbaton.connector.staging import choose_strategy, pack_blocks, plan_tiles, region_byte_views, unpack_blocks  # noqa: E402
+from kvbaton.connector.descriptors import coalesce_runs
+from kvbaton.connector.geometry import KvLayout
+from kvbaton.connector.staging import choose_strategy, pack_blocks, plan_tiles, region_byte_views, unpack_blocks
 
 LAYERS, NUM_BLOCKS, TPB = 3, 80, 16
 _names = itertools.count()

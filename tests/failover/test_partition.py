@@ -17,14 +17,14 @@ import pytest
 from kvbaton.client import KvbatonClient, LeaseKeeper
 from kvbaton.stack.etcd_cluster import find_etcd
 from kvbaton.v1 import common_pb2, lease_pb2, registrar_pb2
-from tests.failover.test_replicas import Replica, cluster  # noqa: F401  (module-scoped 3-member etcd)
+from tests.failover.helpers import Replica
 from tests.harness.tcp_proxy import TcpProxy
 from tests.services.helpers import engine_rank
 
 pytestmark = [pytest.mark.etcd, pytest.mark.skipif(find_etcd() is None, reason="etcd not installed")]
 
 
-async def test_partition_from_etcd_fails_fast_hands_over_and_keeps_leases(cluster):  # noqa: F811
+async def test_partition_from_etcd_fails_fast_hands_over_and_keeps_leases(cluster):
     from kvbaton.services.store.etcd import EtcdStore
 
     s = await EtcdStore.connect(cluster.endpoints)

@@ -10,59 +10,18 @@
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import subprocess
-import sys
 import time
 
 import pytest
 
 from kvbaton.client import KvbatonClient, LeaseKeeper
-from kvbaton.stack.etcd_cluster import EtcdCluster, _free_port, find_etcd
+from kvbaton.stack.etcd_cluster import find_etcd
 from kvbaton.v1 import common_pb2, lease_pb2, rendezvous_pb2
+from tests.failover.helpers import Replica
 from tests.services.helpers import register
 
 pytestmark = [pytest.mark.etcd, pytest.mark.skipif(find_etcd() is None, reason="etcd not installed")]
 Ev = rendezvous_pb2.RendezvousEvent
-
-
-class Replica:
-    """One `kvbaton serve` process."""
-
-    def __init__(self, store_url: str) -> None:
-        self.port = _free_port()
-        self.address = f"127.0.0.1:{self.port}"
-        env = dict(os.environ, KVBATON_LOG_LEVEL="WARNING")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvbaton.cli", "serve", "--insecure", "--listen", self.address, "--store", store_url],
-            env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-    async def ready(self, timeout_s: float = 60) -> None:
-        async with KvbatonClient(self.address) as kv:
-            await kv.wait_ready(timeout_s)
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.kill()
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    c = EtcdCluster(3).start()
-    try:
-        yield c
-    finally:
-        c.stop()
 
 
 @pytest.fixture

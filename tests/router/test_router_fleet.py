@@ -19,10 +19,9 @@ from aiohttp import web
 from kvbaton.client import KvbatonClient
 from kvbaton.services.domain.clock import WallClock
 from kvbaton.services.router.app import build_app, conversation_of, parse_engine_spec
-from kvbaton.services.server import ControlPlane
+from kvbaton.services.server import ControlPlane, ServerConfig
 from kvbaton.services.store import MemoryStore
 from kvbaton.v1 import common_pb2, lease_pb2, registrar_pb2
-from tests.services.conftest import fast_config
 from tests.services.helpers import engine_rank
 
 
@@ -107,7 +106,8 @@ async def fleet():
 
 @pytest.fixture
 async def plane():
-    cp = ControlPlane(fast_config(), store=MemoryStore(), clock=WallClock())
+    cp = ControlPlane(ServerConfig(address="127.0.0.1:0", grace_s=0.5, insecure=True), store=MemoryStore(),
+                      clock=WallClock())
     await cp.start()
     kv = KvbatonClient(cp.address, timeout_s=5.0)
     await kv.wait_ready()

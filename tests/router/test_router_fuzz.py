@@ -18,9 +18,9 @@ from aiohttp import web
 
 from kvbaton.services.router.app import build_app
 
-hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
+pytest.importorskip("hypothesis")
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 
 class _Stack:

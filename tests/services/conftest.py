@@ -7,10 +7,13 @@ where a real etcd server can be started, on etcd.
 
 from __future__ import annotations
 
+import os
+import shutil
+
 import pytest
 
 from kvbaton.client import KvbatonClient
-from kvbaton.services.domain.clock import WallClock
+from kvbaton.services.domain.clock import Clock, WallClock
 from kvbaton.services.domain.lease import LeaseConfig
 from kvbaton.services.domain.rendezvous import RendezvousConfig
 from kvbaton.services.server import ControlPlane, ServerConfig
@@ -18,12 +21,7 @@ from kvbaton.services.store import MemoryStore
 
 
 def _etcd_available() -> bool:
-    import shutil
-
     return bool(shutil.which("etcd") or os.path.exists("/usr/bin/etcd"))
-
-
-import os  # noqa: E402
 
 
 @pytest.fixture(params=["memory", "etcd"])
@@ -60,8 +58,15 @@ def fast_config(**over) -> ServerConfig:
 
 
 @pytest.fixture
-async def plane(store):
-    cp = ControlPlane(fast_config(), store=store, clock=WallClock())
+def clock() -> Clock:
+    """The plane's clock: the wall clock; a module whose tests move time by hand (leases)
+    overrides this fixture with a ``ManualClock``."""
+    return WallClock()
+
+
+@pytest.fixture
+async def plane(store, clock):
+    cp = ControlPlane(fast_config(), store=store, clock=clock)
     await cp.start()
     yield cp
     await cp.stop()

@@ -1,5 +1,10 @@
 """Leases over a real gRPC server: expiry, renewal, KeepAlive, pins, revoke, replace,
-watch, list, LeaseKeeper and bad input."""
+watch, list, LeaseKeeper and bad input.
+
+Lease time is a ``ManualClock`` (the ``clock`` fixture below, injected into the plane):
+a test passes a TTL by advancing it, never by sleeping it out, and waits for what the
+service does in response (the expiry loop, a keeper's renewal) with a bounded wait.
+"""
 
 from __future__ import annotations
 
@@ -9,10 +14,17 @@ import grpc
 import pytest
 
 from kvbaton.client import LeaseKeeper
+from kvbaton.services.domain.clock import ManualClock
 from kvbaton.v1 import lease_pb2 as pb
 from kvbaton.v1 import registrar_pb2
 
 E = pb.LeaseEvent
+
+
+@pytest.fixture
+def clock() -> ManualClock:
+    """The plane's clock (overrides tests/services/conftest.py's wall clock)."""
+    return ManualClock()
 
 
 @pytest.fixture(autouse=True)
@@ -41,47 +53,69 @@ async def get(kv, conv):
 
 
 async def wait_state(kv, conv, state, timeout=5.0):
+    """Until the lease is in ``state`` (the service's expiry loop acts on its own; bounded)."""
     async def loop():
         while (await get(kv, conv)).state != state:
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(0.02)
     await asyncio.wait_for(loop(), timeout)
 
 
-async def test_expires_without_renewal_but_not_before_its_deadline(kv):
+async def renewed(keeper: LeaseKeeper, after: int, timeout: float = 5.0) -> None:
+    """Until ``keeper`` has made a successful renewal beyond its ``after``-th (its own timer
+    sends them; bounded)."""
+    async def loop():
+        while keeper.renewals <= after:
+            await asyncio.sleep(0.01)
+    await asyncio.wait_for(loop(), timeout)
+
+
+async def past_deadline(kv, clock: ManualClock, conv: str) -> None:
+    """Moves the clock to the lease's deadline (the first instant it is due)."""
+    info = await get(kv, conv)
+    clock.advance(max(0, info.expires_at_ms - clock.now_ms()))
+
+
+async def test_expires_without_renewal_but_not_before_its_deadline(kv, plane, clock):
     g = await grant(kv, "c-exp", ttl_ms=500)
     assert g.lease.state == pb.LEASE_STATE_ACTIVE and 0 < g.lease.remaining_ms <= 500
-    await asyncio.sleep(0.3)
+    clock.advance(g.lease.expires_at_ms - clock.now_ms() - 1)  # one millisecond before the deadline
+    assert await plane.lease.expire_due() == 0
     assert (await get(kv, "c-exp")).state == pb.LEASE_STATE_ACTIVE
+    clock.advance(1)
     await wait_state(kv, "c-exp", pb.LEASE_STATE_EXPIRED)
     info = await get(kv, "c-exp")
     assert info.ended_at_ms >= info.expires_at_ms and "without renewal" in info.reason
 
 
-async def test_renewal_keeps_lease_alive_past_several_ttls(kv):
+async def test_renewal_keeps_lease_alive_past_several_ttls(kv, clock):
     await grant(kv, "c-ren", ttl_ms=1000)
     for _ in range(12):  # 3.6 s = 3.6 TTLs
-        await asyncio.sleep(0.3)
+        clock.advance(300)
         r = await kv.call(kv.lease.Renew, pb.RenewRequest(conversation_id="c-ren"))
         assert r.status == pb.RENEW_STATUS_OK and r.lease.remaining_ms >= 900
     assert (await get(kv, "c-ren")).state == pb.LEASE_STATE_ACTIVE
+    await past_deadline(kv, clock, "c-ren")
     await wait_state(kv, "c-ren", pb.LEASE_STATE_EXPIRED)
     r = await kv.call(kv.lease.Renew, pb.RenewRequest(conversation_id="c-ren"))
     assert r.status == pb.RENEW_STATUS_ENDED  # renewing can't bring it back
 
 
-async def test_keepalive_stream_renews_many_conversations(kv):
+async def test_keepalive_stream_renews_many_conversations(kv, clock):
     convs = [f"k{i}" for i in range(50)]
     for c in convs:
         await grant(kv, c, ttl_ms=1000)
+    answered = asyncio.Queue()  # the stream's answers, in order: each lets the next batch go
 
     async def requests():
-        for seq in range(8):  # 3.2 s, over three TTLs (1 s: etcd under a loaded CI box stays inside it)
+        for seq in range(8):  # 3.2 s, over three TTLs
             yield pb.KeepAliveRequest(seq=seq, renewals=[pb.RenewRequest(conversation_id=c) for c in convs + ["nope"]])
-            await asyncio.sleep(0.4)
+            assert await asyncio.wait_for(answered.get(), 10) == seq
+            clock.advance(400)
 
     seqs = []
     async for resp in kv.lease.KeepAlive(requests()):
         seqs.append(resp.seq)
+        answered.put_nowait(resp.seq)
         statuses = [r.status for r in resp.results]
         assert statuses[:-1] == [pb.RENEW_STATUS_OK] * 50 and statuses[-1] == pb.RENEW_STATUS_NOT_FOUND
     assert seqs == list(range(8))
@@ -89,11 +123,12 @@ async def test_keepalive_stream_renews_many_conversations(kv):
     assert {x.conversation_id for x in listed.leases} >= set(convs)
 
 
-async def test_pin_holds_off_expiry_and_unpin_releases(kv):
+async def test_pin_holds_off_expiry_and_unpin_releases(kv, plane, clock):
     g = await grant(kv, "c-pin", ttl_ms=300)
     pin = await kv.call(kv.lease.Pin, pb.PinRequest(conversation_id="c-pin", lease_id=g.lease.lease_id,
                                                      reader="prefill-0", ttl_ms=2000))
-    await asyncio.sleep(0.8)  # well past the TTL
+    clock.advance(800)  # well past the TTL
+    assert await plane.lease.expire_due() == 0
     info = await get(kv, "c-pin")
     assert info.state == pb.LEASE_STATE_ACTIVE and len(info.pins) == 1
     # Past its deadline: no new pin, even though it is still held.
@@ -105,16 +140,20 @@ async def test_pin_holds_off_expiry_and_unpin_releases(kv):
     assert after.state == pb.LEASE_STATE_EXPIRED
 
 
-async def test_pin_expires_by_itself(kv):
+async def test_pin_expires_by_itself(kv, plane, clock):
     g = await grant(kv, "c-pin2", ttl_ms=300)
-    await kv.call(kv.lease.Pin, pb.PinRequest(conversation_id="c-pin2", lease_id=g.lease.lease_id, reader="r", ttl_ms=2000))
-    await asyncio.sleep(0.6)  # past the TTL, well inside the pin
+    pin = await kv.call(kv.lease.Pin, pb.PinRequest(conversation_id="c-pin2", lease_id=g.lease.lease_id, reader="r",
+                                                     ttl_ms=2000))
+    clock.advance(600)  # past the TTL, well inside the pin
+    assert await plane.lease.expire_due() == 0
     assert (await get(kv, "c-pin2")).state == pb.LEASE_STATE_ACTIVE
+    clock.advance(pin.pin.expires_at_ms - clock.now_ms())  # the pin lapses
     await wait_state(kv, "c-pin2", pb.LEASE_STATE_EXPIRED, timeout=3)
 
 
-async def test_pin_refused_after_expiry_and_after_revoke(kv):
+async def test_pin_refused_after_expiry_and_after_revoke(kv, clock):
     g = await grant(kv, "c-pe", ttl_ms=200)
+    clock.advance(200)
     await wait_state(kv, "c-pe", pb.LEASE_STATE_EXPIRED)
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await kv.call(kv.lease.Pin, pb.PinRequest(conversation_id="c-pe", lease_id=g.lease.lease_id, reader="r"))
@@ -146,7 +185,7 @@ async def test_regrant_replaces_previous_and_says_so(kv):
     assert (await get(kv, "c-rg")).lease_id == second.lease.lease_id
 
 
-async def test_watch_reports_granted_expired_revoked_for_engine(kv):
+async def test_watch_reports_granted_expired_revoked_for_engine(kv, clock):
     events = []
 
     async def read():
@@ -161,6 +200,7 @@ async def test_watch_reports_granted_expired_revoked_for_engine(kv):
     await grant(kv, "w-other", ttl_ms=300, engine="someone-else")
     await grant(kv, "w2", ttl_ms=5000, engine="dec-w")
     await kv.call(kv.lease.Revoke, pb.RevokeRequest(conversation_id="w2"))
+    clock.advance(300)  # w1 (and w-other) are due
     await asyncio.wait_for(reader, 5)
     assert sorted(events) == sorted([(E.TYPE_GRANTED, "w1"), (E.TYPE_GRANTED, "w2"), (E.TYPE_REVOKED, "w2"),
                                      (E.TYPE_EXPIRED, "w1")])
@@ -179,12 +219,15 @@ async def test_list_filters(kv):
     assert [x.conversation_id for x in revoked.leases] == ["l3"]
 
 
-async def test_lease_keeper_renews_until_exit_and_release_revokes(kv):
+async def test_lease_keeper_renews_until_exit_and_release_revokes(kv, clock):
     await grant(kv, "agent-1", ttl_ms=1000)
-    async with LeaseKeeper(kv, "agent-1") as keeper:
-        await asyncio.sleep(3.5)  # three and a half TTLs
+    async with LeaseKeeper(kv, "agent-1", interval_s=0.05) as keeper:
+        for _ in range(7):  # three and a half TTLs, half a TTL after each renewal
+            await renewed(keeper, keeper.renewals)
+            clock.advance(500)
         assert (await get(kv, "agent-1")).state == pb.LEASE_STATE_ACTIVE
     assert keeper.renewals >= 6
+    await past_deadline(kv, clock, "agent-1")
     await wait_state(kv, "agent-1", pb.LEASE_STATE_EXPIRED)
     await grant(kv, "agent-2", ttl_ms=5000)
     async with LeaseKeeper(kv, "agent-2") as keeper:
@@ -253,7 +296,7 @@ class _SilentLease:
         await asyncio.sleep(3600)
 
 
-async def test_keepalive_routes_around_a_replica_that_never_answers(kv, plane):
+async def test_keepalive_routes_around_a_replica_that_never_answers(kv, plane, clock):
     from kvbaton.client import KvbatonClient
     from kvbaton.v1 import lease_pb2_grpc
 
@@ -267,15 +310,17 @@ async def test_keepalive_routes_around_a_replica_that_never_answers(kv, plane):
     client = KvbatonClient([f"127.0.0.1:{port}", plane.address], timeout_s=0.5)
     try:
         await grant(kv, "hung-1", ttl_ms=1500)
-        # The LeaseKeeper starts on the silent replica; with a 1.5 s TTL the lease survives
-        # only if the stuck stream is abandoned and renewals reach the real replica in time.
+        # The first renewal goes to the silent replica: the client must abandon the stuck
+        # stream (its 0.5 s timeout) and reach the real replica within the 3 s bound.
         first = asyncio.ensure_future(client.renew("hung-1"))
         result = await asyncio.wait_for(first, 3.0)
         assert result.status == pb.RENEW_STATUS_OK
         assert silent.batches >= 1  # it really went to the silent replica first
         assert client.address == plane.address
         async with LeaseKeeper(client, "hung-1", interval_s=0.3) as keeper:
-            await asyncio.sleep(3.0)  # two TTLs
+            for _ in range(6):  # two TTLs of lease time, a third of a TTL after each renewal
+                await renewed(keeper, keeper.renewals)
+                clock.advance(500)
             assert (await get(kv, "hung-1")).state == pb.LEASE_STATE_ACTIVE
         assert keeper.renewals >= 5
     finally:

@@ -163,8 +163,11 @@ async def test_outcomes_finish_transfer_and_decode_learns(kv, engines):
     await asyncio.wait_for(dec.ready.wait(), 5)
     await kv.call(kv.rendezvous.Offer, offer("o1"))
     await kv.call(kv.rendezvous.Complete, complete("o1", writers=2))
-    out = lambda rank, ok=True: pb.ReportOutcomeRequest(transfer_id="o1", outcome=pb.Outcome(  # noqa: E731
-        engine_id="pre", tp_rank=rank, success=ok, bytes=1000))
+
+    def out(rank, ok=True):
+        return pb.ReportOutcomeRequest(transfer_id="o1", outcome=pb.Outcome(engine_id="pre", tp_rank=rank, success=ok,
+                                                                            bytes=1000))
+
     s1 = await kv.call(kv.rendezvous.ReportOutcome, out(0))
     assert s1.phase == pb.TRANSFER_PHASE_MATCHED
     s1b = await kv.call(kv.rendezvous.ReportOutcome, out(0))  # duplicate

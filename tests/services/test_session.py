@@ -54,8 +54,13 @@ async def _code(coro) -> grpc.StatusCode:
 async def test_both_orders_match_once_and_the_match_reaches_every_rank(kv, pre_kv, engines, first):
     ranks = [Collector(pre_kv, "pre", r) for r in (0, 1)]
     await asyncio.gather(*(c.ready.wait() for c in ranks))
-    send_offer = lambda: kv.session.offer(offer("t1"))  # noqa: E731
-    send_complete = lambda: pre_kv.session.complete(complete("t1"))  # noqa: E731
+
+    def send_offer():
+        return kv.session.offer(offer("t1"))
+
+    def send_complete():
+        return pre_kv.session.complete(complete("t1"))
+
     one, two = (send_offer, send_complete) if first == "offer" else (send_complete, send_offer)
     r1 = await one()
     assert not r1.matched_now and not r1.duplicate
@@ -140,7 +145,10 @@ async def test_bad_calls_in_one_batch_are_answered_alone_and_the_stream_keeps_wo
     while len(results) < 6:
         resp = await asyncio.wait_for(call.read(), 5)
         results.update({r.seq: r for r in resp.results})
-    code = lambda seq: grpc.StatusCode(next(s for s in grpc.StatusCode if s.value[0] == results[seq].code))  # noqa: E731
+
+    def code(seq):
+        return grpc.StatusCode(next(s for s in grpc.StatusCode if s.value[0] == results[seq].code))
+
     assert code(1) == INVALID and "no body" in results[1].reason
     assert code(2) == INVALID and "transfer_id is required" in results[2].reason
     assert code(3) == INVALID and "duplicate" in results[3].reason

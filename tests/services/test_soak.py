@@ -1,4 +1,4 @@
-"""A bounded soak of the lease protocol with the invariants of shared/design.md checked
+"""A bounded soak of the lease protocol with its invariants (``services/domain/lease.py``) checked
 continuously, through a real server.
 
 A simulated decode engine owns blocks and frees a conversation's blocks only when the
