@@ -31,10 +31,10 @@ from typing import Any
 import numpy as np
 import torch  # before nixl: on GPUs torch must own the CUDA context first
 
-from kvbaton.connector.descriptors import coalesce_runs, plan_transfer
-from kvbaton.connector.geometry import KvLayout
-from kvbaton.connector.nixl_agent import NixlEndpoint
-from kvbaton.connector.staging import StagedPeer, choose_strategy, plan_tiles, region_byte_views
+from kvbaton.connector.transfer.descriptors import coalesce_runs, plan_transfer
+from kvbaton.connector.transfer.geometry import KvLayout
+from kvbaton.connector.transfer.nixl_agent import NixlEndpoint
+from kvbaton.connector.transfer.staging import StagedPeer, choose_strategy, plan_tiles, region_byte_views
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -44,10 +44,10 @@ import numpy as np
 import torch  # torch before nixl: it must own the CUDA context first
 
 import datapath  # this directory, put on sys.path above
-from kvbaton.connector.descriptors import coalesce_runs, plan_transfer
-from kvbaton.connector.geometry import KvLayout
-from kvbaton.connector.nixl_agent import NixlEndpoint
-from kvbaton.connector.staging import (
+from kvbaton.connector.transfer.descriptors import coalesce_runs, plan_transfer
+from kvbaton.connector.transfer.geometry import KvLayout
+from kvbaton.connector.transfer.nixl_agent import NixlEndpoint
+from kvbaton.connector.transfer.staging import (
     GpuRowCopier,
     StagedPeer,
     choose_strategy,

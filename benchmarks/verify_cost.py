@@ -34,8 +34,8 @@ if str(ROOT) not in sys.path:
 
 import torch
 
-from kvbaton.connector.geometry import KvLayout
-from kvbaton.connector.integrity import ALG_CRC32, ALG_TORCH64, Fingerprinter
+from kvbaton.connector.transfer.geometry import KvLayout
+from kvbaton.connector.transfer.integrity import ALG_CRC32, ALG_TORCH64, Fingerprinter
 
 
 def throughput(layers: int, layer_block_bytes: int, cache_blocks: int, sample: int, tokens: int,

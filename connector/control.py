@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 import grpc
 
 from kvbaton.client import KvbatonClient
-from kvbaton.v1 import common_pb2, registrar_pb2
+from kvbaton.v1 import common_pb2, registrar_pb2, rendezvous_pb2
 
 log = logging.getLogger("kvbaton.connector.control")
 T = TypeVar("T")
@@ -76,14 +76,27 @@ class ControlThread:
                         await client.call(client.registrar.RefreshEngine, registrar_pb2.RefreshEngineRequest(
                             engine_id=rank.engine_id, tp_rank=rank.tp_rank, incarnation=incarnation))
                     delay = 0.2
-                    await asyncio.sleep(max(ttl_ms / 3000, 0.2))
+                    # Refresh every TTL/3, or at once when the control plane announces a new
+                    # store incarnation (its store restarted: this registration is gone).
+                    if await client.wait_incarnation_change(max(ttl_ms / 3000, 0.2)):
+                        log.warning("kvbaton: control plane store restarted; re-registering engine %s rank %d",
+                                    rank.engine_id, rank.tp_rank)
+                        incarnation = ""
                 except grpc.aio.AioRpcError as exc:
+                    if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                        # Refused for what it is (e.g. metadata over the store's size limit):
+                        # the same registration can never succeed, so don't retry it forever.
+                        log.error("kvbaton: registration of engine %s rank %d refused: %s",
+                                  rank.engine_id, rank.tp_rank, exc.details())
+                        raise
                     if exc.code() == grpc.StatusCode.NOT_FOUND:
                         incarnation = ""  # lease lapsed: register again
                     log.warning("kvbaton: registrar call failed (%s); retrying in %.1fs",
                                 exc.code().name, delay)
                     await asyncio.sleep(delay)
-                    delay = min(delay * 2, 5.0)
+                    # At most 1 s between tries: a restarted control plane sees engines back
+                    # within a second or two.
+                    delay = min(delay * 2, 1.0)
         fut = asyncio.run_coroutine_threadsafe(_keep(), self._loop)
         self._refresh_task = fut
         return fut
@@ -115,7 +128,9 @@ class ControlThread:
                                             retries=1))
 
     def close(self) -> None:
-        """Deregister (best effort, bounded) and stop the loop."""
+        """Stop refreshing and subscribing, close the client and stop the loop (bounded).
+
+        Nothing is deregistered: the rank's registration lapses with its TTL (``ttl_ms``)."""
         if self._refresh_task is not None:
             self._refresh_task.cancel()
         for t in self._tasks:
@@ -133,7 +148,16 @@ class ControlThread:
         self._thread.join(timeout=2.0)
 
 
-def role_of(kv_role: str) -> int:
+def complete_request(engine_id: str, timeout_s: float, transfer_id: str, block_ids: tuple[int, ...],
+                     num_tokens: int, request_id: str) -> rendezvous_pb2.CompleteRequest:
+    """Prefill's ``Rendezvous.Complete`` for a push (sent by the scheduler, or by the worker
+    with ``complete_from_worker``)."""
+    return rendezvous_pb2.CompleteRequest(transfer_id=transfer_id, prefill_engine_id=engine_id,
+                                          block_ids=block_ids, num_tokens=num_tokens,
+                                          timeout_ms=int(timeout_s * 1000), request_id=request_id, writers=1)
+
+
+def role_of(kv_role: str) -> common_pb2.EngineRole:
     """vLLM kv_role → registrar EngineRole."""
     return {"kv_producer": common_pb2.ENGINE_ROLE_PREFILL, "kv_consumer": common_pb2.ENGINE_ROLE_DECODE,
             "kv_both": common_pb2.ENGINE_ROLE_BOTH}.get(kv_role, common_pb2.ENGINE_ROLE_UNSPECIFIED)

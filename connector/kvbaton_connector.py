@@ -30,8 +30,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvbaton.services.metrics import connector_metrics
 
-from .metadata import KvbatonMeta, KvbatonSettings
+from .metadata import KvbatonMeta
 from .scheduler import KvbatonScheduler
+from .settings import KvbatonSettings
 from .stats import CounterDeltas, KvbatonConnectorStats, KvbatonPromMetrics
 from .worker import KvbatonWorker
 

@@ -4,7 +4,7 @@ Decode side (:class:`RetentionManager`, scheduler process ``VLLM::EngineCore``):
 
 * **How blocks are held.** Not by returning ``True`` from ``request_finished`` (that keeps
   the whole request alive in the scheduler, and a held request makes EngineCore and the
-  worker spin a core for as long as it is held — API notes §0.4 — which for a 30 s lease
+  worker spin a core for as long as it is held — VLLM_API_NOTES.md §0.4 — which for a 30 s lease
   on a 2-core machine is unacceptable). Instead the manager takes its own reference on the
   *full* blocks with ``BlockPool.touch`` (the same refcount prefix caching uses), returns
   ``False`` so vLLM frees the request normally, and drops the reference with
@@ -27,7 +27,7 @@ Decode side (:class:`RetentionManager`, scheduler process ``VLLM::EngineCore``):
   (``get_num_new_matched_tokens`` drains first). Nothing needs them before that.
 
 Prefill side: :func:`reusable_blocks` compares the conversation's hash chain with the
-prompt's; the worker (``worker.py``) pins, READs and unpins.
+prompt's; the worker's receive flow (``flows/receive.py``) pins, READs and unpins.
 """
 
 from __future__ import annotations
@@ -45,7 +45,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .metadata import KvbatonSettings
+from kvbaton.v1 import lease_pb2 as lpb
+from kvbaton.v1 import registrar_pb2 as rpb
+
+from .settings import MAX_PIN_S, KvbatonSettings
+from .statslog import StatsLog
 
 if TYPE_CHECKING:  # pragma: no cover
     from vllm.v1.core.block_pool import BlockPool
@@ -127,8 +131,6 @@ class RetentionManager:
         self.stats: dict[str, int] = {"retained": 0, "freed": 0, "hard_cap_freed": 0, "grant_failed": 0,
                                       "revoked_for_pressure": 0, "blocks_held": 0}
         self._started = False
-        from .worker import StatsLog  # the same JSON-lines format as the worker's
-
         #: ``<stats_dir>/<engine>.retention.jsonl``: retained / freed (with why) / hard cap.
         self.events = StatsLog(settings.stats_dir, settings.engine_id, part="retention")
 
@@ -144,8 +146,6 @@ class RetentionManager:
     def close(self, timeout_s: float = 2.0) -> None:
         """Engine shutdown: revoke our live leases (bounded, best effort) so no reader
         pins blocks of an engine that is going away; unreached ones expire by TTL."""
-        from kvbaton.v1 import lease_pb2 as lpb
-
         with self._lock:
             live = [(h.conversation_id, h.lease_id) for h in self._holds.values() if h.state == "leased"]
         if not live:
@@ -239,11 +239,12 @@ class RetentionManager:
             except queue.Empty:
                 break
             with self._lock:
-                h = self._holds.pop(hold_id, None)
-                if h is not None and h.lease_id:
-                    self._by_lease.pop(h.lease_id, None)
-            if h is None:
+                ended = self._holds.pop(hold_id, None)
+                if ended is not None and ended.lease_id:
+                    self._by_lease.pop(ended.lease_id, None)
+            if ended is None:
                 continue
+            h = ended
             # Tail blocks first: they are the least likely to be hit as a prefix again.
             self.block_pool.free_blocks([self.block_pool.blocks[i] for i in reversed(h.block_ids)])
             if self.settings.verify_kv:  # the worker drops its fingerprints of them
@@ -271,8 +272,6 @@ class RetentionManager:
 
     # ------------------------------------------------------------------ control thread
     async def _release_retained(self, c: Any, conv: str, rid: str) -> None:
-        from kvbaton.v1 import registrar_pb2 as rpb
-
         try:
             await c.call(c.registrar.ReleaseRetained,
                          rpb.ReleaseRetainedRequest(conversation_id=conv, retention_id=rid), retries=1)
@@ -281,9 +280,6 @@ class RetentionManager:
 
     async def _register(self, c: Any, hold: Hold) -> None:
         """RegisterRetained, then Grant; any failure frees the hold (no lease, no owner)."""
-        from kvbaton.v1 import lease_pb2 as lpb
-        from kvbaton.v1 import registrar_pb2 as rpb
-
         try:
             reg = await c.call(c.registrar.RegisterRetained, rpb.RegisterRetainedRequest(
                 retained=rpb.RetainedBlocks(
@@ -325,13 +321,12 @@ class RetentionManager:
         with self._lock:
             held = self._held_blocks()
         if held > cap:
-            await self._relieve_pressure(c, held - cap, spare=lease.lease_id)
+            self.stats["revoked_for_pressure"] += await revoke_oldest(c, self.settings.engine_id, held - cap,
+                                                                      spare=lease.lease_id)
 
     def _confirm_locked(self, h: Hold, remaining_ms: int) -> None:
         now = time.monotonic()
         h.confirmed = now
-        from .metadata import MAX_PIN_S
-
         h.hard_deadline = now + max(self.settings.hard_cap_s, remaining_ms / 1000 + MAX_PIN_S + 5.0)
 
     def _on_lease_ended(self, lease_id: str, why: str) -> None:
@@ -347,8 +342,6 @@ class RetentionManager:
     async def _watch_loop(self, c: Any) -> None:
         """EXPIRED/REVOKED → free. Leases granted to this engine by an earlier incarnation
         of it (another ``holder`` label) name blocks nobody holds: revoke them."""
-        from kvbaton.v1 import lease_pb2 as lpb
-
         T = lpb.LeaseEvent
         while True:
             try:
@@ -371,20 +364,18 @@ class RetentionManager:
     async def _confirm_loop(self, c: Any) -> None:
         """Every few seconds: List this engine's live leases; confirm ours (pushing the hard
         deadline out by the service's ``remaining_ms``), end holds whose lease is gone."""
-        from kvbaton.v1 import lease_pb2 as lpb
-
         period = max(0.5, min(self.settings.lease_ttl_s / 2, 5.0))
         while True:
             await asyncio.sleep(period)
             try:
-                resp = await c.call(c.lease.List, lpb.ListLeasesRequest(engine_id=self.settings.engine_id),
-                                    retries=0)
+                # Every page: a hold missing from the list is ended below.
+                listed = await c.list_leases(engine_id=self.settings.engine_id, retries=0)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - unreachable: the hard cap takes over
                 log.debug("kvbaton: lease List failed: %r", exc)
                 continue
-            live = {i.lease_id: i for i in resp.leases}
+            live = {i.lease_id: i for i in listed}
             now = time.monotonic()
             with self._lock:
                 for h in list(self._holds.values()):
@@ -399,34 +390,34 @@ class RetentionManager:
                     if now - t > 60.0:
                         del self._ended_early[lid]
 
-    async def _relieve_pressure(self, c: Any, excess_blocks: int, spare: str = "") -> None:
-        """Revoke least-recently-renewed leases of this engine until ``excess_blocks`` go."""
-        from kvbaton.v1 import lease_pb2 as lpb
-
-        try:
-            resp = await c.call(c.lease.List, lpb.ListLeasesRequest(engine_id=self.settings.engine_id),
-                                retries=1)
-        except Exception as exc:  # noqa: BLE001
-            log.warning("kvbaton: cannot list leases to relieve pressure: %r", exc)
-            return
-        leases = sorted(resp.leases, key=lambda i: i.expires_at_ms - i.ttl_ms)
-        for info in leases:
-            if excess_blocks <= 0:
-                break
-            if info.lease_id == spare:  # the turn that just finished
-                continue
-            try:
-                await c.call(c.lease.Revoke, lpb.RevokeRequest(
-                    conversation_id=info.conversation_id, lease_id=info.lease_id,
-                    reason="decode retained-KV cap"), retries=1)
-                excess_blocks -= int(info.num_blocks)
-                self.stats["revoked_for_pressure"] += 1
-            except Exception as exc:  # noqa: BLE001
-                log.warning("kvbaton: revoking %s for pressure failed: %r", info.lease_id, exc)
-
     def snapshot(self) -> list[dict[str, Any]]:
         """Current holds (tests, logs)."""
         with self._lock:
             return [{"conversation_id": h.conversation_id, "lease_id": h.lease_id, "state": h.state,
                      "blocks": len(h.block_ids)} for h in self._holds.values()]
 
+
+async def revoke_oldest(c: Any, engine_id: str, excess_blocks: int, spare: str = "") -> int:
+    """Revoke this engine's least-recently-renewed leases until ``excess_blocks`` go (sparing
+    ``spare``, the turn that just finished); returns how many were revoked. The lease
+    events that follow free the blocks (a pinned lease drains first)."""
+    try:
+        listed = await c.list_leases(engine_id=engine_id, retries=1)
+    except Exception as exc:  # noqa: BLE001 - pressure stays; the next retained turn tries again
+        log.warning("kvbaton: cannot list leases to relieve pressure: %r", exc)
+        return 0
+    revoked = 0
+    for info in sorted(listed, key=lambda i: i.expires_at_ms - i.ttl_ms):
+        if excess_blocks <= 0:
+            break
+        if info.lease_id == spare:
+            continue
+        try:
+            await c.call(c.lease.Revoke, lpb.RevokeRequest(conversation_id=info.conversation_id,
+                                                           lease_id=info.lease_id,
+                                                           reason="decode retained-KV cap"), retries=1)
+            excess_blocks -= int(info.num_blocks)
+            revoked += 1
+        except Exception as exc:  # noqa: BLE001 - the next lease may still go
+            log.warning("kvbaton: revoking %s for pressure failed: %r", info.lease_id, exc)
+    return revoked

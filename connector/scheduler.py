@@ -1,7 +1,11 @@
 """Scheduler half of the kvbaton connector (runs in ``VLLM::EngineCore``, engine-loop thread).
 
-Pure bookkeeping: it never blocks, does no I/O, and hands all work to the worker through
-the per-step :class:`~kvbaton.connector.metadata.KvbatonMeta`.
+Bookkeeping on the engine loop: it never blocks on the network (control-plane calls are
+handed to a background :class:`~kvbaton.connector.control.ControlThread`; the only local
+I/O is appending stats lines and the short ``idle_step_wait_ms`` sleep on empty steps) and
+hands all KV work to the worker through the per-step
+:class:`~kvbaton.connector.metadata.KvbatonMeta`. The ``kv_transfer_params`` keys it reads
+and writes are named in :mod:`kvbaton.params` (shared with the router).
 
 Push mode: decode offers its destination blocks (``Rendezvous.Offer``) and prefill
 announces its held blocks (``Rendezvous.Complete``); both calls go out on a background
@@ -18,7 +22,7 @@ Pull mode, as seen from here:
 * **Decode** (request carries ``do_remote_prefill``): ``get_num_new_matched_tokens``
   claims the non-locally-cached prompt tokens as an async load, once per request (the
   flag is cleared so a failed load, which re-enters admission, recomputes instead of
-  looping — API notes §0.5).
+  looping — ``connector/VLLM_API_NOTES.md`` §0.5).
 
 Reuse (D→P across turns, see :mod:`.reuse`):
 
@@ -39,20 +43,18 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
-from kvbaton.services.tracing import TRACEPARENT, grpc_metadata
 from vllm.v1.request import RequestStatus
 
-from .metadata import (
-    MODE_PULL,
-    MODE_PUSH,
-    MODE_REUSE,
-    KvbatonMeta,
-    KvbatonSettings,
-    LoadSpec,
-    ReuseSource,
-    SendSpec,
-)
+from kvbaton import params as P
+from kvbaton.services.metrics import connector_metrics
+from kvbaton.services.tracing import grpc_metadata
+from kvbaton.v1 import rendezvous_pb2 as rpb
+
+from .control import ControlThread, complete_request
+from .metadata import KvbatonMeta, LoadSpec, ReuseSource, SendSpec
 from .reuse import RetentionManager, reusable_blocks
+from .settings import MODE_PULL, MODE_PUSH, MODE_REUSE, KvbatonSettings
+from .statslog import StatsLog
 
 if TYPE_CHECKING:  # pragma: no cover
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -62,16 +64,6 @@ if TYPE_CHECKING:  # pragma: no cover
 log = logging.getLogger("kvbaton.connector.scheduler")
 
 
-def push_complete(settings: KvbatonSettings, tid: str, block_ids: tuple[int, ...], num_tokens: int,
-                  request_id: str) -> Any:
-    """Prefill's Rendezvous.Complete for a push (sent by the scheduler or by the worker)."""
-    from kvbaton.v1 import rendezvous_pb2 as rpb
-
-    return rpb.CompleteRequest(transfer_id=tid, prefill_engine_id=settings.engine_id, block_ids=block_ids,
-                               num_tokens=num_tokens, timeout_ms=int(settings.timeout_s * 1000),
-                               request_id=request_id, writers=1)
-
-
 class KvbatonScheduler:
     """Scheduler-side state: which requests to load (decode) and which to hold (prefill)."""
 
@@ -79,36 +71,32 @@ class KvbatonScheduler:
         self.settings = settings
         self.block_size = block_size
         # Local prefix-hit tokens seen at admission, needed in update_state_after_alloc
-        # (where `blocks` includes the locally cached blocks, API notes §0.6).
+        # (where `blocks` includes the locally cached blocks, VLLM_API_NOTES.md §0.6).
         self._local_hit: dict[str, int] = {}
         self._loads: dict[str, LoadSpec] = {}
         self._sends: dict[str, SendSpec] = {}
-        self._control: Any = None  # ControlThread, started on first push use
+        self._control: ControlThread | None = None  # started on first use
         self._retention: RetentionManager | None = None
-        self._reuse_pending: dict[str, tuple[int, dict[str, Any]]] = {}  # req -> (blocks, reuse)
+        self._reuse_pending: dict[str, tuple[int, P.ReuseOffer]] = {}  # req -> (blocks, offer)
         self.reuse_stats: dict[str, int] = {"reuse_claimed": 0, "reuse_below_threshold": 0,
                                             "reuse_no_match": 0, "reuse_claimed_tokens": 0}
         # Requests whose transfer the worker has not reported finished yet -> monotonic
         # deadline after which we stop counting them (the worker's own timeout is shorter).
         self._in_flight: dict[str, float] = {}
         self.idle_stats: dict[str, float] = {"idle_steps": 0, "idle_wait_s": 0.0}
-        from .worker import StatsLog  # the worker's JSON-lines format
-
         self._stats = StatsLog(settings.stats_dir, settings.engine_id, part="scheduler")
 
     def _mode(self, params: dict[str, Any]) -> str:
-        return str(params.get("transfer_mode") or self.settings.mode)
+        return str(params.get(P.TRANSFER_MODE) or self.settings.mode)
 
     @staticmethod
     def _tp(params: dict[str, Any] | None) -> str:
         """The router's ``traceparent`` for this request ("" without tracing): passed on,
         as gRPC metadata, with every control-plane call made for the request."""
-        return str((params or {}).get(TRACEPARENT) or "")
+        return str((params or {}).get(P.TRACEPARENT) or "")
 
-    def _control_thread(self) -> Any:
+    def _control_thread(self) -> ControlThread:
         if self._control is None:
-            from .control import ControlThread
-
             self._control = ControlThread(self.settings.control_plane, name="kvbaton-sched-control")
         return self._control
 
@@ -146,13 +134,13 @@ class KvbatonScheduler:
         if self._retention is not None:
             self._retention.drain()  # ended leases give their blocks back before allocation
         params = request.kv_transfer_params
-        if params and params.get("reuse") and not params.get("do_remote_prefill"):
+        if params and params.get(P.REUSE) and not params.get(P.DO_REMOTE_PREFILL):
             return self._claim_reuse(request, params, num_computed_tokens)
-        if not params or not params.get("do_remote_prefill"):
+        if not params or not params.get(P.DO_REMOTE_PREFILL):
             return 0, False
-        if self._mode(params) == MODE_PULL and not params.get("remote_engine_id"):
+        if self._mode(params) == MODE_PULL and not params.get(P.REMOTE_ENGINE_ID):
             return 0, False
-        remote_tokens = int(params.get("remote_num_tokens") or len(request.prompt_token_ids or ()))
+        remote_tokens = int(params.get(P.REMOTE_NUM_TOKENS) or len(request.prompt_token_ids or ()))
         count = min(remote_tokens, request.num_prompt_tokens) - num_computed_tokens
         if count <= 0:
             return 0, False
@@ -161,48 +149,40 @@ class KvbatonScheduler:
 
     def _claim_reuse(self, request: Request, params: dict[str, Any], num_computed_tokens: int) -> tuple[int, bool]:
         """Prefill: how many prompt tokens to READ from decode's retained blocks (once)."""
-        reuse = params.get("reuse") or {}
-        try:
-            hashes = [bytes.fromhex(h) for h in reuse.get("block_hashes") or ()]
-            remote_ids = [int(b) for b in reuse.get("block_ids") or ()]
-            ok = (int(reuse.get("tokens_per_block") or 0) == self.block_size and reuse.get("engine_id")
-                  and reuse.get("lease_id") and reuse.get("retention_id") and reuse.get("conversation_id"))
-        except (TypeError, ValueError):
-            ok = False
-        if not ok:
-            params.pop("reuse", None)
+        offer = P.ReuseOffer.from_params(params.get(P.REUSE))
+        if offer is None or offer.tokens_per_block != self.block_size:
+            params.pop(P.REUSE, None)
             self.reuse_stats["reuse_no_match"] += 1
             return 0, False
-        k = reusable_blocks(request.prompt_token_ids or (), self.block_size, hashes[: len(remote_ids)])
+        hashes = offer.block_hashes[: len(offer.block_ids)]
+        k = reusable_blocks(request.prompt_token_ids or (), self.block_size, hashes)
         ext = k * self.block_size - num_computed_tokens
         if ext < max(1, self.settings.kv_recompute_threshold):
-            params.pop("reuse", None)
+            params.pop(P.REUSE, None)
             self.reuse_stats["reuse_below_threshold" if k else "reuse_no_match"] += 1
             if ext > 0:  # reusable tokens beyond the local hit, too few to be worth a READ
-                from kvbaton.services.metrics import connector_metrics
-
                 connector_metrics().recomputes.labels("below_threshold").inc()
             log.info("kvbaton: %s: %d reusable tokens beyond the local hit (%d): recomputing",
                      request.request_id, max(ext, 0), num_computed_tokens)
             return 0, False
         self._local_hit[request.request_id] = num_computed_tokens
-        self._reuse_pending[request.request_id] = (k, reuse)
+        self._reuse_pending[request.request_id] = (k, offer)
         return ext, True
 
     def _alloc_reuse(self, request: Request, params: dict[str, Any], blocks: KVCacheBlocks,
                      num_external_tokens: int) -> None:
-        params.pop("reuse", None)  # offer once (API notes §0.5)
-        k, reuse = self._reuse_pending.pop(request.request_id)
+        params.pop(P.REUSE, None)  # offer once (VLLM_API_NOTES.md §0.5)
+        k, offer = self._reuse_pending.pop(request.request_id)
         hit = self._local_hit.pop(request.request_id, 0)
         if num_external_tokens <= 0:
             return
         local_all = blocks.get_block_ids()[0]
         first = hit // self.block_size
         last = min(k, len(local_all))
-        remote = tuple(int(b) for b in reuse["block_ids"][first:last])
+        remote = offer.block_ids[first:last]
         local = tuple(int(b) for b in local_all[first:last])
-        src = ReuseSource(str(reuse["conversation_id"]), str(reuse["engine_id"]), str(reuse["lease_id"]),
-                          str(reuse["retention_id"]), last * self.block_size)
+        src = ReuseSource(offer.conversation_id, offer.engine_id, offer.lease_id, offer.retention_id,
+                          last * self.block_size)
         tid = f"reuse-{uuid.uuid4().hex[:12]}"
         self._loads[request.request_id] = LoadSpec(tid, src.engine_id, remote, local, True,
                                                    mode=MODE_REUSE, reuse=src, traceparent=self._tp(params))
@@ -215,14 +195,14 @@ class KvbatonScheduler:
         if params is not None and request.request_id in self._reuse_pending:
             self._alloc_reuse(request, params, blocks, num_external_tokens)
             return
-        if not params or not params.get("do_remote_prefill"):
+        if not params or not params.get(P.DO_REMOTE_PREFILL):
             return
         # Offer once: whatever happens next (load ok, load failed, nothing to load) this
         # request must never be offered for a remote load again.
-        params["do_remote_prefill"] = False
-        tid = str(params.get("transfer_id") or "")
-        remote_engine = str(params.get("remote_engine_id") or "")
-        remote_ids = [int(b) for b in (params.get("remote_block_ids") or ())]
+        params[P.DO_REMOTE_PREFILL] = False
+        tid = str(params.get(P.TRANSFER_ID) or "")
+        remote_engine = str(params.get(P.REMOTE_ENGINE_ID) or "")
+        remote_ids = [int(b) for b in (params.get(P.REMOTE_BLOCK_IDS) or ())]
         hit = self._local_hit.pop(request.request_id, 0)
         if self._mode(params) == MODE_PUSH:
             self._offer(request, blocks, num_external_tokens, hit, tid)
@@ -243,8 +223,6 @@ class KvbatonScheduler:
 
     def _offer(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int,
                hit: int, tid: str) -> None:
-        from kvbaton.v1 import rendezvous_pb2 as rpb
-
         if not tid:
             log.warning("kvbaton: push request %s has no transfer_id; computing locally", request.request_id)
             return
@@ -276,36 +254,32 @@ class KvbatonScheduler:
         self._reuse_pending.pop(request.request_id, None)
         tp = self._tp(params)
         md = grpc_metadata(tp)
-        if params.get("do_remote_prefill"):
+        if params.get(P.DO_REMOTE_PREFILL):
             # Decode request finished (aborted) before it was ever allocated: tell the
             # prefill engine to free its held blocks instead of waiting for its timeout.
-            params["do_remote_prefill"] = False
-            if self._mode(params) == MODE_PUSH and params.get("transfer_id"):
-                from kvbaton.v1 import rendezvous_pb2 as rpb
-
-                cancel = rpb.CancelRequest(transfer_id=str(params["transfer_id"]),
+            params[P.DO_REMOTE_PREFILL] = False
+            if self._mode(params) == MODE_PUSH and params.get(P.TRANSFER_ID):
+                cancel = rpb.CancelRequest(transfer_id=str(params[P.TRANSFER_ID]),
                                            engine_id=self.settings.engine_id, reason="decode request aborted")
                 self._rpc("Cancel", lambda c: c.call(c.rendezvous.Cancel, cancel, metadata=md), cancel.transfer_id)
-            elif params.get("remote_engine_id"):
+            elif params.get(P.REMOTE_ENGINE_ID):
                 self._loads[request.request_id] = LoadSpec(
-                    str(params.get("transfer_id") or ""), str(params["remote_engine_id"]), (), (), False,
+                    str(params.get(P.TRANSFER_ID) or ""), str(params[P.REMOTE_ENGINE_ID]), (), (), False,
                     traceparent=tp)
             return False, None
-        if not params.get("do_remote_decode"):
-            if params.get("conversation_id") and self._retention is not None and request.status in (
+        if not params.get(P.DO_REMOTE_DECODE):
+            if params.get(P.CONVERSATION_ID) and self._retention is not None and request.status in (
                     RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
-                retained = self._retention.retain(str(params["conversation_id"]), request.all_token_ids,
+                retained = self._retention.retain(str(params[P.CONVERSATION_ID]), request.all_token_ids,
                                                   block_ids, int(request.num_computed_tokens))
-                return False, ({"retained": retained} if retained else None)
+                return False, ({P.RETAINED: retained} if retained else None)
             return False, None
         if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
             return False, None
         if not block_ids:
             return False, None
-        tid = str(params.get("transfer_id") or uuid.uuid4().hex)
+        tid = str(params.get(P.TRANSFER_ID) or uuid.uuid4().hex)
         if self._mode(params) == MODE_PUSH:
-            from kvbaton.v1 import rendezvous_pb2 as rpb
-
             n_tokens = min(int(request.num_computed_tokens), int(request.num_prompt_tokens))
             ids = tuple(int(b) for b in block_ids[: -(-n_tokens // self.block_size)])
             here = self.settings.complete_from_worker
@@ -313,20 +287,14 @@ class KvbatonScheduler:
                                                        ids, n_tokens, traceparent=tp, complete_here=here,
                                                        request_id=request.request_id)
             if not here:
-                complete = push_complete(self.settings, tid, ids, n_tokens, request.request_id)
+                complete = complete_request(self.settings.engine_id, self.settings.timeout_s, tid, ids, n_tokens,
+                                            request.request_id)
                 self._rpc("Complete", lambda c: c.call(c.rendezvous.Complete, complete, metadata=md), tid)
-            return True, {"transfer_id": tid, "transfer_mode": MODE_PUSH, "remote_engine_id": self.settings.engine_id}
+            return True, P.push_handoff(self.settings.engine_id, tid)
         self._sends[request.request_id] = SendSpec(tid, len(block_ids), self.settings.timeout_s, traceparent=tp,
                                                    block_ids=tuple(int(b) for b in block_ids))
-        return True, {
-            "do_remote_prefill": True,
-            "do_remote_decode": False,
-            "remote_engine_id": self.settings.engine_id,
-            "remote_block_ids": [int(b) for b in block_ids],
-            "remote_num_tokens": int(request.num_computed_tokens),
-            "transfer_id": tid,
-            "transfer_mode": MODE_PULL,  # this branch is pull whatever the engine default
-        }
+        # this branch is pull whatever the engine default
+        return True, P.pull_handoff(self.settings.engine_id, block_ids, int(request.num_computed_tokens), tid)
 
     # ------------------------------------------------------------------ per step
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvbatonMeta:
@@ -352,7 +320,7 @@ class KvbatonScheduler:
 
         While a request waits for its KV (decode) or holds blocks for a transfer
         (prefill), vLLM steps continuously with empty batches (~1.5 ms each, API notes
-        §0.4): the engine loop then holds the GIL almost all the time, and this process's
+        ``VLLM_API_NOTES.md`` §0.4): the engine loop then holds the GIL almost all the time, and this process's
         control thread — the one sending Offer/Complete — waits up to a switch interval
         for every GIL hand-off of a gRPC call (measured: Complete reaching the rendezvous
         up to 230 ms after prefill finished). A short sleep here releases the GIL and the

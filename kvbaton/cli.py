@@ -58,13 +58,12 @@ async def _leases(args) -> int:
     async with _client(args) as kv:
         if args.action == "list":
             states = ["LEASE_STATE_" + s.upper() for s in args.state]  # enum names: protobuf checks them
-            resp = await kv.call(kv.lease.List, lease_pb2.ListLeasesRequest(
-                engine_id=args.engine or "", states=states, expiring_within_ms=int(args.expiring_within * 1000),
-                limit=args.limit))
+            leases = await kv.list_leases(engine_id=args.engine or "", states=states,
+                                          expiring_within_ms=int(args.expiring_within * 1000), limit=args.limit)
             if args.json:
-                print(json.dumps([_dump(ls) for ls in resp.leases], indent=2))
+                print(json.dumps([_dump(ls) for ls in leases], indent=2))
             else:
-                print(_table(_lease_rows(resp.leases), LEASE_HEADERS))
+                print(_table(_lease_rows(leases), LEASE_HEADERS))
         elif args.action == "get":
             info = await kv.call(kv.lease.Get, lease_pb2.GetLeaseRequest(conversation_id=args.conversation))
             print(json.dumps(_dump(info), indent=2) if args.json else _table(_lease_rows([info]), LEASE_HEADERS))
@@ -105,18 +104,17 @@ async def _drain(args) -> int:
                        rendezvous_pb2.TRANSFER_PHASE_MATCHED]
             deadline = time.monotonic() + args.wait
             while True:
-                inflight = await kv.call(kv.rendezvous.ListTransfers, rendezvous_pb2.ListTransfersRequest(
-                    phases=pending, engine_id=args.engine))
-                if not inflight.transfers or time.monotonic() >= deadline:
+                inflight = await kv.list_transfers(phases=pending, engine_id=args.engine)
+                if not inflight or time.monotonic() >= deadline:
                     break
                 await asyncio.sleep(0.2)
-            out["in_flight_left"] = len(inflight.transfers)
-            leases = await kv.call(kv.lease.List, lease_pb2.ListLeasesRequest(engine_id=args.engine))
-            for info in leases.leases:
+            out["in_flight_left"] = len(inflight)
+            leases = await kv.list_leases(engine_id=args.engine)
+            for info in leases:
                 await kv.call(kv.lease.Revoke, lease_pb2.RevokeRequest(
                     conversation_id=info.conversation_id, lease_id=info.lease_id,
                     reason=f"engine {args.engine} drained" + (f": {args.reason}" if args.reason else "")))
-            out["conversations_released"] = len(leases.leases)
+            out["conversations_released"] = len(leases)
         if args.json:
             print(json.dumps(out))
         else:
@@ -129,15 +127,15 @@ async def _drain(args) -> int:
 
 
 async def _engines(args) -> int:
-    from kvbaton.v1 import common_pb2, registrar_pb2
+    from kvbaton.v1 import common_pb2
 
     if args.action == "drain":
         return await _drain(args)
     async with _client(args) as kv:
-        resp = await kv.call(kv.registrar.ListEngines, registrar_pb2.ListEnginesRequest())
+        ranks = await kv.list_engines()
         if args.json:
             out = []
-            for r in resp.ranks:
+            for r in ranks:
                 d = _dump(r)
                 d.pop("agent_metadata", None)
                 d["agent_metadata_bytes"] = len(r.agent_metadata)
@@ -148,7 +146,7 @@ async def _engines(args) -> int:
                      r.agent_name, str(r.geometry.num_blocks), str(r.geometry.tokens_per_block),
                      f"{r.geometry.bytes_per_block * len(r.geometry.region_base_addrs) * r.geometry.num_blocks / 2**20:.1f}",
                      r.geometry.device or "?", r.geometry.fingerprint[:16], r.serve_url or "-",
-                     "draining" if r.draining else "serving"] for r in resp.ranks]
+                     "draining" if r.draining else "serving"] for r in ranks]
             print(_table(rows, ["ENGINE", "ROLE", "RANK", "AGENT", "BLOCKS", "TOK/BLK", "KV_MIB", "DEVICE", "FINGERPRINT",
                                 "URL", "STATE"]))
     return 0
@@ -159,17 +157,20 @@ async def _transfers(args) -> int:
 
     async with _client(args) as kv:
         phases = ["TRANSFER_PHASE_" + p.upper() for p in args.phase]  # enum names: protobuf checks them
-        resp = await kv.call(kv.rendezvous.ListTransfers, rendezvous_pb2.ListTransfersRequest(
-            phases=phases, engine_id=args.engine or "", limit=args.limit))
+        transfers = await kv.list_transfers(phases=phases, engine_id=args.engine or "", limit=args.limit)
         if args.json:
-            print(json.dumps([_dump(t) for t in resp.transfers], indent=2))
+            print(json.dumps([_dump(t) for t in transfers], indent=2))
         else:
             now = int(time.time() * 1000)
-            rows = [[t.transfer_id, str(t.attempt), _enum(rendezvous_pb2.TransferPhase.Name(t.phase), "TRANSFER_PHASE_"),
+            rows = [[t.transfer_id, str(t.attempt),
+                     _enum(rendezvous_pb2.TransferKind.Name(t.kind or rendezvous_pb2.TRANSFER_KIND_PUSH), "TRANSFER_KIND_"),
+                     _enum(rendezvous_pb2.TransferPhase.Name(t.phase), "TRANSFER_PHASE_"),
                      t.offer.engine_id or "-", str(len(t.offer.block_ids)), t.completion.engine_id or "-",
-                     str(len(t.completion.block_ids)), _ms(max(now - t.updated_at_ms, 0)), t.reason]
-                    for t in resp.transfers]
-            print(_table(rows, ["TRANSFER", "ATT", "PHASE", "DECODE", "D_BLK", "PREFILL", "P_BLK", "AGE", "REASON"]))
+                     str(len(t.completion.block_ids)), str(sum(o.bytes for o in t.outcomes)),
+                     _ms(max(now - t.updated_at_ms, 0)), t.reason]
+                    for t in transfers]
+            print(_table(rows, ["TRANSFER", "ATT", "KIND", "PHASE", "DECODE", "D_BLK", "PREFILL", "P_BLK", "BYTES", "AGE",
+                                "REASON"]))
     return 0
 
 

@@ -17,7 +17,7 @@ import contextlib
 import dataclasses
 import random
 import time
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import Any
 
 import grpc
@@ -34,6 +34,8 @@ from kvbaton.v1 import (
 
 log = structlog.get_logger(__name__)
 
+# Initial metadata of the control plane's streams (services/api/incarnation.py).
+STORE_INCARNATION_METADATA = "kvbaton-store-incarnation"
 _RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED,
               grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN)
 
@@ -102,7 +104,35 @@ class KvbatonClient:
         self._index = 0
         self._renewer: _RenewalBatcher | None = None
         self._session: RendezvousSession | None = None
+        # The store incarnation the control plane announced last (stream initial metadata):
+        # a change means the embedded store restarted and everything it held is gone.
+        self.store_incarnation = ""
+        self.incarnation_changes = 0
+        self._incarnation_event: asyncio.Event | None = None
         self._connect()
+
+    async def wait_incarnation_change(self, timeout_s: float | None = None) -> bool:
+        """True once the control plane announces a new store incarnation (registrations,
+        leases and transfers made before are gone); False after ``timeout_s``."""
+        if self._incarnation_event is None:
+            self._incarnation_event = asyncio.Event()
+        event = self._incarnation_event
+        try:
+            await asyncio.wait_for(event.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
+    def _note_incarnation(self, incarnation: str) -> None:
+        if not incarnation or incarnation == self.store_incarnation:
+            return
+        previous, self.store_incarnation = self.store_incarnation, incarnation
+        if previous:
+            self.incarnation_changes += 1
+            log.warning("client.new_store_incarnation", previous=previous, incarnation=incarnation, address=self.address)
+            event, self._incarnation_event = self._incarnation_event, None
+            if event is not None:
+                event.set()
 
     def _connect(self) -> None:
         addr = self.addresses[self._index % len(self.addresses)]
@@ -188,17 +218,23 @@ class KvbatonClient:
         service, name = path.rsplit("/", 1)
         return self._STUBS[service.rsplit(".", 1)[-1].lstrip("/")], name
 
-    async def _resumable(self, open_stream, on_event) -> AsyncGenerator[Any, None]:
+    async def _resumable(self, open_stream, on_event, state: dict[str, Any] | None = None) -> AsyncGenerator[Any, None]:
         """Runs a server stream and re-opens it after a transport failure (on the next
         replica, with jittered backoff). ``open_stream()`` builds the call from the
         caller's resume state; ``on_event(event)`` updates that state and says whether to
-        yield the event."""
+        yield the event. ``state["inc"]`` is the store incarnation its ``state["last"]``
+        revision belongs to: under a new one the server started from scratch, and so does
+        the state (``last`` = 0), so no new event is mistaken for an old one."""
         backoff = 0.05
         while True:
             stream = open_stream()
+            first = True
             try:
                 async for event in stream:
                     backoff = 0.05
+                    if first:
+                        first = False
+                        await self._stream_incarnation(stream, state)
                     if on_event(event):
                         yield event
             except grpc.aio.AioRpcError as exc:
@@ -212,16 +248,32 @@ class KvbatonClient:
             await asyncio.sleep(backoff * (1 + random.random()))
             backoff = min(backoff * 2, 2.0)
 
+    async def _stream_incarnation(self, stream, state: dict | None) -> None:
+        try:
+            md = await stream.initial_metadata()
+        except grpc.aio.AioRpcError:
+            return
+        inc = next((v for k, v in (md or ()) if k == STORE_INCARNATION_METADATA), "")
+        if not inc:
+            return
+        if state is not None:
+            if state.get("inc") and state["inc"] != inc:
+                log.warning("client.stream_restarted_from_scratch", previous=state["inc"], incarnation=inc,
+                            last_revision=state.get("last"))
+                state["last"] = 0
+            state["inc"] = inc
+        self._note_incarnation(inc)
+
     def subscribe(self, engine_id: str, tp_rank: int = 0, *, after_revision: int = 0,
                   heartbeats: bool = False) -> AsyncGenerator[rendezvous_pb2.RendezvousEvent, None]:
         """Rendezvous events for an engine rank, resumed across disconnects from the last
         revision seen, so nothing is lost or repeated."""
         Ev = rendezvous_pb2.RendezvousEvent
-        state = {"last": after_revision}
+        state: dict[str, Any] = {"last": after_revision, "inc": ""}
 
         def open_stream():
             return self.rendezvous.Subscribe(rendezvous_pb2.SubscribeRequest(
-                engine_id=engine_id, tp_rank=tp_rank, after_revision=state["last"]))
+                engine_id=engine_id, tp_rank=tp_rank, after_revision=state["last"], incarnation=state["inc"]))
 
         def on_event(event) -> bool:
             if event.type == Ev.TYPE_HEARTBEAT:
@@ -233,16 +285,17 @@ class KvbatonClient:
             state["last"] = max(state["last"], event.revision)
             return True
 
-        return self._resumable(open_stream, on_event)
+        return self._resumable(open_stream, on_event, state)
 
     def watch_leases(self, engine_id: str = "", *, snapshot: bool = True) -> AsyncGenerator[lease_pb2.LeaseEvent, None]:
         """Lease events for an engine (or all), resumed across disconnects; the snapshot
         of live leases comes first when ``snapshot`` is set."""
-        state = {"last": 0}
+        state: dict[str, Any] = {"last": 0, "inc": ""}
 
         def open_stream():
             return self.lease.Watch(lease_pb2.WatchLeasesRequest(
-                engine_id=engine_id, snapshot=snapshot and state["last"] == 0, after_revision=state["last"]))
+                engine_id=engine_id, snapshot=snapshot and state["last"] == 0, after_revision=state["last"],
+                incarnation=state["inc"]))
 
         def on_event(event) -> bool:
             if event.type == lease_pb2.LeaseEvent.TYPE_HEARTBEAT:
@@ -251,7 +304,36 @@ class KvbatonClient:
             state["last"] = max(state["last"], event.revision)
             return True
 
-        return self._resumable(open_stream, on_event)
+        return self._resumable(open_stream, on_event, state)
+
+    async def _all_pages(self, method, request, field: str, limit: int = 0, retries: int = 3) -> list:
+        """Every item of a paged List (``limit``: stop after that many), one call per page."""
+        out: list = []
+        while True:
+            resp = await self.call(method, request, retries=retries)
+            out.extend(getattr(resp, field))
+            if not resp.next_page_token or (limit and len(out) >= limit):
+                return out[:limit] if limit else out
+            request.page_token = resp.next_page_token
+
+    async def list_leases(self, *, engine_id: str = "", states: Sequence[Any] = (), expiring_within_ms: int = 0,
+                          limit: int = 0, page_size: int = 0, retries: int = 3) -> list[lease_pb2.LeaseInfo]:
+        """Every matching lease, following pages (by deadline)."""
+        req = lease_pb2.ListLeasesRequest(engine_id=engine_id, states=states, expiring_within_ms=expiring_within_ms,
+                                          page_size=page_size)
+        return await self._all_pages(self.lease.List, req, "leases", limit, retries)
+
+    async def list_engines(self, role: Any = 0, *, page_size: int = 0) -> list:
+        """Every registered engine rank, following pages."""
+        from kvbaton.v1 import registrar_pb2
+
+        return await self._all_pages(self.registrar.ListEngines, registrar_pb2.ListEnginesRequest(role=role, page_size=page_size), "ranks")
+
+    async def list_transfers(self, *, phases: Sequence[Any] = (), engine_id: str = "", limit: int = 0,
+                             page_size: int = 0) -> list:
+        """Every matching transfer, following pages (oldest change first)."""
+        req = rendezvous_pb2.ListTransfersRequest(phases=phases, engine_id=engine_id, page_size=page_size)
+        return await self._all_pages(self.rendezvous.ListTransfers, req, "transfers", limit)
 
     async def renew(self, conversation_id: str, *, lease_id: str = "", ttl_ms: int = 0) -> lease_pb2.RenewResult:
         """Renews over the client's one KeepAlive stream, batched with every other renewal
@@ -552,6 +634,9 @@ class _RenewalBatcher:
             channel = self.client.channel
             call = self.client.lease.KeepAlive(requests())
             watch.start(call)
+            # The server announces its store's incarnation as the stream opens: learn it
+            # without waiting for a renewal (keepers then renew at once after a restart).
+            noted = asyncio.ensure_future(self.client._stream_incarnation(call, None))
             try:
                 async for resp in call:
                     backoff = 0.05
@@ -570,6 +655,7 @@ class _RenewalBatcher:
                     await self.client.reconnect(if_channel=channel)
             finally:
                 watch.stop()
+                noted.cancel()
             if watch.stuck:
                 log.warning("client.keepalive_stuck", timeout_s=self.client.timeout_s, address=self.client.address)
                 if len(self.client.addresses) > 1:
@@ -587,6 +673,16 @@ class _RenewalBatcher:
             await self._task
 
 
+class LeaseLost(Exception):
+    """A LeaseKeeper's lease is gone (expired, revoked, or lost with the control plane's store)."""
+
+    def __init__(self, conversation_id: str, result: lease_pb2.RenewResult) -> None:
+        super().__init__(f"lease of conversation {conversation_id} is gone: "
+                         f"{lease_pb2.RenewStatus.Name(result.status)} {result.error}")
+        self.conversation_id = conversation_id
+        self.result = result
+
+
 class LeaseKeeper:
     """Renews a conversation's lease in the background while the ``async with`` block runs.
 
@@ -597,8 +693,13 @@ class LeaseKeeper:
     """
 
     def __init__(self, client: KvbatonClient, conversation_id: str, *, interval_s: float | None = None,
-                 ttl_ms: int = 0) -> None:
+                 ttl_ms: int = 0, on_lost: Callable[[lease_pb2.RenewResult], None] | None = None) -> None:
         self.client = client
+        # Called (once per loss) when the lease is gone: NOT_FOUND (e.g. the control plane's
+        # store restarted and lost it) or ENDED (expired or revoked). ``lost`` holds the
+        # answer that said so until a renewal succeeds again; ``check()`` raises LeaseLost.
+        self.on_lost = on_lost
+        self.lost: lease_pb2.RenewResult | None = None
         self.conversation_id = conversation_id
         self.ttl_ms = ttl_ms
         self.interval_s = interval_s
@@ -625,14 +726,35 @@ class LeaseKeeper:
         self.last = result
         if result.status == lease_pb2.RENEW_STATUS_OK:
             self.renewals += 1
+            self.lost = None
         else:
             self.failures += 1
+            if result.status in (lease_pb2.RENEW_STATUS_NOT_FOUND, lease_pb2.RENEW_STATUS_ENDED) and self.lost is None:
+                self.lost = result
+                log.warning("lease_keeper.lost", conversation_id=self.conversation_id,
+                            status=lease_pb2.RenewStatus.Name(result.status), error=result.error)
+                if self.on_lost is not None:
+                    self.on_lost(result)
         return result
+
+    def check(self) -> None:
+        """Raises ``LeaseLost`` if the lease is gone (its blocks may be freed at any time)."""
+        if self.lost is not None:
+            raise LeaseLost(self.conversation_id, self.lost)
 
     async def _run(self) -> None:
         while not self._stopped.is_set():
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stopped.wait(), self.interval_s)
+            # Renew every interval, and at once when the control plane announces a new
+            # store incarnation (the lease is then probably gone: say so now).
+            stop = asyncio.ensure_future(self._stopped.wait())
+            new_store = asyncio.ensure_future(self.client.wait_incarnation_change())
+            try:
+                done, _ = await asyncio.wait({stop, new_store}, timeout=self.interval_s,
+                                             return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                stop.cancel()
+                new_store.cancel()
+            if stop in done:
                 return
             try:
                 # Bounded well inside the TTL: one renewal stuck behind a failing replica

@@ -67,10 +67,10 @@ def rates(before: tuple[float, dict[str, float]] | None, after: tuple[float, dic
 
 async def snapshot(kv: Any) -> dict[str, Any]:
     """Engines, pending transfers and the leases expiring soonest, over gRPC."""
-    from kvbaton.v1 import lease_pb2, registrar_pb2, rendezvous_pb2
+    from kvbaton.v1 import lease_pb2, rendezvous_pb2
 
     answers: tuple[Any, ...] = await asyncio.gather(  # each a response or the exception it raised
-        kv.call(kv.registrar.ListEngines, registrar_pb2.ListEnginesRequest()),
+        kv.list_engines(),  # every page: a dashboard must not lose engines past the first
         kv.call(kv.rendezvous.ListTransfers, rendezvous_pb2.ListTransfersRequest()),
         kv.call(kv.lease.List, lease_pb2.ListLeasesRequest()),
         return_exceptions=True)
@@ -80,7 +80,7 @@ async def snapshot(kv: Any) -> dict[str, Any]:
     for name, resp in (("engines", engines), ("transfers", transfers), ("leases", leases)):
         if isinstance(resp, BaseException):
             out["errors"].append(f"{name}: {resp.details() if hasattr(resp, 'details') else repr(resp)}")
-    out["engines"] = [] if isinstance(engines, BaseException) else engine_rows(list(engines.ranks))
+    out["engines"] = [] if isinstance(engines, BaseException) else engine_rows(list(engines))
     if not isinstance(transfers, BaseException):
         ts = sorted(transfers.transfers, key=lambda t: min(
             (s.received_at_ms for s in (t.offer, t.completion) if s.engine_id), default=t.updated_at_ms))

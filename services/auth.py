@@ -136,6 +136,7 @@ RULES: dict[str, Rule] = {
     "/kvbaton.v1.Rendezvous/Subscribe": _engine_field("engine_id", "subscribe"),
     "/kvbaton.v1.Rendezvous/ReportOutcome": _engine_field("outcome.engine_id", "report outcomes"),
     "/kvbaton.v1.Rendezvous/Cancel": _engine_field("engine_id", "cancel"),
+    "/kvbaton.v1.Rendezvous/BeginRead": _engine_field("reader_engine_id", "begin reads"),
     "/kvbaton.v1.Rendezvous/GetTransfer": _roles(*READERS, verb="look up transfers"),
     "/kvbaton.v1.Rendezvous/ListTransfers": _roles("router", "operator", verb="list transfers"),
     "/kvbaton.v1.Lease/Grant": _engine_field("engine_id", "grant leases"),
@@ -199,10 +200,13 @@ class RateLimiter:
         self._buckets: dict[str, tuple[float, float]] = {}  # client -> (tokens, updated)
 
     def allow(self, client: str, cost: float = 1.0) -> bool:
+        """Charges ``cost`` (e.g. the renewals in one KeepAlive message). A cost above the
+        burst is admitted from a full bucket and leaves it in debt, so a big message is
+        possible but the client's average rate still holds."""
         now = self.clock()
         tokens, updated = self._buckets.get(client, (self.burst, now))
         tokens = min(self.burst, tokens + (now - updated) * self.rate)
-        ok = tokens >= cost
+        ok = tokens >= min(cost, self.burst)
         if ok:
             tokens -= cost
         if len(self._buckets) >= self.max_clients and client not in self._buckets:

@@ -201,6 +201,14 @@ class InstrumentedStore(Store):
     def name(self) -> str:
         return self.inner.name
 
+    @property
+    def max_request_bytes(self) -> int:  # type: ignore[override]
+        return self.inner.max_request_bytes
+
+    @property
+    def incarnation(self) -> str:  # type: ignore[override]
+        return self.inner.incarnation
+
     async def _timed(self, op: str, aw: Any) -> Any:
         start = time.perf_counter()
         try:

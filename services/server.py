@@ -132,7 +132,8 @@ class ControlPlane:
             registrar_pb2_grpc.add_RegistrarServicer_to_server(RegistrarServicer(self.registrar), self.server)
         if "rendezvous" in self.config.services:
             self.rendezvous = RendezvousService(store, clock=self.clock, config=self.config.rendezvous,
-                                                engine_exists=self.registrar.engine_exists, metrics=self.metrics)
+                                                engine_exists=self.registrar.engine_exists, metrics=self.metrics,
+                                                retained_lookup=self.registrar.find_retained)
             await self.rendezvous.start(run_sweeper=True)
             rendezvous_pb2_grpc.add_RendezvousServicer_to_server(RendezvousServicer(self.rendezvous), self.server)
         if "lease" in self.config.services:

@@ -203,32 +203,40 @@ class GetLeaseRequest(_message.Message):
     def __init__(self, conversation_id: _Optional[str] = ...) -> None: ...
 
 class ListLeasesRequest(_message.Message):
-    __slots__ = ("engine_id", "states", "expiring_within_ms", "limit")
+    __slots__ = ("engine_id", "states", "expiring_within_ms", "limit", "page_size", "page_token")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     STATES_FIELD_NUMBER: _ClassVar[int]
     EXPIRING_WITHIN_MS_FIELD_NUMBER: _ClassVar[int]
     LIMIT_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     states: _containers.RepeatedScalarFieldContainer[LeaseState]
     expiring_within_ms: int
     limit: int
-    def __init__(self, engine_id: _Optional[str] = ..., states: _Optional[_Iterable[_Union[LeaseState, str]]] = ..., expiring_within_ms: _Optional[int] = ..., limit: _Optional[int] = ...) -> None: ...
+    page_size: int
+    page_token: str
+    def __init__(self, engine_id: _Optional[str] = ..., states: _Optional[_Iterable[_Union[LeaseState, str]]] = ..., expiring_within_ms: _Optional[int] = ..., limit: _Optional[int] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
 
 class ListLeasesResponse(_message.Message):
-    __slots__ = ("leases",)
+    __slots__ = ("leases", "next_page_token")
     LEASES_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     leases: _containers.RepeatedCompositeFieldContainer[LeaseInfo]
-    def __init__(self, leases: _Optional[_Iterable[_Union[LeaseInfo, _Mapping]]] = ...) -> None: ...
+    next_page_token: str
+    def __init__(self, leases: _Optional[_Iterable[_Union[LeaseInfo, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
 
 class WatchLeasesRequest(_message.Message):
-    __slots__ = ("engine_id", "snapshot", "after_revision")
+    __slots__ = ("engine_id", "snapshot", "after_revision", "incarnation")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     AFTER_REVISION_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     snapshot: bool
     after_revision: int
-    def __init__(self, engine_id: _Optional[str] = ..., snapshot: _Optional[bool] = ..., after_revision: _Optional[int] = ...) -> None: ...
+    incarnation: str
+    def __init__(self, engine_id: _Optional[str] = ..., snapshot: _Optional[bool] = ..., after_revision: _Optional[int] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class LeaseEvent(_message.Message):
     __slots__ = ("type", "lease", "revision")

@@ -105,16 +105,22 @@ class GetEngineResponse(_message.Message):
     def __init__(self, ranks: _Optional[_Iterable[_Union[EngineRank, _Mapping]]] = ...) -> None: ...
 
 class ListEnginesRequest(_message.Message):
-    __slots__ = ("role",)
+    __slots__ = ("role", "page_size", "page_token")
     ROLE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     role: _common_pb2.EngineRole
-    def __init__(self, role: _Optional[_Union[_common_pb2.EngineRole, str]] = ...) -> None: ...
+    page_size: int
+    page_token: str
+    def __init__(self, role: _Optional[_Union[_common_pb2.EngineRole, str]] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
 
 class ListEnginesResponse(_message.Message):
-    __slots__ = ("ranks",)
+    __slots__ = ("ranks", "next_page_token")
     RANKS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     ranks: _containers.RepeatedCompositeFieldContainer[EngineRank]
-    def __init__(self, ranks: _Optional[_Iterable[_Union[EngineRank, _Mapping]]] = ...) -> None: ...
+    next_page_token: str
+    def __init__(self, ranks: _Optional[_Iterable[_Union[EngineRank, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
 
 class WatchEnginesRequest(_message.Message):
     __slots__ = ("role",)

@@ -18,6 +18,13 @@ class TransferPhase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TRANSFER_PHASE_FAILED: _ClassVar[TransferPhase]
     TRANSFER_PHASE_EXPIRED: _ClassVar[TransferPhase]
     TRANSFER_PHASE_CANCELLED: _ClassVar[TransferPhase]
+
+class TransferKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TRANSFER_KIND_UNSPECIFIED: _ClassVar[TransferKind]
+    TRANSFER_KIND_PUSH: _ClassVar[TransferKind]
+    TRANSFER_KIND_PULL: _ClassVar[TransferKind]
+    TRANSFER_KIND_REUSE: _ClassVar[TransferKind]
 TRANSFER_PHASE_UNSPECIFIED: TransferPhase
 TRANSFER_PHASE_OFFERED: TransferPhase
 TRANSFER_PHASE_COMPLETED: TransferPhase
@@ -26,6 +33,10 @@ TRANSFER_PHASE_SUCCEEDED: TransferPhase
 TRANSFER_PHASE_FAILED: TransferPhase
 TRANSFER_PHASE_EXPIRED: TransferPhase
 TRANSFER_PHASE_CANCELLED: TransferPhase
+TRANSFER_KIND_UNSPECIFIED: TransferKind
+TRANSFER_KIND_PUSH: TransferKind
+TRANSFER_KIND_PULL: TransferKind
+TRANSFER_KIND_REUSE: TransferKind
 
 class TransferSide(_message.Message):
     __slots__ = ("engine_id", "block_ids", "num_tokens", "deadline_ms", "received_at_ms", "request_id")
@@ -62,7 +73,7 @@ class Outcome(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., success: _Optional[bool] = ..., bytes: _Optional[int] = ..., error: _Optional[str] = ..., reported_at_ms: _Optional[int] = ..., duration_us: _Optional[int] = ...) -> None: ...
 
 class TransferState(_message.Message):
-    __slots__ = ("transfer_id", "attempt", "phase", "offer", "completion", "matched_at_ms", "expected_outcomes", "outcomes", "reason", "updated_at_ms", "revision")
+    __slots__ = ("transfer_id", "attempt", "phase", "offer", "completion", "matched_at_ms", "expected_outcomes", "outcomes", "reason", "updated_at_ms", "revision", "kind", "generation", "conversation_id")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
@@ -74,6 +85,9 @@ class TransferState(_message.Message):
     REASON_FIELD_NUMBER: _ClassVar[int]
     UPDATED_AT_MS_FIELD_NUMBER: _ClassVar[int]
     REVISION_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    CONVERSATION_ID_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     attempt: int
     phase: TransferPhase
@@ -85,7 +99,34 @@ class TransferState(_message.Message):
     reason: str
     updated_at_ms: int
     revision: int
-    def __init__(self, transfer_id: _Optional[str] = ..., attempt: _Optional[int] = ..., phase: _Optional[_Union[TransferPhase, str]] = ..., offer: _Optional[_Union[TransferSide, _Mapping]] = ..., completion: _Optional[_Union[TransferSide, _Mapping]] = ..., matched_at_ms: _Optional[int] = ..., expected_outcomes: _Optional[int] = ..., outcomes: _Optional[_Iterable[_Union[Outcome, _Mapping]]] = ..., reason: _Optional[str] = ..., updated_at_ms: _Optional[int] = ..., revision: _Optional[int] = ...) -> None: ...
+    kind: TransferKind
+    generation: str
+    conversation_id: str
+    def __init__(self, transfer_id: _Optional[str] = ..., attempt: _Optional[int] = ..., phase: _Optional[_Union[TransferPhase, str]] = ..., offer: _Optional[_Union[TransferSide, _Mapping]] = ..., completion: _Optional[_Union[TransferSide, _Mapping]] = ..., matched_at_ms: _Optional[int] = ..., expected_outcomes: _Optional[int] = ..., outcomes: _Optional[_Iterable[_Union[Outcome, _Mapping]]] = ..., reason: _Optional[str] = ..., updated_at_ms: _Optional[int] = ..., revision: _Optional[int] = ..., kind: _Optional[_Union[TransferKind, str]] = ..., generation: _Optional[str] = ..., conversation_id: _Optional[str] = ...) -> None: ...
+
+class BeginReadRequest(_message.Message):
+    __slots__ = ("transfer_id", "attempt", "kind", "reader_engine_id", "block_ids", "readers", "generation", "conversation_id", "source_block_ids", "request_id")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    READER_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    READERS_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    CONVERSATION_ID_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: str
+    attempt: int
+    kind: TransferKind
+    reader_engine_id: str
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    readers: int
+    generation: str
+    conversation_id: str
+    source_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    request_id: str
+    def __init__(self, transfer_id: _Optional[str] = ..., attempt: _Optional[int] = ..., kind: _Optional[_Union[TransferKind, str]] = ..., reader_engine_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., readers: _Optional[int] = ..., generation: _Optional[str] = ..., conversation_id: _Optional[str] = ..., source_block_ids: _Optional[_Iterable[int]] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class OfferRequest(_message.Message):
     __slots__ = ("transfer_id", "attempt", "decode_engine_id", "block_ids", "num_tokens", "timeout_ms", "request_id")
@@ -136,14 +177,16 @@ class RendezvousResponse(_message.Message):
     def __init__(self, state: _Optional[_Union[TransferState, _Mapping]] = ..., matched_now: _Optional[bool] = ..., duplicate: _Optional[bool] = ...) -> None: ...
 
 class SubscribeRequest(_message.Message):
-    __slots__ = ("engine_id", "tp_rank", "after_revision")
+    __slots__ = ("engine_id", "tp_rank", "after_revision", "incarnation")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     TP_RANK_FIELD_NUMBER: _ClassVar[int]
     AFTER_REVISION_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     tp_rank: int
     after_revision: int
-    def __init__(self, engine_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., after_revision: _Optional[int] = ...) -> None: ...
+    incarnation: str
+    def __init__(self, engine_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., after_revision: _Optional[int] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class RendezvousEvent(_message.Message):
     __slots__ = ("type", "transfer", "revision")
@@ -198,20 +241,26 @@ class GetTransferRequest(_message.Message):
     def __init__(self, transfer_id: _Optional[str] = ...) -> None: ...
 
 class ListTransfersRequest(_message.Message):
-    __slots__ = ("phases", "engine_id", "limit")
+    __slots__ = ("phases", "engine_id", "limit", "page_size", "page_token")
     PHASES_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     LIMIT_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     phases: _containers.RepeatedScalarFieldContainer[TransferPhase]
     engine_id: str
     limit: int
-    def __init__(self, phases: _Optional[_Iterable[_Union[TransferPhase, str]]] = ..., engine_id: _Optional[str] = ..., limit: _Optional[int] = ...) -> None: ...
+    page_size: int
+    page_token: str
+    def __init__(self, phases: _Optional[_Iterable[_Union[TransferPhase, str]]] = ..., engine_id: _Optional[str] = ..., limit: _Optional[int] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
 
 class ListTransfersResponse(_message.Message):
-    __slots__ = ("transfers",)
+    __slots__ = ("transfers", "next_page_token")
     TRANSFERS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     transfers: _containers.RepeatedCompositeFieldContainer[TransferState]
-    def __init__(self, transfers: _Optional[_Iterable[_Union[TransferState, _Mapping]]] = ...) -> None: ...
+    next_page_token: str
+    def __init__(self, transfers: _Optional[_Iterable[_Union[TransferState, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
     __slots__ = ("calls",)

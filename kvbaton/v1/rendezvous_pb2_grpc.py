@@ -70,6 +70,11 @@ class RendezvousStub:
                 request_serializer=kvbaton_dot_v1_dot_rendezvous__pb2.ListTransfersRequest.SerializeToString,
                 response_deserializer=kvbaton_dot_v1_dot_rendezvous__pb2.ListTransfersResponse.FromString,
                 _registered_method=True)
+        self.BeginRead = channel.unary_unary(
+                '/kvbaton.v1.Rendezvous/BeginRead',
+                request_serializer=kvbaton_dot_v1_dot_rendezvous__pb2.BeginReadRequest.SerializeToString,
+                response_deserializer=kvbaton_dot_v1_dot_rendezvous__pb2.TransferState.FromString,
+                _registered_method=True)
         self.Session = channel.stream_stream(
                 '/kvbaton.v1.Rendezvous/Session',
                 request_serializer=kvbaton_dot_v1_dot_rendezvous__pb2.SessionRequest.SerializeToString,
@@ -129,6 +134,16 @@ class RendezvousServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def BeginRead(self, request, context):
+        """One ledger: a pull READ (decode reads a prefill's held blocks) or a reuse READ
+        (prefill reads a decode's retained blocks) is recorded as a transfer before the READ
+        is posted, and refused (FAILED_PRECONDITION) if the owner has since freed or re-leased
+        the blocks named (generation fencing). The reader reports with ReportOutcome.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Session(self, request_iterator, context):
         """An engine's session: offers, completions, outcomes and cancels over one stream, in
         batches. Each call is tagged with the client's `seq` and answered by one result with
@@ -177,6 +192,11 @@ def add_RendezvousServicer_to_server(servicer, server):
                     servicer.ListTransfers,
                     request_deserializer=kvbaton_dot_v1_dot_rendezvous__pb2.ListTransfersRequest.FromString,
                     response_serializer=kvbaton_dot_v1_dot_rendezvous__pb2.ListTransfersResponse.SerializeToString,
+            ),
+            'BeginRead': grpc.unary_unary_rpc_method_handler(
+                    servicer.BeginRead,
+                    request_deserializer=kvbaton_dot_v1_dot_rendezvous__pb2.BeginReadRequest.FromString,
+                    response_serializer=kvbaton_dot_v1_dot_rendezvous__pb2.TransferState.SerializeToString,
             ),
             'Session': grpc.stream_stream_rpc_method_handler(
                     servicer.Session,
@@ -373,6 +393,33 @@ class Rendezvous:
             '/kvbaton.v1.Rendezvous/ListTransfers',
             kvbaton_dot_v1_dot_rendezvous__pb2.ListTransfersRequest.SerializeToString,
             kvbaton_dot_v1_dot_rendezvous__pb2.ListTransfersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def BeginRead(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvbaton.v1.Rendezvous/BeginRead',
+            kvbaton_dot_v1_dot_rendezvous__pb2.BeginReadRequest.SerializeToString,
+            kvbaton_dot_v1_dot_rendezvous__pb2.TransferState.FromString,
             options,
             channel_credentials,
             insecure,

@@ -40,6 +40,16 @@ class GuardConfig:
     max_streams_per_client: int = 256
 
 
+class StreamRefused(Exception):
+    """A message of a client stream was refused; the stream's handler ends the call with
+    ``code`` and ``details`` (servicers pass it through from their reader tasks)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code = code
+        self.details = details
+
+
 def _handler_factory(handler: grpc.RpcMethodHandler):
     if handler.unary_unary:
         return grpc.unary_unary_rpc_method_handler, handler.unary_unary
@@ -148,18 +158,29 @@ class Guard(grpc.aio.ServerInterceptor):
             guard.streams[slot] += 1
 
             async def checked():
+                # Raises StreamRefused rather than aborting here: this runs in the servicer's
+                # reader task, and an abort racing the handler's own send fails in gRPC core
+                # (TOO_MANY_OPERATIONS) and leaves the client hanging. The servicer hands
+                # the exception to its handler task, which ends the call below.
                 async for req in request_iterator:
                     reason = authorize(principal, method, req)
                     if reason is not None:
                         guard.refused["permission_denied"] += 1
-                        await context.abort(grpc.StatusCode.PERMISSION_DENIED, reason)
-                    if guard.limiter is not None and not guard.limiter.allow(principal.name, cost=1.0):
-                        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "rate limit exceeded")
+                        raise StreamRefused(grpc.StatusCode.PERMISSION_DENIED, reason)
+                    # Charged per renewal, not per message: a 10,000-renewal batch costs 10,000.
+                    cost = float(max(1, len(getattr(req, "renewals", ()))))
+                    if guard.limiter is not None and not guard.limiter.allow(slot, cost=cost):
+                        guard.refused["rate_limited"] += 1
+                        raise StreamRefused(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                            f"rate limit {self.config.rate_limit:g} renewals/s exceeded for "
+                                            f"{slot} ({int(cost)} in one message)")
                     yield req
 
             try:
                 async for item in inner(checked(), context):
                     yield item
+            except StreamRefused as exc:
+                await context.abort(exc.code, exc.details)
             finally:
                 guard.streams[slot] -= 1
         return make(bidi, handler.request_deserializer, handler.response_serializer)

@@ -11,9 +11,14 @@ from kvbaton.v1 import lease_pb2_grpc as pb_grpc
 
 from ..domain.errors import DomainError
 from ..domain.lease import LeaseService
-from .status import grpc_code, streaming, unary, with_heartbeats
+from ..store import StoreError
+from . import incarnation
+from .budget import ByteBudget
+from .status import grpc_code, store_unavailable, streaming, unary, with_heartbeats
 
 HEARTBEAT_S = 5.0
+# What one renewal's answer is reckoned to take (a RenewResult with its LeaseInfo).
+RENEW_REPLY_BYTES = 160
 
 
 class LeaseServicer(pb_grpc.LeaseServicer):
@@ -36,28 +41,41 @@ class LeaseServicer(pb_grpc.LeaseServicer):
 
     async def KeepAlive(self, request_iterator, context: grpc.aio.ServicerContext):
         # Batches are answered in order, but several may be in flight, so one slow write
-        # doesn't stall the stream.
+        # doesn't stall the stream. The replies' bytes are reserved before a batch is read
+        # on and freed once written, so a client that stops reading stops being read.
         results: asyncio.Queue = asyncio.Queue(maxsize=64)
+        budget = ByteBudget()
 
         async def pump() -> None:
             try:
                 async for req in request_iterator:
-                    await results.put((req.seq, asyncio.ensure_future(self.domain.keepalive(req.renewals))))
+                    cost = RENEW_REPLY_BYTES * max(1, len(req.renewals))
+                    await budget.acquire(cost)
+                    resp = pb.KeepAliveResponse(seq=req.seq)
+                    await results.put((resp, cost, asyncio.ensure_future(self.domain.keepalive(req.renewals, into=resp))))
+            except Exception as exc:  # noqa: BLE001 - a refused message (the guard): the handler task ends the call
+                await results.put(exc)
             finally:
                 await results.put(None)
 
+        await incarnation.announce(context, self.domain.store)
         reader = asyncio.ensure_future(pump())
         try:
             while True:
                 item = await results.get()
                 if item is None:
                     break
-                seq, fut = item
+                if isinstance(item, Exception):
+                    raise item
+                resp, cost, fut = item
                 try:
-                    renewed = await fut
+                    await fut
                 except DomainError as exc:
                     await context.abort(grpc_code(exc.code), exc.message)
-                yield pb.KeepAliveResponse(results=renewed, seq=seq)
+                except StoreError as exc:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, store_unavailable(exc))
+                yield resp
+                budget.release(cost)
         finally:
             reader.cancel()
 
@@ -80,14 +98,20 @@ class LeaseServicer(pb_grpc.LeaseServicer):
 
     @unary
     async def List(self, r: pb.ListLeasesRequest, context):
-        leases = await self.domain.list(engine_id=r.engine_id, states=r.states,
-                                        expiring_within_ms=r.expiring_within_ms, limit=r.limit)
-        return pb.ListLeasesResponse(leases=leases)
+        leases, token = await self.domain.list_page(engine_id=r.engine_id, states=r.states,
+                                                    expiring_within_ms=r.expiring_within_ms, limit=r.limit,
+                                                    page_size=r.page_size, page_token=r.page_token)
+        return pb.ListLeasesResponse(leases=leases, next_page_token=token)
 
     @streaming
     async def Watch(self, r: pb.WatchLeasesRequest, context):
         def heartbeat() -> pb.LeaseEvent:
             return pb.LeaseEvent(type=pb.LeaseEvent.TYPE_HEARTBEAT, revision=self.domain.hub.revision)
 
-        async for event in with_heartbeats(self.domain.watch(r.engine_id, snapshot=r.snapshot, after_revision=r.after_revision), heartbeat, HEARTBEAT_S):
+        after = await incarnation.resume_from(self.domain.store, r.after_revision, r.incarnation, "lease_watch")
+        if after == incarnation.FIRST_REVISION and r.after_revision != after:
+            after = 0  # a new store incarnation: start from what is live now (a snapshot)
+        snapshot = r.snapshot or (r.after_revision > 0 and after == 0)
+        await incarnation.announce(context, self.domain.store)
+        async for event in with_heartbeats(self.domain.watch(r.engine_id, snapshot=snapshot, after_revision=after), heartbeat, HEARTBEAT_S):
             yield event

@@ -8,6 +8,7 @@ from kvbaton.v1 import registrar_pb2 as pb
 from kvbaton.v1 import registrar_pb2_grpc as pb_grpc
 
 from ..domain.registrar import RegistrarService
+from . import incarnation
 from .status import streaming, unary
 
 
@@ -36,10 +37,13 @@ class RegistrarServicer(pb_grpc.RegistrarServicer):
 
     @unary
     async def ListEngines(self, request: pb.ListEnginesRequest, context):
-        return pb.ListEnginesResponse(ranks=await self.domain.list_engines(request.role))
+        ranks, token = await self.domain.list_engines_page(request.role, page_size=request.page_size,
+                                                          page_token=request.page_token)
+        return pb.ListEnginesResponse(ranks=ranks, next_page_token=token)
 
     @streaming
     async def WatchEngines(self, request: pb.WatchEnginesRequest, context):
+        await incarnation.announce(context, self.domain.store)
         async for event in self.domain.watch_engines(request.role):
             yield event
 

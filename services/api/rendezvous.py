@@ -12,9 +12,11 @@ from kvbaton.v1 import rendezvous_pb2_grpc as pb_grpc
 
 from ..domain.errors import DomainError
 from ..domain.rendezvous import RendezvousService
-from ..store import StoreError
+from ..store import RequestTooLargeError, StoreError
+from . import incarnation
+from .budget import ByteBudget
 from .guard import SESSION_GATE
-from .status import grpc_code, streaming, unary, with_heartbeats
+from .status import grpc_code, store_unavailable, streaming, too_large, unary, with_heartbeats
 
 log = structlog.get_logger(__name__)
 
@@ -52,14 +54,24 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
 
     @streaming
     async def Subscribe(self, r: pb.SubscribeRequest, context):
-        # A heartbeat first: the subscriber knows it is registered before it offers.
-        yield pb.RendezvousEvent(type=pb.RendezvousEvent.TYPE_HEARTBEAT, revision=self.domain.hub.revision)
+        after = await incarnation.resume_from(self.domain.store, r.after_revision, r.incarnation, "subscribe")
+        await incarnation.announce(context, self.domain.store)
+        # A heartbeat first: the subscriber knows it is registered before it offers. Its
+        # revision is where the stream starts (events replayed after a restart come next).
+        yield pb.RendezvousEvent(type=pb.RendezvousEvent.TYPE_HEARTBEAT, revision=after or self.domain.hub.revision)
 
         def heartbeat() -> pb.RendezvousEvent:
             return pb.RendezvousEvent(type=pb.RendezvousEvent.TYPE_HEARTBEAT, revision=self.domain.hub.revision)
 
-        async for event in with_heartbeats(self.domain.subscribe(r.engine_id, r.tp_rank, r.after_revision), heartbeat, HEARTBEAT_S):
+        async for event in with_heartbeats(self.domain.subscribe(r.engine_id, r.tp_rank, after), heartbeat, HEARTBEAT_S):
             yield event
+
+    @unary
+    async def BeginRead(self, r: pb.BeginReadRequest, context):
+        return await self.domain.begin_read(
+            kind=r.kind, transfer_id=r.transfer_id, attempt=r.attempt, reader_engine_id=r.reader_engine_id,
+            block_ids=r.block_ids, readers=r.readers, generation=r.generation, conversation_id=r.conversation_id,
+            source_block_ids=r.source_block_ids, request_id=r.request_id)
 
     @unary
     async def ReportOutcome(self, r: pb.ReportOutcomeRequest, context):
@@ -75,7 +87,9 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
 
     @unary
     async def ListTransfers(self, r: pb.ListTransfersRequest, context):
-        return pb.ListTransfersResponse(transfers=await self.domain.list(phases=r.phases, engine_id=r.engine_id, limit=r.limit))
+        transfers, token = await self.domain.list_page(phases=r.phases, engine_id=r.engine_id, limit=r.limit,
+                                                       page_size=r.page_size, page_token=r.page_token)
+        return pb.ListTransfersResponse(transfers=transfers, next_page_token=token)
 
     async def _session_one(self, call: pb.SessionCall, gate) -> pb.SessionResult:
         """One session call, answered like its unary RPC would be (errors in the result)."""
@@ -100,9 +114,11 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
                                     reason="session call has no body (offer, complete, report_outcome or cancel)")
         except DomainError as exc:
             return pb.SessionResult(seq=seq, code=grpc_code(exc.code).value[0], reason=exc.message)
+        except RequestTooLargeError as exc:
+            return pb.SessionResult(seq=seq, code=_INVALID, reason=too_large(exc))
         except StoreError as exc:
             log.warning("store.unavailable", rpc="Session", error=str(exc))
-            return pb.SessionResult(seq=seq, code=grpc.StatusCode.UNAVAILABLE.value[0], reason=f"store unavailable: {exc}")
+            return pb.SessionResult(seq=seq, code=grpc.StatusCode.UNAVAILABLE.value[0], reason=store_unavailable(exc))
         except Exception as exc:  # one call's bug must not end every other call's stream
             log.exception("rendezvous.session_error", seq=seq)
             return pb.SessionResult(seq=seq, code=grpc.StatusCode.INTERNAL.value[0], reason=repr(exc)[:500])
@@ -117,12 +133,19 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
         slots = asyncio.Semaphore(SESSION_IN_FLIGHT)
         state = {"finished": False}
 
+        budget = ByteBudget()
+
         async def answer(call: pb.SessionCall) -> None:
+            # The call's slot and its answer's bytes are held until the answer is written,
+            # so a client that stops reading stops being read (bounded server memory).
             try:
-                results.append(await self._session_one(call, gate))
+                result = await self._session_one(call, gate)
+                await budget.acquire(result.ByteSize())
+                results.append(result)
                 ready.set()
-            finally:
+            except BaseException:
                 slots.release()
+                raise
 
         async def pump() -> None:
             # Calls are worked on concurrently (each decided by its own CAS) and answered as
@@ -149,7 +172,11 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
                 if results:
                     batch = results[:]
                     del results[:]
+                    size = sum(r.ByteSize() for r in batch)
                     yield pb.SessionResponse(results=batch)
+                    budget.release(size)
+                    for _ in batch:
+                        slots.release()
                 elif state["finished"]:
                     break
                 else:

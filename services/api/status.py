@@ -11,7 +11,7 @@ import structlog
 
 from ..domain.errors import Code, DomainError
 from ..domain.hub import SubscriberOverflow
-from ..store import StoreError
+from ..store import RequestTooLargeError, StoreError
 
 log = structlog.get_logger(__name__)
 
@@ -30,6 +30,16 @@ def grpc_code(code: Code) -> grpc.StatusCode:
     return _CODES[code]
 
 
+def store_unavailable(exc: StoreError) -> str:
+    """The reason given with UNAVAILABLE when the store failed: retry later (another
+    replica, or this one once the store answers again)."""
+    return f"store unavailable ({type(exc).__name__}): {exc}; retry with backoff"
+
+
+def too_large(exc: RequestTooLargeError) -> str:
+    return f"request too large for the store: {exc}"
+
+
 def unary(fn: Callable) -> Callable:
     """Turns DomainError/StoreError raised by a unary handler into a status with a reason."""
 
@@ -39,9 +49,11 @@ def unary(fn: Callable) -> Callable:
             return await fn(self, request, context)
         except DomainError as exc:
             await context.abort(_CODES[exc.code], exc.message)
+        except RequestTooLargeError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, too_large(exc))
         except StoreError as exc:
             log.warning("store.unavailable", rpc=fn.__name__, error=str(exc))
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"store unavailable: {exc}")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, store_unavailable(exc))
 
     return wrapper
 
@@ -56,8 +68,10 @@ def streaming(fn: Callable) -> Callable:
                 yield item
         except DomainError as exc:
             await context.abort(_CODES[exc.code], exc.message)
+        except RequestTooLargeError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, too_large(exc))
         except StoreError as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"store unavailable: {exc}")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, store_unavailable(exc))
 
     return wrapper
 

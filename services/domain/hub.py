@@ -11,6 +11,8 @@ joins the live feed with no gap and no duplicate.
 from __future__ import annotations
 
 import asyncio
+import heapq
+import itertools
 from collections.abc import AsyncIterator, Callable, Hashable, Iterable
 from typing import Generic, TypeVar
 
@@ -28,23 +30,51 @@ Route = Hashable
 Deriver = Callable[[WatchEvent], Iterable[tuple[Route, E]]]
 
 _SUBSCRIBER_QUEUE = 100_000
+# Events one subscriber may hold unsent, in bytes: a stream whose client stops reading
+# is ended (it resumes from its last revision) instead of growing server memory.
+SUBSCRIBER_BYTES = 8 * 1024 * 1024
 
 
 class SubscriberOverflow(Exception):
     """A subscriber fell too far behind; it must reconnect with its last revision."""
 
 
+def _size(event: object) -> int:
+    size = getattr(event, "ByteSize", None)
+    return size() if size is not None else 64
+
+
 class _Subscriber(Generic[E]):
-    def __init__(self, route: Route) -> None:
+    def __init__(self, route: Route, max_bytes: int = SUBSCRIBER_BYTES) -> None:
         self.route = route
         self.queue: asyncio.Queue[tuple[int, E] | None] = asyncio.Queue(_SUBSCRIBER_QUEUE)
         self.overflowed = False
+        self.bytes = 0
+        self.max_bytes = max_bytes
 
-    def offer(self, revision: int, event: E) -> None:
+    def offer(self, revision: int, event: E, size: int) -> None:
+        if self.overflowed:
+            return
+        if self.bytes + size > self.max_bytes and self.bytes:
+            self.overflowed = True
+            self._wake()
+            return
         try:
             self.queue.put_nowait((revision, event))
+            self.bytes += size
         except asyncio.QueueFull:
             self.overflowed = True
+            self._wake()
+
+    def _wake(self) -> None:
+        # What it holds is dropped now (it must resume anyway); the sentinel ends its stream.
+        while not self.queue.empty():
+            self.queue.get_nowait()
+        self.bytes = 0
+        self.queue.put_nowait(None)
+
+    def taken(self, event: E) -> None:
+        self.bytes = max(0, self.bytes - _size(event))
 
 
 class PrefixHub(Generic[T, E]):
@@ -76,8 +106,11 @@ class PrefixHub(Generic[T, E]):
         self.last_event_revision = 0
         self._subs: dict[Route, set[_Subscriber[E]]] = {}
         self._task: asyncio.Task | None = None
-        self._progress = asyncio.Condition()
-        self._progress_waiters = 0  # wait_for() callers: no wake-up task per batch without them
+        # wait_for() callers, by the revision they wait for: each applied batch wakes only
+        # those it satisfies (a condition's notify_all would wake every waiter per batch,
+        # quadratic when a KeepAlive batch commits 150 chunks at once).
+        self._waiters: list[tuple[int, int, asyncio.Future]] = []
+        self._waiter_seq = itertools.count()
         self._ready = asyncio.Event()
         self.listeners: list[Callable[[WatchEvent], None]] = []
 
@@ -134,10 +167,12 @@ class PrefixHub(Generic[T, E]):
     async def _resync(self) -> None:
         """History is gone: reload the cache; subscribers must resync from a snapshot."""
         await self._load()
+        self._wake_waiters()
         for subs in self._subs.values():
             for s in subs:
-                s.overflowed = True
-                s.queue.put_nowait(None)
+                if not s.overflowed:
+                    s.overflowed = True
+                    s._wake()
 
     def _apply(self, batch: list[WatchEvent]) -> None:
         for ev in batch:
@@ -149,30 +184,32 @@ class PrefixHub(Generic[T, E]):
                 listener(ev)
             if self._subs:
                 for route, event in self._derive(ev):
-                    for sub in self._subs.get(route, ()):
-                        sub.offer(ev.revision, event)
+                    subs = self._subs.get(route)
+                    if subs:
+                        size = _size(event)
+                        for sub in subs:
+                            sub.offer(ev.revision, event, size)
             self.revision = max(self.revision, ev.revision)
             self.last_event_revision = self.revision
-        if self._progress_waiters:
-            asyncio.get_running_loop().create_task(self._notify())
+        self._wake_waiters()
 
-    async def _notify(self) -> None:
-        async with self._progress:
-            self._progress.notify_all()
+    def _wake_waiters(self) -> None:
+        waiters = self._waiters
+        while waiters and waiters[0][0] <= self.revision:
+            fut = heapq.heappop(waiters)[2]
+            if not fut.done():
+                fut.set_result(None)
 
     async def wait_for(self, revision: int, timeout_s: float = 5.0) -> bool:
         """Waits until the cache has applied ``revision`` (read-your-writes)."""
         if self.revision >= revision:
             return True
-        self._progress_waiters += 1
+        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._waiters, (revision, next(self._waiter_seq), fut))
         try:
-            async with self._progress:
-                try:
-                    await asyncio.wait_for(self._progress.wait_for(lambda: self.revision >= revision), timeout_s)
-                except TimeoutError:
-                    return False
-        finally:
-            self._progress_waiters -= 1
+            await asyncio.wait_for(fut, timeout_s)
+        except TimeoutError:
+            return self.revision >= revision
         return True
 
     async def subscribe(self, route: Route, after_revision: int = 0) -> AsyncIterator[tuple[int, E]]:
@@ -196,6 +233,7 @@ class PrefixHub(Generic[T, E]):
                 for item in items:
                     if item is None or sub.overflowed:
                         raise SubscriberOverflow(f"{self.name}: subscriber for {route!r} fell behind; resubscribe")
+                    sub.taken(item[1])
                     if item[0] <= joined_at and after_revision:
                         continue  # already replayed
                     yield item

@@ -19,7 +19,7 @@ from kvbaton.v1 import registrar_pb2 as pb
 
 from ..metrics import ServiceMetrics
 from ..store.base import Compare, Delete, EventType, KeyValue, LeaseNotFoundError, Put, Store
-from . import limits
+from . import limits, paging
 from .clock import Clock, WallClock
 from .errors import Code, DomainError, invalid, not_found, precondition
 
@@ -110,6 +110,13 @@ class RegistrarService:
         rec.incarnation = secrets.token_hex(8)
         rec.draining = await self.store.get(self._dkey(rank.engine_id)) is not None
         key = self._ekey(rank.engine_id, rank.tp_rank)
+        limit = self.store.max_request_bytes
+        if limit and rec.ByteSize() + len(key) + 64 > limit:
+            # Refused up front: the store can never hold it, so a retry could never succeed.
+            raise invalid(
+                f"engine {rank.engine_id} rank {rank.tp_rank}: the registration is {rec.ByteSize()} bytes "
+                f"(agent_metadata {len(rank.agent_metadata)} bytes) but this control plane's store ({self.store.name}) "
+                f"takes at most {limit} bytes per write; shrink the NIXL metadata or raise the store's request limit")
         old = await self.store.get(key)
         store_lease = await self.store.grant_lease(ttl / 1000)
         await self.store.put(key, rec.SerializeToString(), lease=store_lease)
@@ -211,6 +218,12 @@ class RegistrarService:
         ranks = [pb.EngineRank.FromString(kv.value) for kv in kvs]
         return [r for r in ranks if not role or r.role == role]
 
+    async def list_engines_page(self, role: int = 0, *, page_size: int = 0, page_token: str = "") -> tuple[list[pb.EngineRank], str]:
+        """One page by (engine, rank), bounded in bytes too (agent metadata may be MiBs)."""
+        ranks = sorted(await self.list_engines(role), key=lambda r: (r.engine_id, r.tp_rank))
+        return paging.paginate(ranks, key=lambda r: (r.engine_id, r.tp_rank), size=lambda r: r.ByteSize(), kind="engines",
+                               page_size=paging.page_size(page_size), page_token=page_token)
+
     async def watch_engines(self, role: int = 0) -> AsyncIterator[pb.EngineEvent]:
         prefix = self.prefix + b"e/"
         kvs, rev = await self.store.range(prefix)
@@ -276,6 +289,12 @@ class RegistrarService:
         if kv is None:
             raise not_found(f"no retained blocks for conversation {conversation_id}")
         return pb.RetainedBlocks.FromString(kv.value)
+
+    async def find_retained(self, conversation_id: str) -> pb.RetainedBlocks | None:
+        """The conversation's current retained registration, or None (what reuse reads
+        are fenced against: its ``retention_id`` is the blocks' generation)."""
+        kv = await self.store.get(self._rkey(conversation_id))
+        return pb.RetainedBlocks.FromString(kv.value) if kv is not None else None
 
     async def release_retained(self, conversation_id: str, retention_id: str = "") -> bool:
         limits.check_id("conversation_id", conversation_id)

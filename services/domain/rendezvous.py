@@ -21,6 +21,7 @@ writer may (it then promises not to write).
 from __future__ import annotations
 
 import asyncio
+import builtins
 import dataclasses
 import heapq
 import time
@@ -33,7 +34,7 @@ from kvbaton.v1 import rendezvous_pb2 as pb
 
 from ..metrics import ServiceMetrics
 from ..store.base import Compare, EventType, Get, KeyValue, Put, Store, WatchEvent
-from . import limits
+from . import limits, paging
 from .background import Tombstones, cancel_all, leader_ticks
 from .clock import Clock, WallClock
 from .errors import Code, DomainError, exhausted, invalid, not_found, precondition
@@ -49,8 +50,18 @@ PENDING = (OFFERED, COMPLETED)
 TERMINAL = (SUCCEEDED, FAILED, EXPIRED, CANCELLED)
 Ev = pb.RendezvousEvent
 _CAS_RETRIES = 32
-# Only push transfers meet at the rendezvous; pull and reuse reads are counted by the connector.
-_MODE = "push"
+PUSH, PULL, REUSE = pb.TRANSFER_KIND_PUSH, pb.TRANSFER_KIND_PULL, pb.TRANSFER_KIND_REUSE
+
+
+def _kind_name(kind: int) -> str:
+    """The ``mode`` label of transfer metrics: push (also older records), pull or reuse."""
+    return "pull" if kind == PULL else "reuse" if kind == REUSE else "push"
+
+
+def _mover(t: pb.TransferState) -> pb.TransferSide:
+    """The side whose engine moves the bytes and reports outcomes: decode for a pull
+    READ, prefill for a push WRITE or a reuse READ."""
+    return t.offer if t.kind == PULL else t.completion
 
 
 def _phase_name(phase: int) -> str:
@@ -104,7 +115,8 @@ def derive_events(ev: WatchEvent) -> Iterable[tuple[str, pb.RendezvousEvent]]:
         return out
     event = Ev(type=kind, transfer=new, revision=ev.revision)
     if kind == Ev.TYPE_MATCH:
-        out.append((new.completion.engine_id, event))
+        if new.kind not in (PULL, REUSE):  # a read's reader began it itself: nothing to write
+            out.append((new.completion.engine_id, event))
     else:
         out.extend((engine, event) for engine in _owners(new))
     out.append(("*", event))
@@ -144,6 +156,7 @@ class RendezvousService:
         prefix: bytes = b"kvb/rdv/",
         engine_exists=None,
         metrics: ServiceMetrics | None = None,
+        retained_lookup=None,
     ) -> None:
         self.store = store
         self.metrics = metrics or ServiceMetrics()
@@ -152,6 +165,9 @@ class RendezvousService:
         self.prefix = prefix
         # Optional async predicate: is this engine registered? (unknown engines are refused)
         self.engine_exists = engine_exists
+        # Optional async (conversation_id) -> RetainedBlocks | None (the registrar's): what
+        # a reuse read is fenced against.
+        self.retained_lookup = retained_lookup
         self.hub: PrefixHub[pb.TransferState, pb.RendezvousEvent] = PrefixHub(
             store, prefix + b"t/", parse=_parse, derive=derive_events, name="transfers",
             keep=lambda t: t.phase not in TERMINAL,
@@ -342,8 +358,8 @@ class RendezvousService:
                 return False  # late report after the end: nothing to change
             if t.phase in PENDING:
                 raise precondition(f"transfer {transfer_id} is not matched yet")
-            if outcome.engine_id != t.completion.engine_id:
-                raise invalid(f"engine {outcome.engine_id} is not the writer of transfer {transfer_id}")
+            if outcome.engine_id != _mover(t).engine_id:
+                raise invalid(f"engine {outcome.engine_id} is not the engine moving the blocks of transfer {transfer_id}")
             if outcome.tp_rank >= max(t.expected_outcomes, 1):
                 raise invalid(f"tp_rank {outcome.tp_rank} >= writers {t.expected_outcomes}")
             if any(o.tp_rank == outcome.tp_rank for o in t.outcomes):
@@ -368,15 +384,109 @@ class RendezvousService:
         m = self.metrics
         if effect.get("reported"):
             rank_outcome = "succeeded" if outcome.success else "failed"
-            m.transfer_bytes.labels(_MODE, rank_outcome).inc(outcome.bytes)
+            m.transfer_bytes.labels(_kind_name(state.kind), rank_outcome).inc(outcome.bytes)
             if outcome.duration_us:
-                m.transfer_write.labels(_MODE).observe(outcome.duration_us / 1e6)
+                m.transfer_write.labels(_kind_name(state.kind)).observe(outcome.duration_us / 1e6)
         if "ended" in effect:
             phase, since_match_ms = effect["ended"]
             self.stats["succeeded" if phase == SUCCEEDED else "failed"] += 1
             m.transfers.labels(_phase_name(phase), "reported").inc()
             m.match_to_outcome.labels(_phase_name(phase)).observe(max(since_match_ms, 0) / 1000)
         return state
+
+    # -- reads: one ledger with push ------------------------------------------
+    async def begin_read(self, *, kind: int, transfer_id: str, attempt: int, reader_engine_id: str,
+                         block_ids: Sequence[int], readers: int = 0, generation: str = "", conversation_id: str = "",
+                         source_block_ids: Sequence[int] = (), request_id: str = "") -> pb.TransferState:
+        """Records a pull or reuse READ as a MATCHED transfer before it is posted, or refuses
+        it (FAILED_PRECONDITION) when the owner has since freed or re-leased the blocks: the
+        generation the reader names is checked against the owner's current one. The reader
+        reports outcomes (``report_outcome``); without them the match timeout fails it, and
+        the owners get DONE either way (when a prefill may free a pull's blocks)."""
+        limits.check_id("transfer_id", transfer_id)
+        limits.check_id("reader_engine_id", reader_engine_id)
+        limits.check_id("request_id", request_id, required=False)
+        ids = limits.check_block_ids("block_ids", block_ids)
+        readers = limits.check_range("readers", readers, 1, limits.MAX_TP_SIZE, default=1)
+        if kind not in (PULL, REUSE):
+            raise invalid("kind must be PULL or REUSE (push transfers meet through Offer and Complete)")
+        if self.engine_exists is not None:
+            await self._check_engine(reader_engine_id)
+        if kind == PULL:
+            return await self._begin_pull(transfer_id, attempt, reader_engine_id, ids, readers, generation, request_id)
+        return await self._begin_reuse(transfer_id, attempt, reader_engine_id, ids, readers, generation,
+                                       conversation_id, source_block_ids, request_id)
+
+    async def _begin_pull(self, transfer_id: str, attempt: int, reader: str, ids: list[int], readers: int,
+                          generation: str, request_id: str) -> pb.TransferState:
+        generation = generation or str(attempt)
+        if generation != str(attempt):
+            raise invalid(f"a pull hold's generation is its attempt: got {generation!r} for attempt {attempt}")
+
+        def change(t: pb.TransferState, now: int):
+            if t.kind == PULL and t.phase != COMPLETED and t.offer.engine_id == reader and list(t.offer.block_ids) == ids:
+                return False  # the same read again: answered with its state
+            if t.phase != COMPLETED:
+                raise precondition(
+                    f"transfer {transfer_id} attempt {attempt}: the prefill's hold is {_phase_name(t.phase)}"
+                    f"{': ' + t.reason if t.reason else ''}; its blocks may be freed: recompute")
+            if len(ids) != len(t.completion.block_ids):
+                raise invalid(f"block_ids has {len(ids)} ids; the hold has {len(t.completion.block_ids)}")
+            t.offer.CopyFrom(pb.TransferSide(engine_id=reader, block_ids=ids, received_at_ms=now, request_id=request_id))
+            t.kind, t.generation, t.expected_outcomes = PULL, generation, readers
+            t.phase, t.matched_at_ms, t.reason = MATCHED, now, ""
+            return None
+
+        try:
+            state = await self._update(transfer_id, attempt, change)
+        except DomainError as exc:
+            if exc.code is not Code.NOT_FOUND:
+                raise
+            raise precondition(f"transfer {transfer_id}: no hold (never made, or freed and forgotten): recompute") from None
+        return state
+
+    async def _begin_reuse(self, transfer_id: str, attempt: int, reader: str, ids: list[int], readers: int,
+                           generation: str, conversation_id: str, source_block_ids: Sequence[int],
+                           request_id: str) -> pb.TransferState:
+        limits.check_id("conversation_id", conversation_id)
+        if not generation:
+            raise invalid("generation (the retention_id LookupRetained answered) is required for a reuse read")
+        src = limits.check_block_ids("source_block_ids", source_block_ids)
+        if len(src) != len(ids):
+            raise invalid(f"source_block_ids has {len(src)} ids and block_ids {len(ids)}")
+        if self.retained_lookup is None:
+            raise precondition("this control plane has no registrar to fence reuse reads against")
+        retained = await self.retained_lookup(conversation_id)
+        if retained is None:
+            raise precondition(f"conversation {conversation_id} has no retained blocks (released or expired): recompute")
+        if retained.retention_id != generation:
+            raise precondition(f"conversation {conversation_id}'s blocks were re-registered (generation "
+                               f"{retained.retention_id}; the read names {generation}): recompute")
+        if not set(src) <= set(retained.block_ids):
+            raise precondition(f"source_block_ids are not all retained for conversation {conversation_id}")
+        key = self._key(transfer_id)
+        for _ in range(_CAS_RETRIES):
+            kv = await self.store.get(key)
+            cur = _parse(kv.value) if kv else None
+            if cur is not None and cur.attempt >= attempt:
+                if (cur.attempt == attempt and cur.kind == REUSE and cur.generation == generation
+                        and cur.completion.engine_id == reader and list(cur.completion.block_ids) == ids):
+                    cur.revision = kv.mod_revision if kv else 0
+                    return cur  # the same read again
+                raise precondition(f"transfer {transfer_id} attempt {cur.attempt} already exists")
+            if cur is None and len(self.hub.records) >= self.config.max_pending:
+                raise exhausted(f"{len(self.hub.records)} transfers are pending (limit {self.config.max_pending})")
+            now = self.clock.now_ms()
+            new = pb.TransferState(
+                transfer_id=transfer_id, attempt=attempt, phase=MATCHED, kind=REUSE, generation=generation,
+                conversation_id=conversation_id, matched_at_ms=now, updated_at_ms=now, expected_outcomes=readers,
+                offer=pb.TransferSide(engine_id=retained.engine_id, block_ids=src, received_at_ms=now),
+                completion=pb.TransferSide(engine_id=reader, block_ids=ids, received_at_ms=now, request_id=request_id))
+            result = await self.store.txn([Compare.unchanged(kv, key)], await self._put_ops(new))
+            if result.succeeded:
+                new.revision = result.revision
+                return new
+        raise DomainError(Code.ABORTED, f"transfer {transfer_id} kept conflicting; retry")
 
     async def cancel(self, transfer_id: str, attempt: int, engine_id: str, reason: str) -> pb.TransferState:
         limits.check_id("engine_id", engine_id)
@@ -389,7 +499,7 @@ class RendezvousService:
                 return False
             if engine_id not in (t.offer.engine_id, t.completion.engine_id):
                 raise precondition(f"engine {engine_id} is not a party of transfer {transfer_id}")
-            if t.phase == MATCHED and engine_id != t.completion.engine_id:
+            if t.phase == MATCHED and engine_id != _mover(t).engine_id:
                 raise precondition(
                     f"transfer {transfer_id} is matched: the writer may be writing into your blocks; "
                     "wait for its DONE event (it comes within the match timeout)")
@@ -413,6 +523,17 @@ class RendezvousService:
         return t
 
     async def list(self, *, phases: Sequence[int] = (), engine_id: str = "", limit: int = 0) -> list[pb.TransferState]:
+        out = await self._matching(phases, engine_id)
+        return out[:limit] if limit else out
+
+    async def list_page(self, *, phases: Sequence[int] = (), engine_id: str = "", limit: int = 0, page_size: int = 0,
+                        page_token: str = "") -> tuple[builtins.list[pb.TransferState], str]:
+        """One page, oldest change first, and the next page's token."""
+        return paging.paginate(await self._matching(phases, engine_id), key=lambda t: (t.updated_at_ms, t.transfer_id),
+                               size=lambda t: t.ByteSize(), kind="transfers", page_size=paging.page_size(page_size, limit),
+                               page_token=page_token)
+
+    async def _matching(self, phases: Sequence[int], engine_id: str) -> builtins.list[pb.TransferState]:
         limits.check_id("engine_id", engine_id, required=False)
         wanted = set(phases) or set(PENDING) | {MATCHED}
         if wanted - set(PENDING) - {MATCHED}:
@@ -426,7 +547,7 @@ class RendezvousService:
                 t.revision = rev
                 out.append(t)
         out.sort(key=lambda t: (t.updated_at_ms, t.transfer_id))
-        return out[:limit] if limit else out
+        return out
 
     async def subscribe(self, engine_id: str, tp_rank: int, after_revision: int = 0) -> AsyncIterator[pb.RendezvousEvent]:
         """Pending matches of this engine (when starting fresh), then live events."""

@@ -60,6 +60,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
+from kvbaton import params
 from kvbaton.services import tracing
 from kvbaton.services.metrics import RouterMetrics, router_metrics
 
@@ -256,10 +257,9 @@ class Router:
                      conversation_id, lease_pb2.RenewStatus.Name(renewed.status),
                      lease_pb2.LeaseState.Name(lease.state), lease.retention_id, ret.retention_id)
             return None
-        return {"conversation_id": conversation_id, "engine_id": ret.engine_id, "lease_id": lease.lease_id,
-                "retention_id": ret.retention_id, "block_ids": list(ret.block_ids),
-                "num_tokens": ret.num_tokens, "tokens_per_block": ret.tokens_per_block,
-                "block_hashes": [h.hex() for h in ret.block_hashes]}
+        return params.ReuseOffer(conversation_id, ret.engine_id, lease.lease_id, ret.retention_id,
+                                 tuple(ret.block_ids), ret.num_tokens, ret.tokens_per_block,
+                                 tuple(ret.block_hashes)).to_params()
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -356,7 +356,7 @@ class Router:
         if not tp:
             return None
         if isinstance(body.get("kv_transfer_params"), dict):
-            body["kv_transfer_params"]["traceparent"] = tp
+            body["kv_transfer_params"][params.TRACEPARENT] = tp
         return {tracing.TRACEPARENT: tp}
 
     def _choose(self, holder: str, exclude: set[str]) -> Choice:
@@ -386,7 +386,7 @@ class Router:
         if conv:
             self.stats["conversation_turns"] += 1
             reuse = await self._reuse_for(conv)
-        holder = reuse["engine_id"] if reuse else ""
+        holder = str(reuse["engine_id"]) if reuse else ""
         tokens = estimate_prompt_tokens(body)
         exclude: set[str] = set()
         attempts = 2 if self.retry else 1
@@ -431,17 +431,14 @@ class Router:
             return out
         raise AssertionError("unreachable")
 
-    def _prefill_body(self, body: dict[str, Any], transfer_id: str, extra: dict[str, Any],
+    def _prefill_body(self, body: dict[str, Any], transfer_id: str, mode: str,
                       reuse: dict[str, Any] | None = None) -> dict[str, Any]:
-        if reuse:
-            extra = {**extra, "reuse": reuse}
         pb = copy.deepcopy(body)
         pb["max_tokens"] = 1
         pb.pop("max_completion_tokens", None)
         pb["stream"] = False
         pb.pop("stream_options", None)
-        pb["kv_transfer_params"] = {"do_remote_decode": True, "do_remote_prefill": False,
-                                    "transfer_id": transfer_id, **extra}
+        pb["kv_transfer_params"] = params.prefill_request(transfer_id, mode=mode, reuse=reuse)
         return pb
 
     def _leg_span(self, leg: str, transfer_id: str, url: str):
@@ -468,7 +465,7 @@ class Router:
                     reuse: dict[str, Any] | None, choice: Choice, tokens: int,
                     headers: dict[str, str]) -> web.StreamResponse | _Retry:
         assert choice.prefill is not None and choice.decode is not None
-        pb = self._prefill_body(body, transfer_id, {}, reuse)
+        pb = self._prefill_body(body, transfer_id, "", reuse)
         try:
             status, raw, ctype = await self._post_prefill(choice.prefill, path, pb, transfer_id, tokens)
         except _UPSTREAM_ERRORS as exc:
@@ -489,19 +486,18 @@ class Router:
             self.metrics.missing_transfer_params.inc()
             db.pop("kv_transfer_params", None)
         if conv:
-            db["kv_transfer_params"] = {**(db.get("kv_transfer_params") or {}), "conversation_id": conv}
+            db["kv_transfer_params"] = {**(db.get("kv_transfer_params") or {}), params.CONVERSATION_ID: conv}
         return await self._decode(request, choice.decode, path, db, transfer_id, headers)
 
     async def _push(self, request: web.Request, path: str, body: dict[str, Any], transfer_id: str, conv: str,
                     reuse: dict[str, Any] | None, choice: Choice, tokens: int,
                     headers: dict[str, str]) -> web.StreamResponse | _Retry:
         assert choice.prefill is not None and choice.decode is not None
-        pb = self._prefill_body(body, transfer_id, {"transfer_mode": "push"}, reuse)
+        pb = self._prefill_body(body, transfer_id, "push", reuse)
         db = copy.deepcopy(body)
-        db["kv_transfer_params"] = {"do_remote_prefill": True, "do_remote_decode": False,
-                                    "transfer_id": transfer_id, "transfer_mode": "push"}
+        db["kv_transfer_params"] = params.decode_push_request(transfer_id)
         if conv:
-            db["kv_transfer_params"]["conversation_id"] = conv
+            db["kv_transfer_params"][params.CONVERSATION_ID] = conv
         ptask = asyncio.create_task(self._post_prefill(choice.prefill, path, pb, transfer_id, tokens))
         dtask = asyncio.create_task(self._open_decode(choice.decode, path, db, transfer_id))
         prefill_counted = False

@@ -50,16 +50,16 @@ async def follow_registrar(kv: Any, fleet: Fleet, *, ready: asyncio.Event | None
     while True:
         stream = None
         try:
-            listed = await kv.call(kv.registrar.ListEngines, registrar_pb2.ListEnginesRequest())
+            listed = await kv.list_engines()
             by_engine: dict[str, set[int]] = {}
-            for rank in listed.ranks:
+            for rank in listed:
                 by_engine.setdefault(rank.engine_id, set()).add(rank.tp_rank)
             fleet.forget_missing(set(by_engine))
             for eid, ranks in by_engine.items():  # ranks that went away meanwhile
                 e = fleet.engines.get(eid)
                 if e is not None and not e.static:
                     e.ranks &= ranks
-            for rank in listed.ranks:
+            for rank in listed:
                 apply_rank(fleet, rank)
             if ready is not None:
                 ready.set()

@@ -13,6 +13,7 @@ from .base import (
     KeyValue,
     LeaseNotFoundError,
     Put,
+    RequestTooLargeError,
     Store,
     StoreError,
     TxnResult,
@@ -24,7 +25,7 @@ from .memory import MemoryStore
 
 __all__ = [
     "CompactedError", "Compare", "CompareOp", "CompareTarget", "Delete", "EventType", "Get", "KeyValue",
-    "LeaseNotFoundError", "MemoryStore", "Put", "Store", "StoreError", "TxnResult", "Watch",
+    "LeaseNotFoundError", "MemoryStore", "Put", "RequestTooLargeError", "Store", "StoreError", "TxnResult", "Watch",
     "WatchEvent", "open_store", "prefix_end",
 ]
 

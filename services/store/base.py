@@ -42,6 +42,12 @@ class LeaseNotFoundError(StoreError):
     """The TTL lease does not exist (expired or revoked)."""
 
 
+class RequestTooLargeError(Exception):
+    """A write larger than the backend accepts (etcd: ``--max-request-bytes``, 1.5 MiB by
+    default). Not a ``StoreError``: retrying can never succeed, so callers refuse the
+    request (INVALID_ARGUMENT) instead of retrying it."""
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class KeyValue:
     key: bytes
@@ -160,6 +166,13 @@ class Watch(abc.ABC):
 
 class Store(abc.ABC):
     """The key-value store the domain modules run on. All methods are coroutines."""
+
+    # The largest write request the backend accepts, in bytes (0: no limit of its own).
+    max_request_bytes: int = 0
+    # Names the store's revision history: a revision means nothing under another
+    # incarnation (a restarted embedded store starts again at 1, with nothing in it), so
+    # clients that resume by revision start from scratch when it changes. "": unknown.
+    incarnation: str = ""
 
     @abc.abstractmethod
     async def get(self, key: bytes) -> KeyValue | None: ...

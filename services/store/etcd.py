@@ -63,6 +63,7 @@ from .base import (
     LeaseNotFoundError,
     Op,
     Put,
+    RequestTooLargeError,
     Store,
     StoreError,
     TxnResult,
@@ -433,10 +434,12 @@ class EtcdStore(Store):
         """
         store = cls(endpoints, timeout_s=timeout_s, attempt_timeout_s=attempt_timeout_s, watch_retry_s=watch_retry_s)
         try:
-            await store.status()
+            status = await store.status()
         except BaseException:
             await store.close()
             raise
+        # One etcd cluster keeps one revision history across its members and restarts.
+        store.incarnation = f"etcd-{status.header.cluster_id:x}" if status.header.cluster_id else ""
         return store
 
     # -- plumbing -------------------------------------------------------------
@@ -506,8 +509,20 @@ class EtcdStore(Store):
         return resp.header.revision
 
     # -- writes ---------------------------------------------------------------
+    # etcd's --max-request-bytes default; a cluster started with a larger one may raise it.
+    max_request_bytes = 1_572_864
+
+    def _check_size(self, method: str, req) -> None:
+        size = req.ByteSize()
+        if self.max_request_bytes and size > self.max_request_bytes:
+            raise RequestTooLargeError(
+                f"etcd {method} of {size} bytes is over etcd's request limit of {self.max_request_bytes} bytes "
+                "(--max-request-bytes, 1.5 MiB by default)")
+
     async def put(self, key: bytes, value: bytes, *, lease: int = 0) -> int:
-        resp = await self._unary("kv", "Put", pb.PutRequest(key=key, value=value, lease=lease), mutation=True)
+        req = pb.PutRequest(key=key, value=value, lease=lease)
+        self._check_size("Put", req)
+        resp = await self._unary("kv", "Put", req, mutation=True)
         return resp.header.revision
 
     async def delete(self, key: bytes, *, prefix: bool = False) -> int:
@@ -523,6 +538,7 @@ class EtcdStore(Store):
             success=[self._op(o) for o in success],
             failure=[self._op(o) for o in failure],
         )
+        self._check_size("Txn", req)
         resp = await self._unary("kv", "Txn", req, mutation=True)
         return self._txn_result(resp.succeeded, resp.header.revision, resp.responses, success, failure)
 
@@ -551,6 +567,7 @@ class EtcdStore(Store):
             success=[self._op(o) for o in success],
             failure=[self._op(o) for o in failure],
         )
+        self._check_size("Txn", req)
         keys = frozenset(o.key for o in (*success, *failure) if not isinstance(o, Get))
         fut = asyncio.get_running_loop().create_future()
         self._batch.append((keys, req, success, failure, fut))
@@ -566,10 +583,14 @@ class EtcdStore(Store):
                 taken = []
                 rest: list = []
                 keys: set[bytes] = set()
+                size = 0
                 for item in self._batch:
-                    if len(taken) < self.MAX_BATCH and not (item[0] & keys) and not item[4].done():
+                    n = item[1].ByteSize() + 8
+                    fits = not taken or not self.max_request_bytes or size + n <= self.max_request_bytes
+                    if len(taken) < self.MAX_BATCH and fits and not (item[0] & keys) and not item[4].done():
                         taken.append(item)
                         keys |= item[0]
+                        size += n
                     elif not item[4].done():
                         rest.append(item)
                 self._batch = rest

@@ -13,6 +13,7 @@ import asyncio
 import bisect
 import collections
 import itertools
+import secrets
 import time
 from collections.abc import AsyncIterator, Sequence
 
@@ -29,13 +30,25 @@ from .base import (
     Op,
     Put,
     Store,
+    StoreError,
     TxnResult,
     Watch,
     WatchEvent,
 )
 
 _HISTORY = 100_000
+# History kept for resuming watches, bounded in bytes (keys and values, previous values
+# included), not only in events: 150 re-registrations of a 4 MiB engine must not hold
+# 600 MiB. A watch from before the window gets CompactedError, as from etcd.
+HISTORY_BYTES = 64 * 1024 * 1024
 _WATCH_QUEUE = 1_000_000
+# Events one watch may hold undelivered; past it the watch ends with StoreError and its
+# owner re-watches from its last revision (the hub does; a gRPC stream ends UNAVAILABLE).
+WATCH_BYTES = 64 * 1024 * 1024
+
+
+def _event_bytes(ev: WatchEvent) -> int:
+    return 64 + len(ev.kv.key) + len(ev.kv.value) + (len(ev.prev_kv.value) if ev.prev_kv is not None else 0)
 
 
 class _MemoryWatch(Watch):
@@ -44,23 +57,41 @@ class _MemoryWatch(Watch):
         self._prefix = prefix
         # A watch from a future revision must not see the revisions before it (etcd).
         self._min_rev = start_revision
-        self._queue: asyncio.Queue[list[WatchEvent] | None] = asyncio.Queue(_WATCH_QUEUE)
+        self._queue: asyncio.Queue[tuple[list[WatchEvent], int] | None] = asyncio.Queue(_WATCH_QUEUE)
         self._closed = False
+        self._bytes = 0
+        self._overflowed = False
 
     def matches(self, key: bytes) -> bool:
         return key.startswith(self._prefix)
 
     def push(self, events: list[WatchEvent]) -> None:
         mine = [e for e in events if e.kv.key.startswith(self._prefix) and e.revision >= self._min_rev]
-        if mine and not self._closed:
-            self._queue.put_nowait(mine)
+        if not mine or self._closed or self._overflowed:
+            return
+        size = sum(_event_bytes(e) for e in mine)
+        if (self._bytes and self._bytes + size > self._store.watch_bytes) or self._queue.full():
+            # Its reader fell behind: drop what it holds and end it (it re-watches).
+            self._overflowed = True
+            while not self._queue.empty():
+                self._queue.get_nowait()
+            self._bytes = 0
+            self._store._watches.discard(self)
+            self._queue.put_nowait(None)
+            return
+        self._bytes += size
+        self._queue.put_nowait((mine, size))
 
     async def _iter(self) -> AsyncIterator[list[WatchEvent]]:
         while True:
-            batch = await self._queue.get()
-            if batch is None:
+            item = await self._queue.get()
+            if item is None:
+                if self._overflowed:
+                    raise StoreError(f"watch of {self._prefix!r} fell behind by over {self._store.watch_bytes} bytes; "
+                                     "re-watch from the last revision")
                 return
-            yield batch
+            self._bytes -= item[1]
+            yield item[0]
 
     def __aiter__(self) -> AsyncIterator[list[WatchEvent]]:
         return self._iter()
@@ -75,8 +106,14 @@ class _MemoryWatch(Watch):
 class MemoryStore(Store):
     """A single-process store with etcd's semantics."""
 
-    def __init__(self, *, clock=time.monotonic) -> None:
+    def __init__(self, *, clock=time.monotonic, history_bytes: int = HISTORY_BYTES, watch_bytes: int = WATCH_BYTES) -> None:
         self._clock = clock
+        self.incarnation = "mem-" + secrets.token_hex(8)
+        self.history_bytes = history_bytes
+        self.watch_bytes = watch_bytes
+        self._history_size = 0
+        # Newest revision dropped from the history (a watch from at or before it is compacted).
+        self._compacted = 0
         self._data: dict[bytes, KeyValue] = {}
         self._keys: list[bytes] = []  # sorted, for prefix ranges
         self._revision = 1
@@ -86,7 +123,7 @@ class MemoryStore(Store):
         self._earliest_deadline = float("inf")
         self._lease_keys: dict[int, set[bytes]] = collections.defaultdict(set)
         self._lease_ids = itertools.count(0x1000)
-        self._history: collections.deque[WatchEvent] = collections.deque(maxlen=_HISTORY)
+        self._history: collections.deque[WatchEvent] = collections.deque()
         self._watches: set[_MemoryWatch] = set()
         self._reaper: asyncio.Task | None = None
         self._closed = False
@@ -209,9 +246,20 @@ class MemoryStore(Store):
                 events.append(WatchEvent(EventType.DELETE, tomb, prev))
         if events:
             self._revision = rev
-            self._history.extend(events)
+            for ev in events:
+                if len(self._history) == _HISTORY:
+                    self._forget_oldest()
+                self._history.append(ev)
+                self._history_size += _event_bytes(ev)
+            while self._history_size > self.history_bytes and len(self._history) > 1:
+                self._forget_oldest()
             for w in list(self._watches):
                 w.push(events)
+
+    def _forget_oldest(self) -> None:
+        old = self._history.popleft()
+        self._history_size -= _event_bytes(old)
+        self._compacted = max(self._compacted, old.revision)
 
     # -- leases ------------------------------------------------------------
     async def grant_lease(self, ttl_s: float) -> int:
@@ -267,9 +315,9 @@ class MemoryStore(Store):
         self._expire_leases()
         w = _MemoryWatch(self, prefix, start_revision)
         if start_revision:
-            oldest = self._history[0].revision if self._history else self._revision + 1
-            if start_revision < oldest and start_revision <= self._revision and len(self._history) == self._history.maxlen:
-                raise CompactedError(oldest)
+            if start_revision <= self._compacted:
+                # (A revision dropped whole; the window starts after it.)
+                raise CompactedError(self._compacted + 1)
             past = [e for e in self._history if e.revision >= start_revision]
             if past:
                 w.push(past)

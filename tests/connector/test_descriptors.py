@@ -8,8 +8,8 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from kvbaton.connector.descriptors import build_descriptors, coalesce_runs, plan_transfer, runs_of
-from kvbaton.connector.geometry import KvLayout, KvLayoutMismatch
+from kvbaton.connector.transfer.descriptors import build_descriptors, coalesce_runs, plan_transfer, runs_of
+from kvbaton.connector.transfer.geometry import KvLayout, KvLayoutMismatch
 
 
 def naive_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:

@@ -1,4 +1,4 @@
-"""KV integrity fingerprints (connector/integrity.py) on randomized layouts, no vLLM.
+"""KV integrity fingerprints (connector/transfer/integrity.py) on randomized layouts, no vLLM.
 
 Every layout is real memory (numpy / torch buffers) addressed the way NIXL addresses it
 (region base + block * stride), so the crc32 path reads exactly the bytes a transfer moves.
@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvbaton.connector.geometry import KvLayout
-from kvbaton.connector.integrity import (
+from kvbaton.connector.transfer.geometry import KvLayout
+from kvbaton.connector.transfer.integrity import (
     ALG_CRC32,
     ALG_TORCH64,
     Fingerprinter,
@@ -186,23 +186,23 @@ def test_owner_finds_the_run_a_reader_asks_about() -> None:
     (its own prefix hit) reads a later run of the owner's record; newest record first."""
     import concurrent.futures
 
-    from kvbaton.connector.worker import TransferThread, _FpRecord
+    from kvbaton.connector.flows.verify import FpRecord, Verifier
 
-    t = TransferThread.__new__(TransferThread)  # only the record bookkeeping is exercised
+    t = Verifier.__new__(Verifier)  # only the record bookkeeping is exercised
     done: concurrent.futures.Future[Fingerprints] = concurrent.futures.Future()
-    t._fp_records = {"t:x": [_FpRecord((7, 3, 9, 4), done, 0.0)],
-                     "r:c": [_FpRecord((1, 2, 5), done, 2.0, "new"), _FpRecord((1, 2), done, 1.0, "old")]}
-    assert t._fp_record("t:x", -1, (9, 4)) == (t._fp_records["t:x"][0], 2)
-    assert t._fp_record("t:x", 0, (7, 3, 9, 4))[1] == 0
-    assert t._fp_record("t:x", -1, (3, 4)) is None  # not a run of the record
-    assert t._fp_record("t:x", -1, (8,)) is None
-    assert t._fp_record("r:c", 1, (2, 5)) == (t._fp_records["r:c"][0], 1)
-    assert t._fp_record("r:c", 0, (1, 2))[0].hold_id == "new"
-    assert t._fp_record("r:missing", 0, (1,)) is None
+    t.records = {"t:x": [FpRecord((7, 3, 9, 4), done, 0.0)],
+                 "r:c": [FpRecord((1, 2, 5), done, 2.0, "new"), FpRecord((1, 2), done, 1.0, "old")]}
+    assert t.record("t:x", -1, (9, 4)) == (t.records["t:x"][0], 2)
+    assert t.record("t:x", 0, (7, 3, 9, 4))[1] == 0
+    assert t.record("t:x", -1, (3, 4)) is None  # not a run of the record
+    assert t.record("t:x", -1, (8,)) is None
+    assert t.record("r:c", 1, (2, 5)) == (t.records["r:c"][0], 1)
+    assert t.record("r:c", 0, (1, 2))[0].hold_id == "new"
+    assert t.record("r:missing", 0, (1,)) is None
 
 
 def test_torch64_chunking_does_not_change_fingerprints(monkeypatch: pytest.MonkeyPatch) -> None:
-    import kvbaton.connector.integrity as integrity
+    import kvbaton.connector.transfer.integrity as integrity
 
     layout, tensors, _ = _random_cache(random.Random(17))
     ids = list(range(layout.num_blocks))

@@ -18,9 +18,9 @@ pytest.importorskip("torch")
 pytest.importorskip("nixl")
 import torch
 
-from kvbaton.connector.descriptors import plan_transfer
-from kvbaton.connector.geometry import KvLayout
-from kvbaton.connector.nixl_agent import NixlEndpoint
+from kvbaton.connector.transfer.descriptors import plan_transfer
+from kvbaton.connector.transfer.geometry import KvLayout
+from kvbaton.connector.transfer.nixl_agent import NixlEndpoint
 
 pytestmark = pytest.mark.nixl
 

@@ -150,7 +150,7 @@ def _register_decode(addr: str, engine_id: str) -> None:
     import torch
 
     from kvbaton.client import KvbatonClient
-    from kvbaton.connector.geometry import KvLayout
+    from kvbaton.connector.transfer.geometry import KvLayout
     from kvbaton.v1 import common_pb2, registrar_pb2
 
     layout = KvLayout.from_tensors([torch.zeros(8, 2, BS, 128)], BS, block_dim=0)
@@ -314,7 +314,7 @@ def test_verify_kv_passes_retained_and_freed_holds_to_the_worker(control_plane: 
 
 
 def test_fault_file_counts_and_reloads(tmp_path: Path) -> None:
-    from kvbaton.connector.worker import Faults
+    from kvbaton.connector.flows.faults import Faults
 
     assert not Faults("").take_corruption("pull") and Faults("").value("delay_reuse_read_s") == 0.0
     f = tmp_path / "faults.json"

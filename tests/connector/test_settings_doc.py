@@ -51,3 +51,33 @@ def test_every_setting_is_read_from_the_extra_config() -> None:
     settings = KvbatonSettings.from_vllm(ktc)
     for f in fields:
         assert getattr(settings, f.name) == values[f.name], f.name
+
+
+def test_doc_is_generated_from_the_table() -> None:
+    """docs/connector-settings.md is rendered from the one settings table (no hand edits)."""
+    from kvbaton.connector.settings import render_doc
+
+    assert DOC.read_text() == render_doc(), "run: python -m kvbaton.connector.settings --write-doc"
+
+
+@pytest.mark.parametrize("raw,expected", [("false", False), ("False", False), ("0", False), ("no", False),
+                                          ("true", True), ("1", True), (True, True), (False, False), (0, False)])
+def test_booleans_parse_strictly(raw: object, expected: bool) -> None:
+    """``retain: "false"`` used to turn retention on (``bool("false")``)."""
+    import types
+
+    values = {"control_plane": "cp:1", "engine_id": "e", "retain": raw, "verify_kv": raw}
+    ktc = types.SimpleNamespace(engine_id="", get_from_extra_config=lambda k, default=None: values.get(k, default))
+    s = KvbatonSettings.from_vllm(ktc)
+    assert (s.retain, s.verify_kv) == (expected, expected)
+
+
+@pytest.mark.parametrize("key,raw", [("retain", "maybe"), ("verify_kv", 2), ("timeout_s", "soon"),
+                                     ("mode", "sideways"), ("staging", "sometimes")])
+def test_bad_values_are_refused_naming_the_key(key: str, raw: object) -> None:
+    import types
+
+    values = {"control_plane": "cp:1", "engine_id": "e", key: raw}
+    ktc = types.SimpleNamespace(engine_id="", get_from_extra_config=lambda k, default=None: values.get(k, default))
+    with pytest.raises(ValueError, match=key):
+        KvbatonSettings.from_vllm(ktc)

@@ -11,9 +11,15 @@ import pytest
 pytest.importorskip("torch")
 import torch
 
-from kvbaton.connector.descriptors import coalesce_runs
-from kvbaton.connector.geometry import KvLayout
-from kvbaton.connector.staging import choose_strategy, pack_blocks, plan_tiles, region_byte_views, unpack_blocks
+from kvbaton.connector.transfer.descriptors import coalesce_runs
+from kvbaton.connector.transfer.geometry import KvLayout
+from kvbaton.connector.transfer.staging import (
+    choose_strategy,
+    pack_blocks,
+    plan_tiles,
+    region_byte_views,
+    unpack_blocks,
+)
 
 LAYERS, NUM_BLOCKS, TPB = 3, 80, 16
 _names = itertools.count()
@@ -108,8 +114,8 @@ def test_choose_strategy() -> None:
 class StagedPair:
     def __init__(self, shape_first: str, slot_bytes: int, num_slots: int) -> None:
         pytest.importorskip("nixl")
-        from kvbaton.connector.nixl_agent import NixlEndpoint
-        from kvbaton.connector.staging import StagedPeer
+        from kvbaton.connector.transfer.nixl_agent import NixlEndpoint
+        from kvbaton.connector.transfer.staging import StagedPeer
 
         self.bd = 1 if shape_first == "kv" else 0
         self.a = NixlEndpoint(f"SA{next(_names)}", net_devices="lo", ucx_tls="tcp,self,sm")

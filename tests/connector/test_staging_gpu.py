@@ -16,11 +16,11 @@ if not torch.cuda.is_available():  # pragma: no cover - CI has no GPU
 pytest.importorskip("triton")
 
 try:
-    from kvbaton.connector.geometry import KvLayout
-    from kvbaton.connector.staging import GpuRowCopier, pack_blocks, plan_tiles, region_byte_views
+    from kvbaton.connector.transfer.geometry import KvLayout
+    from kvbaton.connector.transfer.staging import GpuRowCopier, pack_blocks, plan_tiles, region_byte_views
 except ImportError:  # a checkout run without installing the package
-    from connector.geometry import KvLayout  # type: ignore[no-redef]
-    from connector.staging import GpuRowCopier, pack_blocks, plan_tiles, region_byte_views  # type: ignore[no-redef]
+    from connector.transfer.geometry import KvLayout  # type: ignore[no-redef]
+    from connector.transfer.staging import GpuRowCopier, pack_blocks, plan_tiles, region_byte_views  # type: ignore[no-redef]
 
 pytestmark = pytest.mark.gpu
 LAYERS, NUM_BLOCKS, TPB = 3, 80, 16
@@ -74,11 +74,11 @@ def test_kernel_matches_torch(shape_first: str, head: int) -> None:
 def test_staged_write_and_read_cuda(kernel: bool) -> None:
     pytest.importorskip("nixl")
     try:
-        from kvbaton.connector.nixl_agent import NixlEndpoint
-        from kvbaton.connector.staging import StagedPeer
+        from kvbaton.connector.transfer.nixl_agent import NixlEndpoint
+        from kvbaton.connector.transfer.staging import StagedPeer
     except ImportError:
-        from connector.nixl_agent import NixlEndpoint  # type: ignore[no-redef]
-        from connector.staging import StagedPeer  # type: ignore[no-redef]
+        from connector.transfer.nixl_agent import NixlEndpoint  # type: ignore[no-redef]
+        from connector.transfer.staging import StagedPeer  # type: ignore[no-redef]
     a, b = NixlEndpoint(f"GA{next(_names)}"), NixlEndpoint(f"GB{next(_names)}")
     ta, tb = kv("kv", True), kv("kv", False)
     la, lb = KvLayout.from_tensors(ta, TPB), KvLayout.from_tensors(tb, TPB)

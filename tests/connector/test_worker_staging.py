@@ -7,9 +7,11 @@ from typing import Any
 
 import pytest
 
-from kvbaton.connector import staging
+from kvbaton.connector.flows.peers import engine_of_agent, staging_from_rank
+from kvbaton.connector.flows.sequence import pick_strategy
+from kvbaton.connector.flows.staged import STAGED_PREFIX
 from kvbaton.connector.metadata import KvbatonSettings
-from kvbaton.connector.worker import STAGED_PREFIX, engine_of_agent, pick_strategy, staging_from_rank
+from kvbaton.connector.transfer import staging
 
 
 def _cfg(**extra: Any) -> Any:
@@ -57,7 +59,7 @@ def test_pick_strategy_modes() -> None:
 
 
 def test_engine_of_agent_inverts_agent_name() -> None:
-    from kvbaton.connector.worker import agent_name
+    from kvbaton.connector.flows.peers import agent_name
 
     for eid in ("p0", "d-1", "a-r-b", "x-r", "engine-r7x"):
         assert engine_of_agent(agent_name(eid, 0)) == eid
@@ -78,7 +80,7 @@ def test_staging_travels_in_the_rank() -> None:
 
 
 def test_push_xfer_id_is_stable_and_valid() -> None:
-    from kvbaton.connector.worker import push_xfer_id
+    from kvbaton.connector.flows.sequence import push_xfer_id
 
     assert push_xfer_id("abc123") == push_xfer_id("abc123") == "wabc123"
     odd = push_xfer_id("a b")

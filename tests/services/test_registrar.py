@@ -145,3 +145,19 @@ async def test_engine_keeper_reregisters_after_liveness_is_lost(kv, plane):
     await keeper.stop(deregister=True)
     listed = await kv.call(kv.registrar.ListEngines, pb.ListEnginesRequest())
     assert "kept-1" not in {r.engine_id for r in listed.ranks}
+
+
+async def test_metadata_the_store_cannot_hold_is_refused_up_front(kv, store_kind):
+    """2 MiB of agent metadata is within the API limit (4 MiB) but over etcd's request
+    limit (1.5 MiB): refused with INVALID_ARGUMENT and the reason, not UNAVAILABLE (which
+    clients retry forever). The memory store holds it."""
+    rank = engine_rank("big-meta")
+    rank.agent_metadata = b"m" * (2 * 1024 * 1024)
+    req = pb.RegisterEngineRequest(rank=rank)
+    if store_kind == "memory":
+        assert (await kv.call(kv.registrar.RegisterEngine, req)).rank.engine_id == "big-meta"
+        return
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await kv.call(kv.registrar.RegisterEngine, req)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "agent_metadata 2097152 bytes" in err.value.details() and "at most" in err.value.details()

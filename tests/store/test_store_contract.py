@@ -411,3 +411,24 @@ async def test_election_run_cancels_work_on_loss(store: Store, ns: bytes) -> Non
     await store.delete(e.key)  # someone removed the leader key
     assert await asyncio.wait_for(runner, 5) is False
     assert cancelled.is_set()
+
+
+async def test_a_write_over_the_backends_request_limit_is_refused_not_retried(store: Store, ns: bytes) -> None:
+    """Over the backend's own limit (etcd: 1.5 MiB) a write raises RequestTooLargeError at
+    once, not StoreError (which callers retry) and not after a round trip."""
+    import time
+
+    from kvbaton.services.store import RequestTooLargeError, StoreError
+
+    if not store.max_request_bytes:
+        await store.put(ns + b"big", b"x" * (2 * 1024 * 1024))  # no limit of its own
+        return
+    big = b"x" * (store.max_request_bytes + 1)
+    t0 = time.monotonic()
+    with pytest.raises(RequestTooLargeError, match="request limit"):
+        await store.put(ns + b"big", big)
+    with pytest.raises(RequestTooLargeError):
+        await store.txn([], [Put(ns + b"big", big)])
+    assert time.monotonic() - t0 < 1.0
+    assert not issubclass(RequestTooLargeError, StoreError)
+    assert await store.get(ns + b"big") is None

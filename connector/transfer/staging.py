@@ -19,14 +19,15 @@ WRITE is posted when the chunk's event fires, and the receiver enqueues the scat
 another stream and acks only when that event fires (:meth:`StagedPeer.progress`). Slots are a fixed pool on both sides,
 reused: a slot is free again once its WRITE is done *and* the receiver acked its unpack.
 
-Protocol (NIXL notifications, which arrive after the data they follow):
+Protocol (NIXL notifications, which arrive after the data they follow; typed and
+versioned in :mod:`kvbaton.connector.wire`):
 
-* ``KVBS/C <xfer> <slot> <seq> <nchunks> <r0> <r1>\\n<dst ids int64>`` — regions
-  ``r0..r1`` of blocks ``dst ids`` landed in ``slot``.
-* ``KVBS/A <xfer> <slot> <seq>`` — receiver unpacked it; the slot may be reused.
-* ``KVBS/P <xfer> <n> <base> <slot_bytes> <num_slots> <dev>\\n<src ids><dst ids>`` — pull:
-  please push these blocks to me (the staged form of a READ: the owner of the data must
-  pack, so a staged READ is a request that the peer answers with a staged WRITE).
+* :class:`~kvbaton.connector.wire.StagedChunk` — regions ``r0..r1`` of blocks ``dst``
+  landed in ``slot``.
+* :class:`~kvbaton.connector.wire.StagedAck` — receiver unpacked it; the slot may be reused.
+* :class:`~kvbaton.connector.wire.StagedPull` — please push these blocks to me (the staged
+  form of a READ: the owner of the data must pack, so a staged READ is a request that the
+  peer answers with a staged WRITE).
 
 The same code runs on CPU tensors (CI) and CUDA tensors (a side stream per direction).
 All methods run on the endpoint's owner thread except the packing itself.
@@ -37,27 +38,31 @@ from __future__ import annotations
 import collections
 import concurrent.futures as cf
 import dataclasses
+import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
 import torch
 
+from .. import wire
 from .descriptors import as_ids, check_ids, plan_contiguous
 from .geometry import LAYOUT_KV_SPLIT, KvLayout
 from .nixl_agent import POLL_MAX_S, POLL_MIN_S, NixlEndpoint, Transfer
 
 Strategy = Literal["runs", "pack"]
-_CHUNK, _ACK, _PULL = b"KVBS/C ", b"KVBS/A ", b"KVBS/P "
-PREFIX = b"KVBS/"
+#: Every pack-path message starts with this (:mod:`kvbaton.connector.wire`, versioned).
+PREFIX = wire.staged_prefix()
+log = logging.getLogger("kvbaton.connector.staging")
 
 
 # ---------------------------------------------------------------------------- policy
 @dataclasses.dataclass(frozen=True)
 class PathCosts:
-    """Rough cost model; defaults from measurements in shared/nixl-notes.md."""
+    """Rough cost model; defaults from NIXL measurements on the host and on two H200s
+    (``benchmarks/datapath.py``, ``benchmarks/datapath_gpu.py``; results in ``benchmarks/results/``)."""
 
     desc_s: float        # fixed cost per NIXL descriptor
     link_bps: float      # large-descriptor NIXL bandwidth
@@ -327,7 +332,7 @@ class GpuRowCopier:
             blk = min(self.BLOCK, 1 << (self.row_elems - 1).bit_length())
         self.block = blk
         self.even = self.row_elems % self.block == 0
-        self.kernel = _triton_kernel()
+        self.kernel: Any = _triton_kernel()  # a triton JIT function (indexed by its grid)
         if self.kernel is None:
             raise ValueError("triton is not importable")
 
@@ -360,7 +365,7 @@ class _Unpack:
     peer: str
     xfer_id: str
     slot: int
-    seq: str
+    seq: int
     nchunks: int
     event: object  # torch.cuda.Event
     keep: tuple[torch.Tensor, ...]  # tensors the scatter still reads
@@ -477,108 +482,43 @@ class StagedPeer:
                                min_chunk_bytes=self.min_chunk_bytes)
 
     # -------------------------------------------------------------- sender
+    def start_send(self, peer: str, remote: StagingInfo, local_ids: npt.ArrayLike,
+                   remote_ids: npt.ArrayLike, xfer_id: str, *, timeout_s: float) -> StagedSend:
+        """A staged WRITE of local blocks into the peer's blocks, advanced by
+        :meth:`StagedSend.step` (never blocks). One at a time per :class:`StagedPeer`: the
+        send pool's slots (and the receiver's, addressed by slot number) are its own."""
+        return StagedSend(self, peer, remote, local_ids, remote_ids, xfer_id, timeout_s=timeout_s)
+
     def send(self, peer: str, remote: StagingInfo, local_ids: npt.ArrayLike,
              remote_ids: npt.ArrayLike, xfer_id: str, *, timeout_s: float,
              idle: Callable[[], object] | None = None) -> int:
         """Staged WRITE of local blocks into the peer's blocks; returns bytes moved.
 
-        Returns once the receiver acked every chunk (its blocks hold the data). ``idle``
-        runs on every turn of the loop (tests progress the peer with it).
+        Blocking form of :meth:`start_send`: returns once the receiver acked every chunk (its
+        blocks hold the data). ``idle`` runs on every turn of the loop (tests progress the
+        peer with it).
         """
-        _check_xfer_id(xfer_id)
-        lids, rids = as_ids(local_ids), as_ids(remote_ids)
-        if lids.shape != rids.shape:
-            raise ValueError(f"local and remote id counts differ: {lids.shape[0]} vs {rids.shape[0]}")
-        check_ids(lids, self.layout.num_blocks, side="local", unique=False)
-        if rids.shape[0] and (rids.min() < 0 or np.unique(rids).shape[0] != rids.shape[0]):
-            raise ValueError("remote (destination) block ids must be unique and non-negative")
-        mine = self._send_info
-        nslots = min(mine.num_slots, remote.num_slots)
-        n = int(lids.shape[0])
-        if n == 0:
-            return 0
-        tiles = plan_tiles(n, self.layout.num_regions, self.layout.bytes_per_block,
-                           self.tile_bytes(n, remote))
-        nchunks = len(tiles)
-        self.last_send_chunks = nchunks
-        ids_dev: torch.Tensor | None = None
-        if self.cuda:
-            assert self._pack_stream is not None
-            # the gathers read what the engine's stream wrote: order after it
-            self._pack_stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.device(self.device), torch.cuda.stream(self._pack_stream):
-                ids_dev = torch.from_numpy(lids).pin_memory().to(self.device, non_blocking=True)
+        job = self.start_send(peer, remote, local_ids, remote_ids, xfer_id, timeout_s=timeout_s)
         poll_max = GPU_POLL_MAX_S if self.cuda else POLL_MAX_S
-        deadline = time.monotonic() + timeout_s
-        acks = self._acks.setdefault(xfer_id, set())
-        free = collections.deque(range(nslots))
-        packing: collections.deque[tuple[int, int, object]] = collections.deque()
-        inflight: dict[int, Transfer] = {}
-        written: set[int] = set()
-        next_c = acked = 0
         delay = POLL_MIN_S
         try:
-            while acked < nchunks:
-                progressed = False
-                while next_c < nchunks and free:
-                    slot = free.popleft()
-                    r0, r1, b0, b1 = tiles[next_c]
-                    packing.append((next_c, slot, self._start_pack(lids, ids_dev, b0, b1, r0, r1,
-                                                                   slot)))
-                    next_c += 1
-                while packing and self._pack_done(packing[0][2]):
-                    c, slot, handle = packing.popleft()
-                    nbytes = self._pack_result(handle)
-                    r0, r1, b0, b1 = tiles[c]
-                    msg = (_CHUNK + f"{xfer_id} {slot} {c} {nchunks} {r0} {r1}\n".encode()
-                           + rids[b0:b1].astype("<i8").tobytes())
-                    plan = plan_contiguous(mine.slot_addr(slot), remote.slot_addr(slot), nbytes,
-                                           local_dev=mine.device_id, remote_dev=remote.device_id,
-                                           local_mem_type=mine.mem_type,
-                                           remote_mem_type=remote.mem_type)
-                    inflight[slot] = self.ep.write(plan, peer, msg)
-                    progressed = True
-                for slot, x in list(inflight.items()):
-                    st = self.ep.state(x)
-                    if st == "ERR":
-                        raise RuntimeError(f"staged WRITE of slot {slot} to {peer} failed")
-                    if st == "DONE":
-                        self.ep.release(x)
-                        del inflight[slot]
-                        written.add(slot)
-                        progressed = True
-                progressed |= self.progress()
-                for slot in list(acks & written):
-                    acks.discard(slot)
-                    written.discard(slot)
-                    free.append(slot)
-                    acked += 1
-                    progressed = True
-                if acked >= nchunks:
-                    break
-                if time.monotonic() >= deadline:
-                    raise TimeoutError(f"staged transfer {xfer_id} to {peer}: {acked}/{nchunks} "
-                                       f"chunks acked after {timeout_s:.3f}s")
+            while True:
+                self.progress()
+                if job.step():
+                    return job.nbytes
                 if idle is not None:
                     idle()
-                if progressed:
+                if job.progressed:
                     delay = POLL_MIN_S
                     continue
-                if packing and not inflight and isinstance(packing[0][2], cf.Future):
-                    cf.wait([packing[0][2]], timeout=delay)  # sleeps until packed, bounded
+                fut = job.pack_future()
+                if fut is not None:
+                    cf.wait([fut], timeout=delay)  # sleeps until packed, bounded
                 else:
                     time.sleep(delay)
                 delay = min(delay * 2, poll_max)
         finally:
-            for x in inflight.values():
-                self.ep.release(x)  # cancels anything still in flight
-            for _, _, h in packing:
-                if isinstance(h, cf.Future):
-                    h.cancel()
-            if self._pack_stream is not None and packing:
-                self._pack_stream.synchronize()  # no gather may still write a slot we reuse
-            self._acks.pop(xfer_id, None)
-        return n * self.block_bytes
+            job.close()
 
     def _start_pack(self, lids: np.ndarray, ids_dev: torch.Tensor | None, b0: int, b1: int,
                     r0: int, r1: int, slot: int) -> object:
@@ -624,9 +564,8 @@ class StagedPeer:
             raise ValueError("remote and local id counts differ")
         check_ids(lids, self.layout.num_blocks, side="local", unique=True)
         i = self.info()
-        hdr = f"{xfer_id} {lids.shape[0]} {i.base_addr} {i.slot_bytes} {i.num_slots} {i.mem_type} {i.device_id}\n"
-        self.ep.send_notif(peer, _PULL + hdr.encode() + rids.astype("<i8").tobytes()
-                           + lids.astype("<i8").tobytes())
+        self.ep.send_notif(peer, wire.encode(wire.StagedPull(xfer_id, i.base_addr, i.slot_bytes, i.num_slots,
+                                                             i.mem_type, i.device_id, rids, lids)))
 
     def wait_complete(self, xfer_id: str, *, timeout_s: float,
                       idle: Callable[[], object] | None = None) -> str:
@@ -664,36 +603,33 @@ class StagedPeer:
         return served
 
     # -------------------------------------------------------------- receiver
-    def _on_notif(self, peer: str, msg: bytes) -> None:
-        if msg.startswith(_ACK):
-            xfer_id, slot, _seq = msg[len(_ACK):].decode().split()
-            self._acks.setdefault(xfer_id, set()).add(int(slot))
-        elif msg.startswith(_CHUNK):
-            head, _, body = msg.partition(b"\n")
-            xfer_id, slot_s, seq, nchunks, r0, r1 = head[len(_CHUNK):].decode().split()
-            ids = np.frombuffer(body, dtype="<i8")
+    def _on_notif(self, peer: str, raw: bytes) -> None:
+        try:
+            msg = wire.decode(raw)
+        except wire.WireError as exc:
+            log.warning("kvbaton: staged message from %s refused: %s", peer, exc)
+            return
+        if isinstance(msg, wire.StagedAck):
+            self._acks.setdefault(msg.xfer_id, set()).add(msg.slot)
+        elif isinstance(msg, wire.StagedChunk):
+            ids = msg.dst
             check_ids(ids, self.layout.num_blocks, side="staged destination", unique=True)
-            slot = int(slot_s)
-            if xfer_id in self._cancelled:  # the receiver gave up: free the slot, keep the blocks
-                self.ep.send_notif(peer, _ACK + f"{xfer_id} {slot} {seq}".encode())
+            if msg.xfer_id in self._cancelled:  # the receiver gave up: free the slot, keep the blocks
+                self.ep.send_notif(peer, wire.encode(wire.StagedAck(msg.xfer_id, msg.slot, msg.seq)))
                 return
             if not self.cuda:
-                unpack_blocks(self.views[int(r0):int(r1)], torch.from_numpy(ids.copy()),
-                              self.recv_pool.slot(slot))
-                self._chunk_done(peer, xfer_id, slot, seq, int(nchunks))
+                unpack_blocks(self.views[msg.r0:msg.r1], torch.from_numpy(ids.copy()),
+                              self.recv_pool.slot(msg.slot))
+                self._chunk_done(peer, msg.xfer_id, msg.slot, msg.seq, msg.nchunks)
                 return
-            self._unpacking.append(self._start_unpack(peer, xfer_id, slot, seq, int(nchunks),
-                                                      ids, int(r0), int(r1)))
+            self._unpacking.append(self._start_unpack(peer, msg.xfer_id, msg.slot, msg.seq, msg.nchunks,
+                                                      ids, msg.r0, msg.r1))
             self._finish_unpacks()
-        elif msg.startswith(_PULL):
-            head, _, body = msg.partition(b"\n")
-            xfer_id, n, base, slot_bytes, num_slots, mem, dev = head[len(_PULL):].decode().split()
-            ids = np.frombuffer(body, dtype="<i8")
-            k = int(n)
-            info = StagingInfo(int(base), int(slot_bytes), int(num_slots), mem, int(dev))
-            self._pulls.append((peer, xfer_id, info, ids[:k].copy(), ids[k:2 * k].copy()))
+        elif isinstance(msg, wire.StagedPull):
+            info = StagingInfo(msg.base_addr, msg.slot_bytes, msg.num_slots, msg.mem_type, msg.device_id)
+            self._pulls.append((peer, msg.xfer_id, info, msg.src, msg.dst))
 
-    def _start_unpack(self, peer: str, xfer_id: str, slot: int, seq: str, nchunks: int,
+    def _start_unpack(self, peer: str, xfer_id: str, slot: int, seq: int, nchunks: int,
                       ids: np.ndarray, r0: int, r1: int) -> _Unpack:
         """Enqueue a chunk's scatter on the unpack stream; its event says when it is out."""
         assert self._unpack_stream is not None
@@ -718,9 +654,9 @@ class StagedPeer:
             done = True
         return done
 
-    def _chunk_done(self, peer: str, xfer_id: str, slot: int, seq: str, nchunks: int) -> None:
+    def _chunk_done(self, peer: str, xfer_id: str, slot: int, seq: int, nchunks: int) -> None:
         """A chunk is in the KV blocks: free the sender's slot, count the transfer."""
-        self.ep.send_notif(peer, _ACK + f"{xfer_id} {slot} {seq}".encode())
+        self.ep.send_notif(peer, wire.encode(wire.StagedAck(xfer_id, slot, seq)))
         got = self._recv_counts.get(xfer_id, 0) + 1
         if got == nchunks:
             self._recv_counts.pop(xfer_id, None)
@@ -729,6 +665,119 @@ class StagedPeer:
                 self._on_complete(peer, xfer_id)
         else:
             self._recv_counts[xfer_id] = got
+
+
+class StagedSend:
+    """One staged WRITE in progress (sender side), advanced by :meth:`step`, never blocking.
+
+    Each step starts packing chunks into free send slots, posts the WRITE of every packed
+    chunk (with its :class:`~kvbaton.connector.wire.StagedChunk` notification), releases
+    finished WRITEs and frees slots the receiver acked. The caller polls notifications
+    between steps (:meth:`StagedPeer.progress`; acks arrive there). :meth:`close` always
+    runs at the end (done, failed or abandoned): it cancels what is still in flight.
+    """
+
+    def __init__(self, sp: StagedPeer, peer: str, remote: StagingInfo, local_ids: npt.ArrayLike,
+                 remote_ids: npt.ArrayLike, xfer_id: str, *, timeout_s: float) -> None:
+        _check_xfer_id(xfer_id)
+        lids, rids = as_ids(local_ids), as_ids(remote_ids)
+        if lids.shape != rids.shape:
+            raise ValueError(f"local and remote id counts differ: {lids.shape[0]} vs {rids.shape[0]}")
+        check_ids(lids, sp.layout.num_blocks, side="local", unique=False)
+        if rids.shape[0] and (rids.min() < 0 or np.unique(rids).shape[0] != rids.shape[0]):
+            raise ValueError("remote (destination) block ids must be unique and non-negative")
+        self.sp, self.peer, self.remote, self.xfer_id = sp, peer, remote, xfer_id
+        self.lids, self.rids = lids, rids
+        self.timeout_s = timeout_s
+        self.deadline = time.monotonic() + timeout_s
+        n = int(lids.shape[0])
+        self.nbytes = n * sp.block_bytes
+        self.tiles = plan_tiles(n, sp.layout.num_regions, sp.layout.bytes_per_block,
+                                sp.tile_bytes(n, remote)) if n else []
+        self.nchunks = len(self.tiles)
+        sp.last_send_chunks = self.nchunks
+        self.ids_dev: torch.Tensor | None = None
+        if sp.cuda and n:
+            assert sp._pack_stream is not None
+            # the gathers read what the engine's stream wrote: order after it
+            sp._pack_stream.wait_stream(torch.cuda.current_stream(sp.device))
+            with torch.cuda.device(sp.device), torch.cuda.stream(sp._pack_stream):
+                self.ids_dev = torch.from_numpy(lids).pin_memory().to(sp.device, non_blocking=True)
+        self.acks = sp._acks.setdefault(xfer_id, set())
+        self.free = collections.deque(range(min(sp._send_info.num_slots, remote.num_slots)))
+        self.packing: collections.deque[tuple[int, int, object]] = collections.deque()
+        self.inflight: dict[int, Transfer] = {}
+        self.written: set[int] = set()
+        self.next_c = self.acked = 0
+        self.progressed = False
+        self.closed = False
+
+    @property
+    def done(self) -> bool:
+        return self.acked >= self.nchunks
+
+    def step(self) -> bool:
+        """One non-blocking turn; True once every chunk is acked. Raises on a failed WRITE or
+        past the deadline (then :meth:`close`)."""
+        sp = self.sp
+        self.progressed = False
+        while self.next_c < self.nchunks and self.free:
+            slot = self.free.popleft()
+            r0, r1, b0, b1 = self.tiles[self.next_c]
+            self.packing.append((self.next_c, slot, sp._start_pack(self.lids, self.ids_dev, b0, b1, r0, r1, slot)))
+            self.next_c += 1
+        while self.packing and sp._pack_done(self.packing[0][2]):
+            c, slot, handle = self.packing.popleft()
+            nbytes = sp._pack_result(handle)
+            r0, r1, b0, b1 = self.tiles[c]
+            msg = wire.encode(wire.StagedChunk(self.xfer_id, slot, c, self.nchunks, r0, r1, self.rids[b0:b1]))
+            mine = sp._send_info
+            plan = plan_contiguous(mine.slot_addr(slot), self.remote.slot_addr(slot), nbytes,
+                                   local_dev=mine.device_id, remote_dev=self.remote.device_id,
+                                   local_mem_type=mine.mem_type, remote_mem_type=self.remote.mem_type)
+            self.inflight[slot] = sp.ep.write(plan, self.peer, msg)
+            self.progressed = True
+        for slot, x in list(self.inflight.items()):
+            st = sp.ep.state(x)
+            if st == "ERR":
+                raise RuntimeError(f"staged WRITE of slot {slot} to {self.peer} failed")
+            if st == "DONE":
+                sp.ep.release(x)
+                del self.inflight[slot]
+                self.written.add(slot)
+                self.progressed = True
+        for slot in list(self.acks & self.written):
+            self.acks.discard(slot)
+            self.written.discard(slot)
+            self.free.append(slot)
+            self.acked += 1
+            self.progressed = True
+        if self.done:
+            return True
+        if time.monotonic() >= self.deadline:
+            raise TimeoutError(f"staged transfer {self.xfer_id} to {self.peer}: {self.acked}/{self.nchunks} "
+                               f"chunks acked after {self.timeout_s:.3f}s")
+        return False
+
+    def pack_future(self) -> cf.Future[int] | None:
+        """The CPU pack the next WRITE waits for, when nothing is in flight (to sleep on)."""
+        if self.packing and not self.inflight and isinstance(self.packing[0][2], cf.Future):
+            return self.packing[0][2]
+        return None
+
+    def close(self) -> None:
+        """Release anything in flight (cancels it) and the slots' bookkeeping; idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        for x in self.inflight.values():
+            self.sp.ep.release(x)
+        for _, _, h in self.packing:
+            if isinstance(h, cf.Future):
+                h.cancel()
+        if self.sp._pack_stream is not None and self.packing:
+            self.sp._pack_stream.synchronize()  # no gather may still write a slot we reuse
+        self.sp._acks.pop(self.xfer_id, None)
 
 
 def _check_xfer_id(xfer_id: str) -> None:

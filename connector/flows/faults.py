@@ -1,0 +1,52 @@
+"""Test-only fault injection, off unless ``fault_file`` is set in the extra config."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+
+class Faults:
+    """The file is JSON, re-read when its mtime changes, e.g.
+    ``{"corrupt_landed": {"reuse": 1, "pull": 1, "push": 1}, "delay_reuse_read_s": 2.5}``:
+    ``corrupt_landed[mode]`` = how many loads of that mode get their first landed block
+    corrupted after the owner fingerprinted it (before the reader verifies);
+    ``delay_reuse_read_s`` = how long a reuse READ waits, pin held, before it is posted;
+    ``delay_staged_serve_s`` = how long an owner waits before answering a staged READ
+    request (past the reader's deadline: exercises the reader's cancel).
+    Counts are consumed in this process only (the file is not rewritten).
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._mtime = -1.0
+        self._conf: dict[str, Any] = {}
+        self._used: dict[str, int] = {}
+
+    def _load(self) -> dict[str, Any]:
+        if not self.path:
+            return {}
+        try:
+            mt = os.stat(self.path).st_mtime
+        except OSError:
+            self._conf, self._mtime = {}, -1.0
+            return self._conf
+        if mt != self._mtime:
+            try:
+                self._conf = json.loads(Path(self.path).read_text() or "{}")
+            except (OSError, ValueError):
+                self._conf = {}
+            self._mtime, self._used = mt, {}
+        return self._conf
+
+    def take_corruption(self, mode: str) -> bool:
+        left = int((self._load().get("corrupt_landed") or {}).get(mode, 0)) - self._used.get(mode, 0)
+        if left > 0:
+            self._used[mode] = self._used.get(mode, 0) + 1
+            return True
+        return False
+
+    def value(self, key: str) -> float:
+        return float(self._load().get(key, 0.0) or 0.0)

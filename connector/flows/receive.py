@@ -1,0 +1,274 @@
+"""Loads: KV arriving into this engine's blocks (decode's pull and push, prefill's reuse).
+
+* **Pull** (decode): look the prefill rank up (cached), READ through :mod:`.sequence` with a
+  :class:`~kvbaton.connector.wire.Done` message that NIXL delivers to prefill after the
+  data (prefill frees). A load with no blocks only sends ``Done`` (release only).
+* **Push** (decode): wait for prefill's :class:`~kvbaton.connector.wire.Pushed` (it follows
+  the WRITE's data), or for the rendezvous to say the transfer is off.
+* **Reuse** (prefill reads a conversation's history from decode's retained blocks):
+  ``Lease.Pin`` (control thread) → check the pinned lease still names the retention the
+  router looked up → READ with a :class:`~kvbaton.connector.wire.ReuseServed` message →
+  ``Lease.Unpin``. The READ must finish within half the pin's TTL counted from when the pin
+  was *requested* (so it ends before the service can let the pin lapse, without comparing
+  clocks). A refused pin, a mismatch or a failed/late READ fails the load.
+
+Landed data is verified first with ``verify_kv`` (:mod:`.verify`). Any failure (unknown
+engine, layout mismatch, NIXL error, timeout, mismatch) reports the block ids as load
+errors *and* the request as finished, so vLLM's ``kv_load_failure_policy=recompute``
+recomputes it and every block is freed; a push is also cancelled at the rendezvous.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from kvbaton.services.tracing import grpc_metadata
+from kvbaton.v1 import lease_pb2 as lpb
+from kvbaton.v1 import rendezvous_pb2 as rpb
+
+from .. import wire
+from ..metadata import LoadSpec
+from ..settings import MODE_PUSH, MODE_REUSE
+from ..transfer.integrity import Fingerprints, KvIntegrityError
+from .context import FlowContext, error_text, fire_and_forget
+from .load import Load
+from .load_stats import count_load, record_finish
+from .sequence import Move, Mover, push_xfer_id
+from .staged import StagedFlow
+from .verify import Verifier
+
+log = logging.getLogger("kvbaton.connector.receive")
+
+
+class ReceiveFlow:
+    def __init__(self, ctx: FlowContext, mover: Mover, verifier: Verifier, staged: StagedFlow | None) -> None:
+        self.ctx = ctx
+        self.mover = mover
+        self.verifier = verifier
+        self.staged = staged
+        self.loads: list[Load] = []
+        self._push_arrived: dict[str, tuple[float, wire.Pushed]] = {}
+        self._push_failed: dict[str, tuple[float, str]] = {}  # rendezvous said the push is off
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.loads)
+
+    def on_load(self, req_id: str, spec: LoadSpec, now: float) -> None:
+        self.loads.append(Load(req_id, spec, now + self.ctx.settings.timeout_s, now))
+
+    def on_pushed(self, peer: str, msg: wire.Pushed) -> None:
+        self.ctx.stats.record("notif", transfer_id=msg.transfer_id, peer=peer, kind="push")
+        self._push_arrived[msg.transfer_id] = (time.monotonic(), msg)
+
+    def on_reuse_served(self, peer: str, msg: wire.ReuseServed) -> None:
+        """Decode only counts it: the blocks belong to the lease, not to the reader."""
+        self.ctx.stats.record("reuse_served", conversation_id=msg.conversation_id, peer=peer,
+                              served_nbytes=msg.nbytes)
+
+    def on_event(self, tid: str, ev: Any) -> None:
+        """A rendezvous event for a transfer this engine offered (decode, push)."""
+        T = rpb.RendezvousEvent
+        if ev.type in (T.TYPE_EXPIRED, T.TYPE_CANCELLED):
+            self._push_failed[tid] = (time.monotonic(), ev.transfer.reason or "expired/cancelled")
+        elif ev.type == T.TYPE_DONE and any(not o.success for o in ev.transfer.outcomes):
+            self._push_failed[tid] = (time.monotonic(), "prefill reported failure")
+
+    def expire(self, now: float, max_age_s: float) -> None:
+        for box in (self._push_arrived, self._push_failed):
+            for tid, v in list(box.items()):
+                if now - v[0] > max_age_s:
+                    del box[tid]
+
+    def progress(self, now: float) -> None:
+        keep: list[Load] = []
+        for ld in self.loads:
+            try:
+                done = self._step(ld, now)
+            except Exception as exc:  # noqa: BLE001 - any failure → recompute
+                if ld.move is not None:
+                    self.mover.abort(ld.move)
+                self.finish(ld, ok=False, reason=error_text(exc))
+                done = True
+            if not done:
+                keep.append(ld)
+        self.loads = keep
+
+    def close(self) -> None:
+        for ld in self.loads:
+            if ld.move is not None:
+                self.mover.abort(ld.move)
+            self.finish(ld, ok=False, reason="shutdown")
+        self.loads = []
+
+    # ------------------------------------------------------------------ steps
+    def _step(self, ld: Load, now: float) -> bool:
+        """Advance one load; True when finished (reported)."""
+        if ld.landed:
+            return self._verified(ld, now)
+        if ld.spec.mode == MODE_PUSH:
+            return self._step_push(ld, now)
+        if ld.spec.mode == MODE_REUSE:
+            if not self._pinned(ld, now):
+                return False
+            if now >= ld.read_deadline:
+                src = ld.spec.reuse
+                raise TimeoutError(f"reuse READ from {src.engine_id if src else '?'} not done within half the pin TTL")
+            if self._fault_delay(ld, now):
+                return False
+        elif not ld.spec.local_block_ids:
+            return self._release_only(ld, now)
+        if ld.move is None:
+            ld.move = self._move(ld)
+        if not self.mover.step(ld.move, now):
+            return False
+        return self._landed(ld, now)
+
+    def _move(self, ld: Load) -> Move:
+        """The READ of this load: pull (Done to prefill) or reuse (ReuseServed to decode)."""
+        spec, src = ld.spec, ld.spec.reuse
+        if src is None:
+            key, first, deadline = f"t:{spec.transfer_id}", -1, ld.deadline  # the owner finds the run
+            message: Any = lambda mv: wire.Done(spec.transfer_id)  # noqa: E731
+        else:
+            key, deadline = f"r:{src.conversation_id}", ld.read_deadline
+            first = src.num_tokens // self.ctx.layout.tokens_per_block - len(spec.remote_block_ids)
+            message = lambda mv: wire.ReuseServed(src.conversation_id, mv.nbytes)  # noqa: E731
+        eid = src.engine_id if src is not None else spec.remote_engine_id
+        # verify_kv: ask first, so the owner answers in the same poll that serves the READ
+        # (while it still holds the blocks and polls fast), not one idle poll later.
+        return Move("READ", eid, spec.local_block_ids, spec.remote_block_ids, deadline, message,
+                    before_post=lambda mv: self.verifier.ask(ld, mv.peer, key, first))
+
+    def _step_push(self, ld: Load, now: float) -> bool:
+        tid = ld.spec.transfer_id
+        arrived = self._push_arrived.pop(tid, None)
+        if arrived is not None:
+            msg = arrived[1]
+            ld.nbytes = msg.nbytes
+            # a staged push completed (every chunk scattered) before its message was sent
+            if self.staged is not None and self.staged.completed_push(push_xfer_id(tid)):
+                ld.strategy = "pack"
+            if self.verifier.enabled:
+                if not msg.fingerprints:
+                    raise KvIntegrityError("the writer sent no fingerprints (verify_kv off there?)")
+                ld.fp_owner = Fingerprints.decode(msg.fingerprints, ())
+            return self._landed(ld, now)
+        failed = self._push_failed.pop(tid, None)
+        if failed is not None:
+            raise RuntimeError(f"push transfer ended without data: {failed[1]}")
+        if now >= ld.deadline:
+            raise TimeoutError(f"no push WRITE for {tid} after {self.ctx.settings.timeout_s}s")
+        return False
+
+    def _release_only(self, ld: Load, now: float) -> bool:
+        """Nothing to read (aborted, or all cached locally): tell prefill to free now."""
+        got = self.ctx.peers.lookup(ld.spec.remote_engine_id, ld, now)
+        if got is None:
+            return False
+        self.ctx.notify(got[0], wire.Done(ld.spec.transfer_id))
+        self.finish(ld, ok=True, reason="release-only")
+        return True
+
+    def _pinned(self, ld: Load, now: float) -> bool:
+        """Reuse: pin the lease the router looked up, and check it still protects the
+        retention we are about to read. True once pinned."""
+        src = ld.spec.reuse
+        assert src is not None
+        if ld.pin_id:
+            return True
+        if ld.pin_future is None:
+            ld.pin_sent = now
+            req = lpb.PinRequest(conversation_id=src.conversation_id, lease_id=src.lease_id,
+                                 reader=self.ctx.name, ttl_ms=int(self.ctx.settings.pin_ttl_s * 1000))
+            md = grpc_metadata(ld.spec.traceparent)
+            ld.pin_future = self.ctx.control.submit(lambda c: c.call(c.lease.Pin, req, retries=1, metadata=md))
+        if not ld.pin_future.done():
+            if now >= ld.deadline:
+                ld.pin_future.cancel()
+                raise TimeoutError("Lease.Pin did not answer")
+            return False
+        fut, ld.pin_future = ld.pin_future, None
+        try:
+            resp = fut.result()
+        except Exception as exc:  # noqa: BLE001 - refused or unreachable: either way, do not read
+            detail = exc.details() if hasattr(exc, "details") else repr(exc)
+            raise RuntimeError(f"pin refused: {detail}") from None
+        ld.pin_id = resp.pin.pin_id
+        ld.read_deadline = ld.pin_sent + self.ctx.settings.pin_ttl_s * 0.5
+        if resp.lease.retention_id != src.retention_id or resp.lease.engine_id != src.engine_id:
+            raise RuntimeError(f"lease {src.lease_id} now protects retention {resp.lease.retention_id!r}, "
+                               f"not {src.retention_id!r}")
+        return True
+
+    def _fault_delay(self, ld: Load, now: float) -> bool:
+        """Test-only: widen the reuse READ window, pin held. True while held back."""
+        if not self.ctx.faults.path or (ld.move is not None and ld.move.posted):
+            return False
+        if not ld.delay_until:
+            ld.delay_until = now + self.ctx.faults.value("delay_reuse_read_s")
+            if ld.delay_until > now:
+                src = ld.spec.reuse
+                self.ctx.stats.record("fault_delay", req_id=ld.req_id, conversation_id=src.conversation_id if src
+                                      else "", delay_s=ld.delay_until - now, pin_id=ld.pin_id)
+        return now < ld.delay_until
+
+    def _landed(self, ld: Load, now: float) -> bool:
+        """The data is in our blocks: finish now, or verify first (``verify_kv``)."""
+        if not self.verifier.enabled or not ld.spec.local_block_ids:
+            self.finish(ld, ok=True)
+            return True
+        ld.landed, ld.t_landed = True, now
+        return self._verified(ld, now)
+
+    def _verified(self, ld: Load, now: float) -> bool:
+        if not self.verifier.check(ld, now):
+            return False
+        self.finish(ld, ok=True)
+        return True
+
+    # ------------------------------------------------------------------ the end
+    def finish(self, ld: Load, *, ok: bool, reason: str = "") -> None:
+        now = time.monotonic()
+        count_load(self.ctx, ld, ok=ok, reason=reason, now=now)
+        record_finish(self.ctx, ld, ok=ok, reason=reason, dur=now - ld.t0)
+        if ld.spec.mode == MODE_REUSE:
+            self._unpin(ld)
+            self.ctx.report("recv", ld.req_id, ok, ld.spec.local_block_ids)
+            return
+        if not ok:
+            self._give_up(ld, reason)
+        if ld.spec.report_recv:
+            self.ctx.report("recv", ld.req_id, ok, ld.spec.local_block_ids)
+
+    def _give_up(self, ld: Load, reason: str) -> None:
+        spec = ld.spec
+        if spec.mode == MODE_PUSH and spec.transfer_id:
+            if self.staged is not None:
+                # a staged WRITE still in flight must not land in blocks vLLM frees now
+                self.staged.cancel(push_xfer_id(spec.transfer_id))
+            # Tell the rendezvous we gave up, so a late match is refused and prefill frees
+            # its blocks (a write already in flight can still land: not fenced yet).
+            cancel = rpb.CancelRequest(transfer_id=spec.transfer_id, engine_id=self.ctx.settings.engine_id,
+                                       reason=f"decode gave up: {reason}"[:200])
+            md = grpc_metadata(spec.traceparent)
+            self.ctx.control.submit(lambda c: c.call(c.rendezvous.Cancel, cancel, retries=1, metadata=md))
+        # Let prefill free now rather than at its timeout (best effort).
+        if ld.peer and self.ctx.ep is not None and self.ctx.peers.known(spec.remote_engine_id):
+            try:
+                self.ctx.notify(ld.peer, wire.Done(spec.transfer_id))
+            except Exception:  # best effort: prefill frees at its own timeout
+                log.debug("failure notif not sent", exc_info=True)
+
+    def _unpin(self, ld: Load) -> None:
+        """Release our pin (fire-and-forget: a lost Unpin only delays expiry by the pin TTL)."""
+        src = ld.spec.reuse
+        if src is None or not ld.pin_id:
+            return
+        req = lpb.UnpinRequest(conversation_id=src.conversation_id, lease_id=src.lease_id, pin_id=ld.pin_id)
+        ld.pin_id = ""
+        md = grpc_metadata(ld.spec.traceparent)
+        fut = self.ctx.control.submit(lambda c: c.call(c.lease.Unpin, req, retries=2, metadata=md))
+        fire_and_forget(fut, "Unpin (the pin lapses by itself)", log)
