@@ -128,7 +128,8 @@ def run(args: argparse.Namespace, workdir: Path) -> int:
             stats = json.loads(r.read())
         with urllib.request.urlopen(f"{router}/kvbaton/fleet", timeout=5) as r:
             cost = json.loads(r.read())["decision_us"]
-        print(f"\nrouter: {stats['decode_affinity']} of {len(turns)} turns on the decode holding the conversation's KV; "
+        print(f"\nrouter: {stats['decode_affinity']} of {len(turns) - 1} later turns on the decode holding the "
+              f"conversation's KV; "
               f"reuse offered {stats['reuse_offered']} times; decision cost p50 {cost['p50']:.1f} µs, "
               f"p99 {cost['p99']:.1f} µs")
         if len(turns) > 1 and reads_total == 0:
