@@ -83,6 +83,10 @@ class KvbatonSettings:
     ucx_tls: str | None = setting(
         None, "`UCX_TLS` for the NIXL agent (e.g. `tcp,self,sm` for host memory).", shown="UCX's choice",
         optional=True)
+    nixl_backend: str = setting(
+        "ucx", "The NIXL backend plugin the agent moves KV with: `ucx`, or `libfabric` (EFA, as on the seeds' AWS "
+        "nodes). A backend this machine cannot load fails engine start-up with the plugins it has.",
+        choices=("ucx", "libfabric"))
     # Bidirectional reuse (D→P across turns of one conversation).
     lease_ttl_s: float = setting(
         30.0, "Decode: TTL of the lease taken on a finished turn's retained blocks (renewed by agents/the router).")

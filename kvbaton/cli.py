@@ -143,13 +143,28 @@ async def _engines(args) -> int:
             print(json.dumps(out, indent=2))
         else:
             rows = [[r.engine_id, _enum(common_pb2.EngineRole.Name(r.role), "ENGINE_ROLE_"), f"{r.tp_rank}/{r.tp_size}",
-                     r.agent_name, str(r.geometry.num_blocks), str(r.geometry.tokens_per_block),
+                     _kv_heads(r), r.agent_name, str(r.geometry.num_blocks), str(r.geometry.tokens_per_block),
                      f"{r.geometry.bytes_per_block * len(r.geometry.region_base_addrs) * r.geometry.num_blocks / 2**20:.1f}",
                      r.geometry.device or "?", r.geometry.fingerprint[:16], r.serve_url or "-",
                      "draining" if r.draining else "serving"] for r in ranks]
-            print(_table(rows, ["ENGINE", "ROLE", "RANK", "AGENT", "BLOCKS", "TOK/BLK", "KV_MIB", "DEVICE", "FINGERPRINT",
-                                "URL", "STATE"]))
+            print(_table(rows, ["ENGINE", "ROLE", "RANK", "KV_HEADS", "AGENT", "BLOCKS", "TOK/BLK", "KV_MIB", "DEVICE",
+                                "FINGERPRINT", "URL", "STATE"]))
     return 0
+
+
+def _kv_heads(rank) -> str:
+    """The KV heads a rank holds, e.g. ``2-3/8`` (of the model's 8), ``?`` when unpublished."""
+    from kvbaton.kvgeometry import KvIncompatible, rank_heads
+
+    total = rank.geometry.total_kv_heads
+    if not total:
+        return "?"
+    try:
+        heads = rank_heads(rank.tp_size, total, rank.tp_rank)
+    except (KvIncompatible, ValueError):
+        return f"!/{total}"
+    first, last = heads.start, heads.stop - 1
+    return f"{first}/{total}" if first == last else f"{first}-{last}/{total}"
 
 
 async def _transfers(args) -> int:
@@ -194,7 +209,8 @@ def _serve(args) -> int:
     config = ServerConfig(address=args.listen, store_url=args.store, services=services,
                           tls_cert=args.tls_cert or "", tls_key=args.tls_key or "", tls_client_ca=args.tls_client_ca or "",
                           insecure=args.insecure, tokens_file=args.tokens or "", rate_limit=args.rate_limit,
-                          max_streams_per_client=args.max_streams_per_client, otlp_endpoint=args.otlp_endpoint)
+                          max_streams_per_client=args.max_streams_per_client, otlp_endpoint=args.otlp_endpoint,
+                          shed_lag_ms=args.shed_lag_ms)
     config.lease.default_ttl_ms = args.default_lease_ttl_ms
     # /metrics and the status page listen on the gRPC address's host: loopback by
     # default, every interface when --listen is 0.0.0.0 (containers).
@@ -204,7 +220,15 @@ def _serve(args) -> int:
     if args.web_port is not None:
         config.web_address = f"{host}:{args.web_port}"
     try:
-        asyncio.run(serve(config))
+        if args.event_loop == "uvloop":
+            try:
+                import uvloop
+            except ImportError:
+                print("kvbaton serve: --event-loop uvloop needs the uvloop package (pip install uvloop)", file=sys.stderr)
+                return 2
+            uvloop.run(serve(config))
+        else:
+            asyncio.run(serve(config))
     except KeyboardInterrupt:
         pass
     except (ValueError, OSError) as exc:  # bad configuration: say what, not a traceback
@@ -230,6 +254,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--rate-limit", type=float, default=0.0, help="requests/s per client (0: off)")
     s.add_argument("--max-streams-per-client", type=int, default=256)
     s.add_argument("--default-lease-ttl-ms", type=int, default=30_000)
+    s.add_argument("--event-loop", choices=("asyncio", "uvloop"), default="asyncio",
+                   help="the server's event loop; uvloop costs less CPU per call (needs the uvloop package)")
+    s.add_argument("--shed-lag-ms", type=float, default=20.0,
+                   help="refuse new transfers (RESOURCE_EXHAUSTED) while the server's event loop runs more than "
+                        "this many ms behind; 0: never (default %(default)s)")
     s.add_argument("--log-level", default=None)
     s.add_argument("--metrics-port", type=int, default=None,
                    help="serve /metrics (and the status page, /api/state) on this port (default: off; 9464 is usual)")

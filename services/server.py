@@ -24,6 +24,7 @@ from kvbaton.v1 import lease_pb2, lease_pb2_grpc, registrar_pb2, registrar_pb2_g
 
 from . import tracing
 from .api.lease import LeaseServicer
+from .api.overload import CORE_BACKLOG_OPTIONS, LoopLag
 from .api.registrar import RegistrarServicer
 from .api.rendezvous import RendezvousServicer
 from .domain.clock import Clock, WallClock
@@ -71,6 +72,11 @@ class ServerConfig:
     metrics_address: str | None = None
     # A separate host:port for the status page and /api/state; None: served with /metrics.
     web_address: str | None = None
+    # Load shedding (services/api/overload.py): while the event loop is saturated or runs
+    # more than this many ms behind, messages that would open a new transfer are refused
+    # with RESOURCE_EXHAUSTED. 0: never. Off for planes built in-process (tests drive them
+    # from their own loop); `kvbaton serve` turns it on (--shed-lag-ms, default 20).
+    shed_lag_ms: float = 0.0
     # OpenTelemetry collector (OTLP/gRPC) for traces; None: $KVBATON_OTLP_ENDPOINT; "": off.
     # Tracing already configured in this process (tests: an in-memory exporter) is kept.
     otlp_endpoint: str | None = None
@@ -97,6 +103,7 @@ class ControlPlane:
         self.metrics = ServiceMetrics(CollectorRegistry())
         self._engine_counts: tuple[dict[tuple[str, ...], float], dict[tuple[str, ...], float]] = ({}, {})
         self.web: WebServer | None = None  # once started (metrics_address or web_address set)
+        self.load = LoopLag(max_lag_ms=config.shed_lag_ms)
 
     @property
     def address(self) -> str:
@@ -112,7 +119,7 @@ class ControlPlane:
         store = InstrumentedStore(self.store, self.metrics)
         opts = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES), ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.keepalive_time_ms", 20_000), ("grpc.http2.max_pings_without_data", 0),
-                ("grpc.keepalive_permit_without_calls", 1)]
+                ("grpc.keepalive_permit_without_calls", 1), *CORE_BACKLOG_OPTIONS]
         from .api.guard import Guard, GuardConfig
         from .auth import TokenBook
 
@@ -132,13 +139,17 @@ class ControlPlane:
             registrar_pb2_grpc.add_RegistrarServicer_to_server(RegistrarServicer(self.registrar), self.server)
         if "rendezvous" in self.config.services:
             self.rendezvous = RendezvousService(store, clock=self.clock, config=self.config.rendezvous,
-                                                engine_exists=self.registrar.engine_exists, metrics=self.metrics,
+                                                engine_exists=self.registrar.engine_exists,
+                                                pair_check=self.registrar.pair_verdict, metrics=self.metrics,
                                                 retained_lookup=self.registrar.find_retained)
             await self.rendezvous.start(run_sweeper=True)
-            rendezvous_pb2_grpc.add_RendezvousServicer_to_server(RendezvousServicer(self.rendezvous), self.server)
+            self.load.start()
+            rendezvous_pb2_grpc.add_RendezvousServicer_to_server(RendezvousServicer(self.rendezvous, load=self.load),
+                                                                 self.server)
         if "lease" in self.config.services:
             self.lease = LeaseService(store, clock=self.clock, config=self.config.lease, metrics=self.metrics,
-                                      engine_alive=self.registrar.engine_exists)
+                                      engine_alive=self.registrar.engine_exists,
+                                      pair_check=self.registrar.pair_verdict, on_refused=self._record_refused)
             await self.lease.start(run_expiry=True)
             lease_pb2_grpc.add_LeaseServicer_to_server(LeaseServicer(self.lease), self.server)
         await self._elect(store)
@@ -160,6 +171,14 @@ class ControlPlane:
             await self.web.start()
         log.info("kvbaton.serving", address=self.address, store=store.name, services=list(self.config.services),
                  metrics=self.web.metrics_url if self.web else None)
+
+    async def _record_refused(self, transfer_id: str, owner: str, reader: str, reason: str) -> None:
+        """A reuse READ refused at its pin (incompatible KV) becomes a failed transfer, seen
+        in ``kvbaton transfers list --phase failed`` next to refused push matches. Without
+        the rendezvous service in this process, the refusal is only in the pin's status."""
+        if self.rendezvous is not None:
+            await self.rendezvous.record_refused(transfer_id, owner_engine_id=owner, reader_engine_id=reader,
+                                                 reason=reason)
 
     def _wire_state_gauges(self) -> None:
         """Points the scrape-time gauges at this replica's caches. Each is exported only by
@@ -286,6 +305,7 @@ class ControlPlane:
             task.cancel()
             await bounded(asyncio.gather(task, return_exceptions=True), "campaign")
             await bounded(election.resign(), "resign")
+        await bounded(self.load.stop(), "loop-lag")
         for domain in (self.lease, self.rendezvous):
             if domain is not None:
                 await bounded(domain.stop(), type(domain).__name__)

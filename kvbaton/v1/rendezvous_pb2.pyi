@@ -73,7 +73,7 @@ class Outcome(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., success: _Optional[bool] = ..., bytes: _Optional[int] = ..., error: _Optional[str] = ..., reported_at_ms: _Optional[int] = ..., duration_us: _Optional[int] = ...) -> None: ...
 
 class TransferState(_message.Message):
-    __slots__ = ("transfer_id", "attempt", "phase", "offer", "completion", "matched_at_ms", "expected_outcomes", "outcomes", "reason", "updated_at_ms", "revision", "kind", "generation", "conversation_id")
+    __slots__ = ("transfer_id", "attempt", "phase", "offer", "completion", "matched_at_ms", "expected_outcomes", "outcomes", "reason", "updated_at_ms", "revision", "kind", "generation", "conversation_id", "writer_ranks")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
@@ -88,6 +88,7 @@ class TransferState(_message.Message):
     KIND_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     CONVERSATION_ID_FIELD_NUMBER: _ClassVar[int]
+    WRITER_RANKS_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     attempt: int
     phase: TransferPhase
@@ -102,7 +103,8 @@ class TransferState(_message.Message):
     kind: TransferKind
     generation: str
     conversation_id: str
-    def __init__(self, transfer_id: _Optional[str] = ..., attempt: _Optional[int] = ..., phase: _Optional[_Union[TransferPhase, str]] = ..., offer: _Optional[_Union[TransferSide, _Mapping]] = ..., completion: _Optional[_Union[TransferSide, _Mapping]] = ..., matched_at_ms: _Optional[int] = ..., expected_outcomes: _Optional[int] = ..., outcomes: _Optional[_Iterable[_Union[Outcome, _Mapping]]] = ..., reason: _Optional[str] = ..., updated_at_ms: _Optional[int] = ..., revision: _Optional[int] = ..., kind: _Optional[_Union[TransferKind, str]] = ..., generation: _Optional[str] = ..., conversation_id: _Optional[str] = ...) -> None: ...
+    writer_ranks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, transfer_id: _Optional[str] = ..., attempt: _Optional[int] = ..., phase: _Optional[_Union[TransferPhase, str]] = ..., offer: _Optional[_Union[TransferSide, _Mapping]] = ..., completion: _Optional[_Union[TransferSide, _Mapping]] = ..., matched_at_ms: _Optional[int] = ..., expected_outcomes: _Optional[int] = ..., outcomes: _Optional[_Iterable[_Union[Outcome, _Mapping]]] = ..., reason: _Optional[str] = ..., updated_at_ms: _Optional[int] = ..., revision: _Optional[int] = ..., kind: _Optional[_Union[TransferKind, str]] = ..., generation: _Optional[str] = ..., conversation_id: _Optional[str] = ..., writer_ranks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class BeginReadRequest(_message.Message):
     __slots__ = ("transfer_id", "attempt", "kind", "reader_engine_id", "block_ids", "readers", "generation", "conversation_id", "source_block_ids", "request_id")

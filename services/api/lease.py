@@ -81,7 +81,7 @@ class LeaseServicer(pb_grpc.LeaseServicer):
 
     @unary
     async def Pin(self, r: pb.PinRequest, context):
-        pin, lease = await self.domain.pin(r.conversation_id, r.lease_id, r.reader, r.ttl_ms)
+        pin, lease = await self.domain.pin(r.conversation_id, r.lease_id, r.reader, r.ttl_ms, r.reader_engine_id)
         return pb.PinResponse(pin=pin, lease=lease)
 
     @unary

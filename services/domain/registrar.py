@@ -9,11 +9,19 @@ register again rather than stay invisible.
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 from collections.abc import AsyncIterator
 
 import structlog
 
+from kvbaton.kvgeometry import (
+    EngineKv,
+    basic_incompatibility,
+    incompatibility,
+    split_reason,
+    writer_ranks,
+)
 from kvbaton.v1 import common_pb2 as cpb
 from kvbaton.v1 import registrar_pb2 as pb
 
@@ -53,6 +61,22 @@ def validate_geometry(g: cpb.KvGeometry) -> None:
     limits.check_id("geometry.fingerprint", g.fingerprint)
 
 
+@dataclasses.dataclass(frozen=True)
+class PairVerdict:
+    """Whether KV held by one engine can move into another's, decided from what both
+    registered (``kvbaton.kvgeometry``): ``reason`` is empty when it can, and then
+    ``writer_ranks`` are the owner's ranks that move anything (one outcome each)."""
+
+    reason: str
+    writer_ranks: tuple[int, ...] = ()
+
+
+def _engine_shape(rank: pb.EngineRank) -> tuple:
+    """What every rank of one engine must agree on."""
+    return (rank.role, rank.tp_size, rank.geometry.fingerprint, rank.geometry.total_kv_heads,
+            rank.geometry.head_major)
+
+
 class RegistrarService:
     def __init__(self, store: Store, *, clock: Clock | None = None, prefix: bytes = b"kvb/reg/",
                  metrics: ServiceMetrics | None = None) -> None:
@@ -88,6 +112,10 @@ class RegistrarService:
         if len(rank.agent_metadata) > limits.MAX_AGENT_METADATA_BYTES:
             raise invalid(f"agent_metadata is {len(rank.agent_metadata)} bytes; the limit is {limits.MAX_AGENT_METADATA_BYTES}")
         validate_geometry(rank.geometry)
+        if rank.geometry.total_kv_heads:
+            why = split_reason(rank.tp_size, rank.geometry.total_kv_heads)
+            if why:
+                raise invalid(f"geometry.total_kv_heads: {why}")
         limits.check_labels("labels", dict(rank.labels))
         if rank.serve_url and (not rank.serve_url.startswith(("http://", "https://"))
                                or len(rank.serve_url) > limits.MAX_LABEL_BYTES):
@@ -100,10 +128,10 @@ class RegistrarService:
             other = pb.EngineRank.FromString(kv.value)
             if other.tp_rank == rank.tp_rank:
                 continue
-            if (other.role, other.tp_size, other.geometry.fingerprint) != (rank.role, rank.tp_size, rank.geometry.fingerprint):
+            if _engine_shape(other) != _engine_shape(rank):
                 raise precondition(
-                    f"engine {rank.engine_id} rank {other.tp_rank} is registered with a different role, tp_size "
-                    "or fingerprint; deregister it first")
+                    f"engine {rank.engine_id} rank {other.tp_rank} is registered with a different role, tp_size, "
+                    "fingerprint or KV head count; deregister it first")
         rec = pb.EngineRank()
         rec.CopyFrom(rank)
         rec.registered_at_ms = self.clock.now_ms()
@@ -208,6 +236,27 @@ class RegistrarService:
         if not kvs:
             raise not_found(f"engine {engine_id} is not registered")
         return [pb.EngineRank.FromString(kv.value) for kv in kvs]
+
+    async def pair_verdict(self, owner_engine_id: str, receiver_engine_id: str) -> PairVerdict | None:
+        """Can KV held by ``owner_engine_id`` (prefill in push/pull, decode in reuse) land in
+        ``receiver_engine_id``'s ranks? None when either engine has no rank registered now
+        (nothing to judge: the transfer proceeds and fails or succeeds on its own).
+
+        Engines that did not publish their KV head count (``geometry.total_kv_heads``: older
+        connectors) are judged on dtype, layout, layer count and block size only, and get no
+        writer ranks (the completion's ``writers`` count, as before)."""
+        owner, _ = await self.store.range(self._ekey(owner_engine_id), limit=1)
+        receiver, _ = await self.store.range(self._ekey(receiver_engine_id), limit=1)
+        if not owner or not receiver:
+            return None
+        src = EngineKv.from_rank(pb.EngineRank.FromString(owner[0].value))
+        dst = EngineKv.from_rank(pb.EngineRank.FromString(receiver[0].value))
+        if not (src.heads_known and dst.heads_known):
+            return PairVerdict(basic_incompatibility(src, dst) or "")
+        why = incompatibility(src, dst)
+        if why:
+            return PairVerdict(why)
+        return PairVerdict("", writer_ranks(src, dst))
 
     async def engine_exists(self, engine_id: str) -> bool:
         kvs, _ = await self.store.range(self._ekey(engine_id), limit=1)

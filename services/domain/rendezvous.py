@@ -12,6 +12,12 @@ old sides' owners are told CANCELLED so they free their blocks). The same messag
 is a duplicate and answered with the current state; a different message for a side that
 is already there is a conflict (FAILED_PRECONDITION).
 
+Compatibility: when both sides are there, the two engines' registered KV (TP sizes, KV
+heads, dtype, layout, block size; ``kvbaton.kvgeometry``) is judged before the match is
+made. A pair that cannot be mapped never matches: the transfer FAILS at once with the
+reason (decode recomputes, prefill frees), and a pair that can records which prefill ranks
+write (``writer_ranks``), one outcome expected from each.
+
 A matched transfer ends when every writer reported (SUCCEEDED/FAILED) or when its match
 deadline passes without that (FAILED), so decode never waits forever. A decode engine
 may not cancel a matched transfer: the writer may be writing into its blocks; the
@@ -155,6 +161,7 @@ class RendezvousService:
         config: RendezvousConfig | None = None,
         prefix: bytes = b"kvb/rdv/",
         engine_exists=None,
+        pair_check=None,
         metrics: ServiceMetrics | None = None,
         retained_lookup=None,
     ) -> None:
@@ -165,6 +172,10 @@ class RendezvousService:
         self.prefix = prefix
         # Optional async predicate: is this engine registered? (unknown engines are refused)
         self.engine_exists = engine_exists
+        # Optional async (prefill_engine_id, decode_engine_id) -> PairVerdict | None: may KV
+        # move between them, and which prefill ranks write (RegistrarService.pair_verdict).
+        self.pair_check = pair_check
+        self._pairs_seen: dict[tuple[str, str], tuple[float, Any]] = {}
         # Optional async (conversation_id) -> RetainedBlocks | None (the registrar's): what
         # a reuse read is fenced against.
         self.retained_lookup = retained_lookup
@@ -271,14 +282,25 @@ class RendezvousService:
             if not msg.is_offer:
                 new.expected_outcomes = msg.writers
             matched = bool(new.offer.engine_id and new.completion.engine_id)
+            refused = ""
             if matched:
-                if len(new.offer.block_ids) != len(new.completion.block_ids):
+                # Incompatibility first: it explains a block count mismatch (different block sizes).
+                verdict = await self._pair(new.completion.engine_id, new.offer.engine_id)
+                if verdict is not None and verdict.reason:
+                    new.phase, refused = pb.TRANSFER_PHASE_FAILED, verdict.reason
+                    new.reason = (f"incompatible KV: prefill {new.completion.engine_id} -> decode "
+                                  f"{new.offer.engine_id}: {verdict.reason}")
+                elif len(new.offer.block_ids) != len(new.completion.block_ids):
                     new.phase = FAILED
                     new.reason = (f"block count mismatch: decode offered {len(new.offer.block_ids)}, "
                                   f"prefill completed {len(new.completion.block_ids)}")
                 else:
                     new.phase = MATCHED
                     new.matched_at_ms = now
+                    if verdict is not None and verdict.writer_ranks:
+                        del new.writer_ranks[:]
+                        new.writer_ranks.extend(verdict.writer_ranks)
+                        new.expected_outcomes = len(verdict.writer_ranks)
             else:
                 new.phase = OFFERED if msg.is_offer else COMPLETED
             new.updated_at_ms = now
@@ -302,7 +324,10 @@ class RendezvousService:
                         max(now - first.received_at_ms, 0) / 1000)
                     log.debug("rendezvous.matched", transfer_id=msg.transfer_id, attempt=msg.attempt)
                 elif matched:
-                    self.metrics.transfers.labels("failed", "block_count_mismatch").inc()
+                    self.metrics.transfers.labels("failed", "incompatible" if refused else "block_count_mismatch").inc()
+                    if refused:
+                        self.stats["refused"] = self.stats.get("refused", 0) + 1
+                        log.info("rendezvous.refused", transfer_id=msg.transfer_id, reason=new.reason)
                 return new, matched and new.phase == MATCHED, False
         raise DomainError(Code.ABORTED, f"transfer {msg.transfer_id} kept conflicting; retry")
 
@@ -317,6 +342,47 @@ class RendezvousService:
         if len(self._engines_seen) >= 10_000:
             self._engines_seen.clear()  # bounded memory
         self._engines_seen[engine_id] = mono
+
+    async def _pair(self, prefill_engine_id: str, decode_engine_id: str) -> Any:
+        """The pair check's verdict, cached like engine existence (a store read per match
+        otherwise); None without a pair check."""
+        if self.pair_check is None:
+            return None
+        key = (prefill_engine_id, decode_engine_id)
+        mono = time.monotonic()
+        seen = self._pairs_seen.get(key)
+        if seen is not None and mono - seen[0] < self.config.engine_cache_s:
+            return seen[1]
+        verdict = await self.pair_check(prefill_engine_id, decode_engine_id)
+        if len(self._pairs_seen) >= 10_000:
+            self._pairs_seen.clear()  # bounded memory
+        if verdict is not None:
+            self._pairs_seen[key] = (mono, verdict)
+        return verdict
+
+    async def record_refused(self, transfer_id: str, *, owner_engine_id: str, reader_engine_id: str,
+                             reason: str, request_id: str = "") -> pb.TransferState:
+        """Records a transfer refused before it was formed outside the rendezvous (a reuse
+        READ of ``owner_engine_id``'s retained blocks by ``reader_engine_id``) as FAILED with
+        the reason, so operators see it in ``transfers list`` like a refused push. The owner
+        (the engine the KV lives on, decode) is the offer side, the reader the completion
+        side. Written once per id; a repeat returns the record there."""
+        limits.check_id("transfer_id", transfer_id)
+        key = self._key(transfer_id)
+        now = self.clock.now_ms()
+        t = pb.TransferState(transfer_id=transfer_id, phase=pb.TRANSFER_PHASE_FAILED,
+                             reason=limits.check_text("reason", reason[:900]),
+                             updated_at_ms=now)
+        t.offer.engine_id, t.offer.received_at_ms = owner_engine_id, now
+        t.completion.engine_id, t.completion.received_at_ms, t.completion.request_id = reader_engine_id, now, request_id
+        t.kind = REUSE
+        result = await self.store.txn([Compare.absent(key)], await self._put_ops(t), [Get(key)])
+        if not result.succeeded:
+            return _parse(result.values[0].value) if result.values and result.values[0] else t
+        t.revision = result.revision
+        self.metrics.transfers.labels("failed", "incompatible").inc()
+        log.info("rendezvous.refused", transfer_id=transfer_id, reason=reason)
+        return t
 
     async def _update(self, transfer_id: str, attempt: int, change) -> pb.TransferState:
         """Read-modify-CAS on a transfer; ``change(state, now)`` mutates it or returns False."""
@@ -358,9 +424,14 @@ class RendezvousService:
                 return False  # late report after the end: nothing to change
             if t.phase in PENDING:
                 raise precondition(f"transfer {transfer_id} is not matched yet")
+            if t.phase == FAILED and not t.matched_at_ms:
+                raise precondition(f"transfer {transfer_id} was never matched (nothing to write): {t.reason}")
             if outcome.engine_id != _mover(t).engine_id:
                 raise invalid(f"engine {outcome.engine_id} is not the engine moving the blocks of transfer {transfer_id}")
-            if outcome.tp_rank >= max(t.expected_outcomes, 1):
+            if t.writer_ranks and outcome.tp_rank not in t.writer_ranks:
+                raise invalid(f"tp_rank {outcome.tp_rank} is not a writer of transfer {transfer_id} "
+                              f"(writer ranks {list(t.writer_ranks)})")
+            if not t.writer_ranks and outcome.tp_rank >= max(t.expected_outcomes, 1):
                 raise invalid(f"tp_rank {outcome.tp_rank} >= writers {t.expected_outcomes}")
             if any(o.tp_rank == outcome.tp_rank for o in t.outcomes):
                 return False  # duplicate
@@ -422,6 +493,22 @@ class RendezvousService:
         generation = generation or str(attempt)
         if generation != str(attempt):
             raise invalid(f"a pull hold's generation is its attempt: got {generation!r} for attempt {attempt}")
+        held = await self.store.get(self._key(transfer_id))
+        owner = _parse(held.value).completion.engine_id if held is not None else ""
+        verdict = await self._pair(owner, reader) if owner else None
+        if verdict is not None and verdict.reason:
+            # Never mappable: end the hold now (the prefill frees on DONE) and say why.
+            why = f"incompatible KV: pull READ of prefill {owner} by decode {reader}: {verdict.reason}"
+
+            def fail(t: pb.TransferState, now: int):
+                if t.phase != COMPLETED:
+                    return False
+                t.phase, t.reason, t.kind = FAILED, why, PULL
+                return None
+
+            await self._update(transfer_id, attempt, fail)
+            self.metrics.transfers.labels("failed", "incompatible").inc()
+            raise precondition(f"{why}: recompute")
 
         def change(t: pb.TransferState, now: int):
             if t.kind == PULL and t.phase != COMPLETED and t.offer.engine_id == reader and list(t.offer.block_ids) == ids:
@@ -464,6 +551,12 @@ class RendezvousService:
                                f"{retained.retention_id}; the read names {generation}): recompute")
         if not set(src) <= set(retained.block_ids):
             raise precondition(f"source_block_ids are not all retained for conversation {conversation_id}")
+        verdict = await self._pair(retained.engine_id, reader)
+        if verdict is not None and verdict.reason:
+            why = f"incompatible KV: reuse READ of decode {retained.engine_id} by prefill {reader}: {verdict.reason}"
+            await self.record_refused(transfer_id, owner_engine_id=retained.engine_id, reader_engine_id=reader,
+                                      reason=why, request_id=request_id)
+            raise precondition(f"{why}: recompute")
         key = self._key(transfer_id)
         for _ in range(_CAS_RETRIES):
             kv = await self.store.get(key)

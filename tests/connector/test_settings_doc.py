@@ -31,6 +31,8 @@ def _other_value(f: dataclasses.Field) -> object:
         return "always"
     if f.name == "serve_role":
         return "decode"
+    if f.name == "nixl_backend":
+        return "libfabric"
     if isinstance(d, bool):
         return not d
     if isinstance(d, int):
