@@ -43,21 +43,27 @@ class LoopLag:
     - *lag*: how late its own timer fires (a long turn, or a starved process).
 
     ``overloaded``: busy ≥ ``max_busy`` over the last ``window`` ticks, or lag above
-    ``max_lag_ms``. Without a selector to wrap (uvloop), *busy* is the loop thread's CPU
+    ``max_lag_ms`` while the loop was also at least ``lag_busy`` busy. Lag on an idle loop
+    means the process was starved by others (engines sharing the cores), not that calls
+    arrive faster than it takes them: refusing then only turns a few late milliseconds into
+    a failed transfer, so it is not shed on. Without a selector to wrap (uvloop), *busy* is the loop thread's CPU
     time over wall time instead: the same on a machine with a core to spare, lower where
     other processes take the core (then lag still says when the loop falls behind).
     """
 
-    def __init__(self, *, max_lag_ms: float, max_busy: float = 0.95, tick_s: float = 0.01, window: int = 5,
+    def __init__(self, *, max_lag_ms: float, max_busy: float = 0.95, lag_busy: float = 0.5,
+                 tick_s: float = 0.01, window: int = 5,
                  admit_per_tick: int = 2, clock: Callable[[], float] = time.monotonic) -> None:
         self.max_lag_ms = max_lag_ms
         self.max_busy = max_busy
+        self.lag_busy = lag_busy
         self.tick_s = tick_s
         self.clock = clock
         self._lags = [0.0] * window
         self._busy = [0.0] * window
         self._i = 0
         self.lag_ms = 0.0
+        self._busy_lag_ms = 0.0
         self.busy = 0.0
         self.shed = 0
         # Even while overloaded, this many new transfers per tick are admitted: a burst that
@@ -73,11 +79,16 @@ class LoopLag:
         self._i = (self._i + 1) % len(self._lags)
         self.lag_ms = max(self._lags)
         self.busy = min(self._busy)
+        # Lag that counts: of ticks whose loop was also busy (see the class docstring).
+        self._busy_lag_ms = max((lag for lag, b in zip(self._lags, self._busy, strict=True) if b >= self.lag_busy),
+                                default=0.0)
         self._admitted = 0
 
     @property
     def overloaded(self) -> bool:
-        return self.max_lag_ms > 0 and (self.lag_ms > self.max_lag_ms or self.busy >= self.max_busy)
+        if self.max_lag_ms <= 0:
+            return False
+        return self.busy >= self.max_busy or self._busy_lag_ms > self.max_lag_ms
 
     def refuse(self) -> str | None:
         """None (admit), or the reason to refuse a new transfer with."""

@@ -148,7 +148,9 @@ def test_loop_lag_sheds_only_while_behind():
     assert reason is not None and "overloaded" in reason and "97% busy" in reason
     load.observe(1.0, 0.30)  # it waited again: caught up
     assert not load.overloaded
-    load.observe(45.0, 0.10)  # one very late timer: a long turn
+    load.observe(45.0, 0.10)  # late but idle: starved by other processes, not behind on calls
+    assert not load.overloaded and load.refuse() is None
+    load.observe(45.0, 0.80)  # one very late timer in a busy loop: a long turn
     assert load.overloaded and load.refuse() is None and "45 ms behind" in load.refuse()
     load.observe(1.0, 0.1)
     load.observe(1.0, 0.1)
