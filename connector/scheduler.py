@@ -47,10 +47,9 @@ from vllm.v1.request import RequestStatus
 
 from kvbaton import params as P
 from kvbaton.services.metrics import connector_metrics
-from kvbaton.services.tracing import grpc_metadata
 from kvbaton.v1 import rendezvous_pb2 as rpb
 
-from .control import ControlThread, complete_request
+from .control import ControlThread, complete_request, rendezvous_call
 from .metadata import KvbatonMeta, LoadSpec, ReuseSource, SendSpec
 from .reuse import RetentionManager, reusable_blocks
 from .settings import MODE_PULL, MODE_PUSH, MODE_REUSE, KvbatonSettings
@@ -227,12 +226,10 @@ class KvbatonScheduler:
             log.warning("kvbaton: push request %s has no transfer_id; computing locally", request.request_id)
             return
         tp = self._tp(request.kv_transfer_params)
-        md = grpc_metadata(tp)
         if num_external_tokens <= 0:
             # All of it is cached here: cancel so prefill frees its blocks.
-            self._rpc("Cancel", lambda c: c.call(c.rendezvous.Cancel, rpb.CancelRequest(
-                transfer_id=tid, engine_id=self.settings.engine_id, reason="decode has the prefix cached"),
-                metadata=md), tid)
+            self._rpc("Cancel", rendezvous_call("Cancel", rpb.CancelRequest(
+                transfer_id=tid, engine_id=self.settings.engine_id, reason="decode has the prefix cached"), tp), tid)
             return
         local_all = [int(b) for b in blocks.get_block_ids()[0]]
         last = min(-(-(hit + num_external_tokens) // self.block_size), len(local_all))
@@ -243,7 +240,7 @@ class KvbatonScheduler:
                                  block_ids=local_all[:last], num_tokens=num_external_tokens,
                                  timeout_ms=int(self.settings.timeout_s * 1000),
                                  request_id=request.request_id)
-        self._rpc("Offer", lambda c: c.call(c.rendezvous.Offer, offer, metadata=md), tid)
+        self._rpc("Offer", rendezvous_call("Offer", offer, tp), tid)
 
     # ------------------------------------------------------------------ prefill side
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -253,7 +250,6 @@ class KvbatonScheduler:
         self._local_hit.pop(request.request_id, None)
         self._reuse_pending.pop(request.request_id, None)
         tp = self._tp(params)
-        md = grpc_metadata(tp)
         if params.get(P.DO_REMOTE_PREFILL):
             # Decode request finished (aborted) before it was ever allocated: tell the
             # prefill engine to free its held blocks instead of waiting for its timeout.
@@ -261,7 +257,7 @@ class KvbatonScheduler:
             if self._mode(params) == MODE_PUSH and params.get(P.TRANSFER_ID):
                 cancel = rpb.CancelRequest(transfer_id=str(params[P.TRANSFER_ID]),
                                            engine_id=self.settings.engine_id, reason="decode request aborted")
-                self._rpc("Cancel", lambda c: c.call(c.rendezvous.Cancel, cancel, metadata=md), cancel.transfer_id)
+                self._rpc("Cancel", rendezvous_call("Cancel", cancel, tp), cancel.transfer_id)
             elif params.get(P.REMOTE_ENGINE_ID):
                 self._loads[request.request_id] = LoadSpec(
                     str(params.get(P.TRANSFER_ID) or ""), str(params[P.REMOTE_ENGINE_ID]), (), (), False,
@@ -289,7 +285,7 @@ class KvbatonScheduler:
             if not here:
                 complete = complete_request(self.settings.engine_id, self.settings.timeout_s, tid, ids, n_tokens,
                                             request.request_id)
-                self._rpc("Complete", lambda c: c.call(c.rendezvous.Complete, complete, metadata=md), tid)
+                self._rpc("Complete", rendezvous_call("Complete", complete, tp), tid)
             return True, P.push_handoff(self.settings.engine_id, tid)
         self._sends[request.request_id] = SendSpec(tid, len(block_ids), self.settings.timeout_s, traceparent=tp,
                                                    block_ids=tuple(int(b) for b in block_ids))

@@ -29,6 +29,7 @@ from kvbaton.v1 import lease_pb2 as lpb
 from kvbaton.v1 import rendezvous_pb2 as rpb
 
 from .. import wire
+from ..control import rendezvous_call
 from ..metadata import LoadSpec
 from ..settings import MODE_PUSH, MODE_REUSE
 from ..transfer.integrity import Fingerprints, KvIntegrityError
@@ -253,8 +254,7 @@ class ReceiveFlow:
             # its blocks (a write already in flight can still land: not fenced yet).
             cancel = rpb.CancelRequest(transfer_id=spec.transfer_id, engine_id=self.ctx.settings.engine_id,
                                        reason=f"decode gave up: {reason}"[:200])
-            md = grpc_metadata(spec.traceparent)
-            self.ctx.control.submit(lambda c: c.call(c.rendezvous.Cancel, cancel, retries=1, metadata=md))
+            self.ctx.control.submit(rendezvous_call("Cancel", cancel, spec.traceparent, retries=1))
         # Let prefill free now rather than at its timeout (best effort).
         if ld.peer and self.ctx.ep is not None and self.ctx.peers.known(spec.remote_engine_id):
             try:

@@ -18,10 +18,10 @@ import logging
 import time
 from typing import Any
 
-from kvbaton.services.tracing import grpc_metadata
 from kvbaton.v1 import rendezvous_pb2 as rpb
 
 from .. import wire
+from ..control import rendezvous_call
 from ..metadata import SendSpec
 from ..settings import MODE_PULL, MODE_PUSH
 from ..transfer.integrity import Fingerprints, KvIntegrityError
@@ -181,6 +181,5 @@ class SendFlow:
             transfer_id=held.spec.transfer_id, attempt=held.match.attempt,
             outcome=rpb.Outcome(engine_id=self.ctx.settings.engine_id, tp_rank=0, success=ok,
                                 bytes=nbytes if ok else 0, error=error[:500], duration_us=int(dur * 1e6)))
-        md = grpc_metadata(held.spec.traceparent)
-        fut = self.ctx.control.submit(lambda c: c.call(c.rendezvous.ReportOutcome, req, metadata=md))
+        fut = self.ctx.control.submit(rendezvous_call("ReportOutcome", req, held.spec.traceparent))
         fire_and_forget(fut, "ReportOutcome", log)

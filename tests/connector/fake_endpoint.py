@@ -126,7 +126,8 @@ class FakeControl:
 
 
 class _Recorder:
-    """Stands in for the client inside ``submit(lambda c: c.call(c.x.Rpc, req, ...))``."""
+    """Stands in for the client inside ``submit(lambda c: c.call(c.x.Rpc, req, ...))`` (or
+    ``c.session.method(req)``)."""
 
     req: Any = None
 
@@ -134,6 +135,10 @@ class _Recorder:
         return self
 
     def call(self, _rpc: Any, req: Any, **_kw: Any) -> None:
+        self.req = req
+
+    def __call__(self, req: Any, *_a: Any, **_kw: Any) -> None:
+        """``c.session.offer(req)`` & co.: the session path of ``rendezvous_call``."""
         self.req = req
 
 
