@@ -77,6 +77,7 @@ class KvbatonScheduler:
         self._control: ControlThread | None = None  # started on first use
         self._retention: RetentionManager | None = None
         self._reuse_pending: dict[str, tuple[int, P.ReuseOffer]] = {}  # req -> (blocks, offer)
+        self.params_refused = 0  # requests whose kv_transfer_params had another version
         self.reuse_stats: dict[str, int] = {"reuse_claimed": 0, "reuse_below_threshold": 0,
                                             "reuse_no_match": 0, "reuse_claimed_tokens": 0}
         # Requests whose transfer the worker has not reported finished yet -> monotonic
@@ -133,6 +134,14 @@ class KvbatonScheduler:
         if self._retention is not None:
             self._retention.drain()  # ended leases give their blocks back before allocation
         params = request.kv_transfer_params
+        if params and (refused := P.version_error(params)):
+            # Another contract's params could mean anything: don't act on them at all.
+            # The request is computed here like one without kv_transfer_params.
+            log.error("kvbaton: request %s refused its kv_transfer_params: %s", request.request_id, refused)
+            self.params_refused += 1
+            self._stats.record("params_refused", request_id=request.request_id, error=refused)
+            request.kv_transfer_params = None
+            return 0, False
         if params and params.get(P.REUSE) and not params.get(P.DO_REMOTE_PREFILL):
             return self._claim_reuse(request, params, num_computed_tokens)
         if not params or not params.get(P.DO_REMOTE_PREFILL):

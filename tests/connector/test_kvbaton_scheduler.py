@@ -124,3 +124,15 @@ def test_push_complete_from_worker_moves_the_rpc_to_the_send_spec() -> None:
         spec = s.build_connector_meta(None).sends["p9"]
         assert spec.complete_here is here and spec.request_id == "p9" and spec.block_ids == (3, 4, 5)
         assert sent == ([] if here else ["Complete"])
+
+
+def test_params_of_another_version_are_refused_and_the_request_computed_here(sched: KvbatonScheduler) -> None:
+    r = _req("v1", 300, {"kvbaton_params_version": 2, "do_remote_prefill": True, "remote_engine_id": "p0",
+                         "remote_block_ids": [7, 8, 9], "remote_num_tokens": 300, "transfer_id": "t1"})
+    assert sched.get_num_new_matched_tokens(r, 0) == (0, False)
+    assert r.kv_transfer_params is None and sched.params_refused == 1
+    assert sched.request_finished(r, [1, 2]) == (False, None)
+    assert sched.build_connector_meta(None).loads == {}
+    ok = _req("v2", 300, {"kvbaton_params_version": 1, "do_remote_prefill": True, "remote_engine_id": "p0",
+                          "remote_block_ids": [7, 8, 9], "remote_num_tokens": 300, "transfer_id": "t2"})
+    assert sched.get_num_new_matched_tokens(ok, 0) == (300, True) and sched.params_refused == 1
