@@ -223,7 +223,8 @@ class KvbatonScheduler:
             local = tuple(int(b) for b in local_all[first:last])
             remote = tuple(remote_ids[first:last])
             self._loads[request.request_id] = LoadSpec(tid, remote_engine, remote, local, True,
-                                                       traceparent=self._tp(params))
+                                                       traceparent=self._tp(params),
+                                                       ledger_block_ids=tuple(int(b) for b in local_all[:last]))
         else:
             # Nothing to read (all cached locally): still let prefill free its blocks now.
             self._loads[request.request_id] = LoadSpec(tid, remote_engine, (), (), False,
@@ -298,6 +299,11 @@ class KvbatonScheduler:
             return True, P.push_handoff(self.settings.engine_id, tid)
         self._sends[request.request_id] = SendSpec(tid, len(block_ids), self.settings.timeout_s, traceparent=tp,
                                                    block_ids=tuple(int(b) for b in block_ids))
+        # The hold on the ledger: decode's BeginRead names it (a read of a hold that expired
+        # or was cancelled is refused), and its DONE or EXPIRED is when these blocks are freed.
+        hold = complete_request(self.settings.engine_id, self.settings.timeout_s, tid,
+                                tuple(int(b) for b in block_ids), int(request.num_computed_tokens), request.request_id)
+        self._rpc("Complete", rendezvous_call("Complete", hold, tp), tid)
         # this branch is pull whatever the engine default
         return True, P.pull_handoff(self.settings.engine_id, block_ids, int(request.num_computed_tokens), tid)
 

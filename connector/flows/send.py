@@ -31,6 +31,12 @@ from .verify import Verifier
 
 log = logging.getLogger("kvbaton.connector.send")
 
+# Pull: the ledger frees a hold's blocks (DONE after the reader's outcome, or EXPIRED at the
+# hold's timeout); a READ begun just before that timeout may run until the rendezvous'
+# match timeout (60 s by default) ends it. This local cap, past both, is only the last
+# resort for a control plane that never answers.
+PULL_HOLD_CAP_EXTRA_S = 75.0
+
 
 @dataclasses.dataclass
 class Held:
@@ -59,7 +65,8 @@ class SendFlow:
         tid = spec.transfer_id
         if spec.block_ids:
             self.verifier.expose(f"t:{tid}", spec.block_ids, mode=spec.mode, req_id=req_id)
-        held = Held(req_id, spec, now + spec.timeout_s, now)
+        cap = spec.timeout_s + (PULL_HOLD_CAP_EXTRA_S if spec.mode == MODE_PULL else 0.0)
+        held = Held(req_id, spec, now + cap, now)
         if spec.mode == MODE_PUSH:
             early = self._early_matches.pop(tid, None)
             if early is not None:
@@ -93,6 +100,15 @@ class SendFlow:
                 held.match = state
             else:
                 self._early_matches[tid] = (time.monotonic(), state)
+        elif ev.type == T.TYPE_DONE and held is not None and held.spec.mode == MODE_PULL:
+            # The reader reported (or the match timed out): the ledger says the READ is over.
+            del self.held[tid]
+            ok = state.phase == rpb.TRANSFER_PHASE_SUCCEEDED
+            nbytes = sum(o.bytes for o in state.outcomes)
+            self.ctx.stats.record("send_done", transfer_id=tid, req_id=held.req_id, ledger=True, ok=ok,
+                                  read_nbytes=nbytes, held_s=round(time.monotonic() - held.t0, 6))
+            self.ctx.metrics.transfers.labels(MODE_PULL, "prefill", "ok" if ok else "failed").inc()
+            self.ctx.report("sent", held.req_id, ok)
         elif ev.type in (T.TYPE_EXPIRED, T.TYPE_CANCELLED) and held is not None and not self._posted(held):
             del self.held[tid]
             self.ctx.stats.record("send_cancelled", transfer_id=tid, req_id=held.req_id,
