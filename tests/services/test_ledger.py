@@ -148,3 +148,17 @@ def test_a_read_match_is_not_routed_to_the_prefill_as_a_write():
         read = pb.TransferState(transfer_id="x", phase=pb.TRANSFER_PHASE_MATCHED, kind=kind,
                                 offer=pb.TransferSide(engine_id="dec"), completion=pb.TransferSide(engine_id="pre"))
         assert {r for r, _ in derive_events(put(read, held))} == routes
+
+
+async def test_a_pull_may_read_a_prefix_of_the_hold_but_not_more(kv, engines):
+    """Decode's leading blocks may be its own prefix-cache hits: it names fewer blocks."""
+    for tid in ("p2", "p3"):
+        await kv.call(kv.rendezvous.Complete, pb.CompleteRequest(transfer_id=tid, prefill_engine_id="pre",
+                                                                 block_ids=[1, 2, 3], timeout_ms=60_000))
+    begun = await kv.call(kv.rendezvous.BeginRead, pb.BeginReadRequest(
+        transfer_id="p2", kind=PULL, reader_engine_id="dec", block_ids=[7, 8]))
+    assert begun.phase == pb.TRANSFER_PHASE_MATCHED and list(begun.offer.block_ids) == [7, 8]
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await kv.call(kv.rendezvous.BeginRead, pb.BeginReadRequest(
+            transfer_id="p3", kind=PULL, reader_engine_id="dec", block_ids=[7, 8, 9, 10]))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "the hold has only 3" in err.value.details()
