@@ -5,15 +5,22 @@ For 1k/4k/16k tokens of a Qwen3-32B-shaped cache (64 layers, 8 KV heads × 128, 
 ``cuda:1`` when two GPUs are visible (else both on ``cuda:0``), contiguous and fragmented
 (random permutation) block ids, WRITE and READ, it times
 
-* ``pack``      — the connector's staged path: one gather kernel per chunk into a
+* ``pack@<pool>`` — the connector's staged path (:class:`StagedPeer`, the worker's
+  own transfer path): slots granted by the receiver, one gather kernel per chunk into a
   registered slot, one NIXL WRITE per chunk, one scatter kernel per chunk on the
-  receiver, pipelined (a staged READ is a pull request answered by a staged WRITE);
+  receiver, pipelined (a staged READ is a pull request answered by a staged WRITE).
+  ``pack@shipped`` uses the pools an engine allocates by default
+  (:func:`staging.default_pool`), ``pack@2GiB`` the 256 MiB × 4 slots reference; the
+  table gives each one's staging memory per engine;
 * ``runs``      — one NIXL descriptor per coalesced run (per region);
 * ``per_block`` — one NIXL descriptor per block (per region);
 * ``plain_copy``— a raw peer copy ``dst.copy_(src)`` of the same bytes;
 
-and, on one GPU, the gather/scatter kernels alone (Triton one-launch vs torch per
-region). Every transfer is verified: per-region order-sensitive checksums of the
+plus two senders packing into one receiver at the same time (WRITE: both push; READ: the
+receiver pulls from both), GB/s each, a sweep of pool shapes within 256 MiB per engine,
+a per-chunk trace of where a staged transfer's time goes, and, on one GPU, the
+gather/scatter kernels alone (Triton one-launch vs torch per region). Every transfer is
+verified: per-region order-sensitive checksums of the
 destination blocks must equal those of the source blocks (destination zeroed before).
 ``policy`` is what :func:`choose_strategy` picks for the case (the connector's path).
 
@@ -31,6 +38,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import os
 import statistics
 import sys
 import time
@@ -48,9 +56,12 @@ from kvbaton.connector.transfer.descriptors import coalesce_runs, plan_transfer
 from kvbaton.connector.transfer.geometry import KvLayout
 from kvbaton.connector.transfer.nixl_agent import NixlEndpoint
 from kvbaton.connector.transfer.staging import (
+    PREFIX,
     GpuRowCopier,
+    PoolDefaults,
     StagedPeer,
     choose_strategy,
+    default_pool,
     pack_blocks,
     plan_tiles,
     region_byte_views,
@@ -74,12 +85,20 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--strategies", default="runs,pack,per_block")
     p.add_argument("--ops", default="WRITE,READ")
     p.add_argument("--patterns", default="contiguous,fragmented")
-    p.add_argument("--slot-mib", type=int, default=256, help="staging slot size (MiB)")
-    p.add_argument("--slots", type=int, default=4, help="staging slots per pool")
-    p.add_argument("--chunks", type=int, default=16, help="target chunks per staged transfer")
-    p.add_argument("--min-chunk-mib", type=int, default=4)
-    p.add_argument("--sweep-chunks", default="4,8,16,32,64",
-                   help="chunk targets tried on the largest size, fragmented (empty: none)")
+    p.add_argument("--pools", default="shipped,2GiB",
+                   help="staged pools measured at every size: shipped, 2GiB, or "
+                        "SLOTMiBxRECVxSENDxCHUNKS (e.g. 32x4x4x16)")
+    p.add_argument("--sweep-pools", default="",
+                   help="more pool shapes, fragmented only, every size (same syntax)")
+    p.add_argument("--two-senders", default="shipped",
+                   help="pool for the two-senders case (empty: skip)")
+    p.add_argument("--trace", default="shipped,2GiB",
+                   help="pools traced chunk by chunk (one fragmented WRITE, largest size)")
+    p.add_argument("--nospin", action="store_true",
+                   help="also measure the shipped pool with spin off (sleep backoff polling)")
+    p.add_argument("--cpu", action="store_true",
+                   help="host memory instead of GPUs (a logic smoke test of this script)")
+    p.add_argument("--commit", default="", help="git commit measured (recorded in the results)")
     p.add_argument("--no-kernel", action="store_true", help="torch gathers instead of Triton")
     p.add_argument("--timeout", type=float, default=120.0)
     p.add_argument("--seed", type=int, default=0)
@@ -89,7 +108,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     a = p.parse_args(argv)
     if a.smoke:
         a.tokens, a.layers, a.iters, a.warmup, a.per_block_iters = [256, 1024], 4, 1, 1, 1
-        a.sweep_chunks = "4,16"
     return a
 
 
@@ -138,114 +156,267 @@ def enable_peer_access() -> None:
     torch.cuda.synchronize()
 
 
-def _staged_kw(args: argparse.Namespace) -> dict[str, Any]:
-    return dict(slot_bytes=args.slot_mib << 20, num_slots=args.slots, target_chunks=args.chunks,
-                min_chunk_bytes=args.min_chunk_mib << 20,
-                use_kernel=False if args.no_kernel else None)
+MiB = 1 << 20
+REF_POOL = PoolDefaults(slot_bytes=256 * MiB, slots=4, send_slots=4, target_chunks=16)
 
 
-def _dst_main(args: argparse.Namespace, tokens: int, dev_index: int, conn: Any) -> None:
-    """The receiving engine, in its own process (UCX refuses CUDA IPC between two agents of
-    one process and would fall back to TCP): owns the destination cache and agent B."""
+def pool_by_name(name: str) -> PoolDefaults:
+    """``shipped`` (what an engine allocates by default), ``2GiB`` (the reference), or
+    ``SLOTMiBxRECVxSENDxCHUNKS``."""
+    if name == "shipped":
+        return default_pool("cuda")
+    if name == "2GiB":
+        return REF_POOL
+    slot, recv, send, chunks = (int(x) for x in name.split("x"))
+    return PoolDefaults(slot_bytes=slot * MiB, slots=recv, send_slots=send, target_chunks=chunks)
+
+
+def pool_kw(pool: PoolDefaults, no_kernel: bool = False) -> dict[str, Any]:
+    """StagedPeer arguments for a pool, as the worker builds them."""
+    return dict(slot_bytes=pool.slot_bytes, num_slots=pool.slots, send_slots=pool.send_slots,
+                target_chunks=pool.target_chunks, min_chunk_bytes=min(4 * MiB, pool.slot_bytes),
+                use_kernel=False if no_kernel else None)
+
+
+def pool_label(name: str) -> str:
+    p = pool_by_name(name)
+    return (f"{name}: {p.slots}+{p.send_slots} × {p.slot_bytes // MiB} MiB "
+            f"= {p.total_bytes // MiB} MiB/engine, ~{p.target_chunks} chunks")
+
+
+def all_pools(args: argparse.Namespace) -> list[str]:
+    names = ["shipped"] + [p for x in (args.pools, args.sweep_pools, args.two_senders, args.trace)
+                           for p in x.split(",") if p]
+    return list(dict.fromkeys(names))
+
+
+class Pools:
+    """Staged peers of one endpoint, one per pool shape, all built (and registered) before
+    the endpoint's metadata goes to peers; staging notifications go to the active one (a
+    router registered before any of them)."""
+
+    def __init__(self, ep: NixlEndpoint, tensors: list[torch.Tensor], layout: KvLayout,
+                 no_kernel: bool, names: list[str]) -> None:
+        self.active: StagedPeer | None = None
+        ep.on_notif(PREFIX, self._route)
+        self.peers = {name: StagedPeer(ep, tensors, layout, **pool_kw(pool_by_name(name), no_kernel))
+                      for name in names}
+
+    def _route(self, peer: str, msg: bytes) -> None:
+        assert self.active is not None
+        self.active._on_notif(peer, msg)
+
+    def use(self, name: str, spin: bool = True) -> StagedPeer:
+        self.active = self.peers[name]
+        self.active.spin = spin and self.active.cuda
+        return self.active
+
+    def close(self) -> None:
+        for p in self.peers.values():
+            p.close()
+
+
+def _engine_main(role: str, args: argparse.Namespace, tokens: int, dev_index: int, conn: Any) -> None:
+    """Another engine, in its own process (UCX refuses CUDA IPC between two agents of one
+    process and would fall back to TCP): ``dst`` owns the destination cache (the receiver),
+    ``src2`` a second source cache (the second sender of the two-senders case)."""
     dev = torch.device(f"cuda:{dev_index}") if dev_index >= 0 else torch.device("cpu")
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
         enable_peer_access()
     n = tokens // args.block_size
-    dst = datapath.make_cache(args, n, dev, fill_seed=None)
-    ld = KvLayout.from_tensors(dst, args.block_size)
-    vd = region_byte_views(dst, ld)
-    b = NixlEndpoint(f"gpu-dst-{tokens}")
-    b.register_layout(ld)
-    sb = StagedPeer(b, dst, ld, **_staged_kw(args))
+    cache = datapath.make_cache(args, n, dev, fill_seed=None if role == "dst" else args.seed + 7)
+    lay = KvLayout.from_tensors(cache, args.block_size)
+    views = region_byte_views(cache, lay)
+    ep = NixlEndpoint(f"gpu-{role}-{tokens}")
+    ep.register_layout(lay)
+    pools = Pools(ep, cache, lay, args.no_kernel, all_pools(args))
     check = Checksummer()
-    conn.send((b.name, b.metadata(), sb.info(), ld.to_proto_fields()))
-    peer, meta, la_fields = conn.recv()
-    b.add_peer(peer, meta)
-    la = KvLayout.from_proto_fields(**la_fields)
+    conn.send((ep.name, ep.metadata(), lay.to_proto_fields()))
+    peers: dict[str, KvLayout] = {}
     t_out = args.timeout
+
+    def until(t_go: float) -> None:
+        while time.perf_counter() < t_go:
+            pass
+
     try:
         while True:
             cmd, *rest = conn.recv()
+            sb = pools.active
             if cmd == "stop":
                 break
-            if cmd == "clear":
-                for t in dst:
+            if cmd == "addpeer":
+                name, meta, fields = rest
+                ep.add_peer(name, meta)
+                peers[name] = KvLayout.from_proto_fields(**fields)
+                conn.send("ok")
+            elif cmd == "pool":
+                sb = pools.use(*rest)
+                conn.send(sb.info())
+            elif cmd == "trace":
+                assert sb is not None
+                old, sb.trace = sb.trace, ([] if rest[0] else None)
+                conn.send(old)
+            elif cmd == "clear":
+                for t in cache:
                     t.zero_()
                 sync(dev)
                 conn.send("ok")
             elif cmd == "checksum":
-                conn.send(check(vd, rest[0]))
+                conn.send(check(views, rest[0]))
             elif cmd == "expect":  # the peer WRITEs: done when the data is in our blocks
-                strategy, xid = rest
+                strategy, peer, xid = rest
                 if strategy == "pack":
+                    assert sb is not None
                     sb.wait_complete(xid, timeout_s=t_out)
                 else:  # a WRITE's notification arrives after its data
-                    b.wait_notif(peer, xid.encode(), timeout_s=t_out)
+                    ep.wait_notif(peer, xid.encode(), timeout_s=t_out)
                 sync(dev)
                 conn.send(time.perf_counter())
+            elif cmd == "expect_all":  # several staged WRITEs at once: when each completed
+                assert sb is not None
+                xids, done = set(rest[0]), {}
+                deadline = time.monotonic() + t_out
+                while len(done) < len(xids):
+                    sb.progress()
+                    for x in xids - set(done):
+                        if x in sb.completed:
+                            sb.completed.pop(x)
+                            sync(dev)
+                            done[x] = time.perf_counter()
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"staged WRITEs {sorted(xids - set(done))} incomplete")
+                conn.send(done)
             elif cmd == "read":
-                strategy, sids, dids, xid = rest
+                strategy, peer, sids, dids, xid = rest
                 t0 = time.perf_counter()
                 descs = 0
                 if strategy != "pack":
                     try:
-                        plan = plan_transfer(ld, dids, la, sids, op="READ",
+                        plan = plan_transfer(lay, dids, peers[peer], sids, op="READ",
                                              coalesce=strategy == "runs")
-                        x = b.read(plan, peer, xid.encode())
-                        b.wait(x, t_out)
+                        x = ep.read(plan, peer, xid.encode())
+                        ep.wait(x, t_out)
                     except Exception as e:  # noqa: BLE001 - reported as the case's result
                         conn.send(("error", f"{type(e).__name__}: {e}"))
                         continue
                     descs = plan.num_descs
-                elif strategy == "pack":
-                    sb.request_pull(peer, sids, dids, xid)
+                else:
+                    assert sb is not None
+                    sb.request_pull(peer, sids, dids, xid, timeout_s=t_out)
                     sb.wait_complete(xid, timeout_s=t_out)
                 sync(dev)
                 conn.send(((time.perf_counter() - t0) * 1e3, descs))
-            b.poll_notifs()
+            elif cmd == "pull_all":  # staged READs from several owners at once, from t_go
+                assert sb is not None
+                reqs, t_go = rest
+                until(t_go)
+                for peer, sids, dids, xid in reqs:
+                    sb.request_pull(peer, sids, dids, xid, timeout_s=t_out)
+                done = {}
+                deadline = time.monotonic() + t_out
+                while len(done) < len(reqs):
+                    sb.progress()
+                    for _, _, _, x in reqs:
+                        if x not in done and x in sb.completed:
+                            sb.completed.pop(x)
+                            sync(dev)
+                            done[x] = time.perf_counter()
+                    if time.monotonic() > deadline:
+                        raise TimeoutError("staged READs incomplete")
+                conn.send(done)
+            elif cmd == "send":  # second sender: a staged WRITE from t_go
+                assert sb is not None
+                peer, sids, dids, xid, t_go = rest
+                until(t_go)
+                sb.send(peer, None, sids, dids, xid, timeout_s=t_out)
+                conn.send(time.perf_counter())
+            elif cmd == "serve":  # second sender: answer n staged READs
+                assert sb is not None
+                served, deadline = 0, time.monotonic() + t_out
+                while served < rest[0]:
+                    sb.progress()
+                    served += sb.serve_pulls(timeout_s=t_out)
+                    if time.monotonic() > deadline:
+                        raise TimeoutError("no pull to serve")
+                conn.send(served)
+            ep.poll_notifs()
     finally:
-        sb.close()
-        b.close()
+        pools.close()
+        ep.close()
         conn.close()
 
 
 class GpuBench:
     """Agent A with the source cache here; agent B with the destination cache in a child
-    process on the other GPU (two engines, as in a deployment)."""
+    process on the other GPU (two engines, as in a deployment); for the two-senders case
+    agent C with another source cache in a third process (on A's GPU)."""
 
     def __init__(self, args: argparse.Namespace, tokens: int, src_dev: torch.device,
                  dst_dev: torch.device) -> None:
-        import multiprocessing as mp
-
         self.args = args
+        self.tokens = tokens
         self.src_dev, self.dst_dev = src_dev, dst_dev
         self.n = tokens // args.block_size
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_dst_main, args=(args, tokens, (dst_dev.index or 0) if dst_dev.type == "cuda" else -1, child),
-                                daemon=True)
-        self.proc.start()
+        self.conn, self.proc = self._spawn("dst", dst_dev)
+        self.c_conn: Any = None
         self.src = datapath.make_cache(args, self.n, src_dev, fill_seed=args.seed + 1)
         self.ls = KvLayout.from_tensors(self.src, args.block_size)
         self.vs = region_byte_views(self.src, self.ls)
         self.nbytes = self.n * self.ls.bytes_per_block * self.ls.num_regions
         self.a = NixlEndpoint(f"gpu-src-{tokens}")
         self.a.register_layout(self.ls)
-        self.sa = StagedPeer(self.a, self.src, self.ls, **_staged_kw(args))
-        self.b_name, b_meta, self.b_info, ld_fields = self.conn.recv()
+        self.pools = Pools(self.a, self.src, self.ls, args.no_kernel, all_pools(args))
+        self.b_name, self.b_meta, ld_fields = self.conn.recv()
         self.ld = KvLayout.from_proto_fields(**ld_fields)
-        self.a.add_peer(self.b_name, b_meta)
-        self.conn.send((self.a.name, self.a.metadata(), self.ls.to_proto_fields()))
+        self.a.add_peer(self.b_name, self.b_meta)
+        self._call("addpeer", self.a.name, self.a.metadata(), self.ls.to_proto_fields())
         self.check = Checksummer()
         self._xfer = 0
+        self.pool = ""
+        self.use_pool("shipped")
+
+    def _spawn(self, role: str, dev: torch.device) -> tuple[Any, Any]:
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        conn, child = ctx.Pipe()
+        proc = ctx.Process(target=_engine_main, daemon=True,
+                           args=(role, self.args, self.tokens,
+                                 (dev.index or 0) if dev.type == "cuda" else -1, child))
+        proc.start()
+        return conn, proc
+
+    def second_sender(self) -> None:
+        """Start agent C (the second sender) once; it and B learn each other."""
+        if self.c_conn is not None:
+            return
+        self.c_conn, self.c_proc = self._spawn("src2", self.src_dev)
+        self.c_name, c_meta, c_fields = self.c_conn.recv()
+        self._call("addpeer", self.c_name, c_meta, c_fields)
+        self.c_conn.send(("addpeer", self.b_name, self.b_meta, self.ld.to_proto_fields()))
+        assert self.c_conn.recv() == "ok"
+        self.c_conn.send(("pool", self.pool, True))
+        self.c_conn.recv()
+
+    def use_pool(self, name: str, spin: bool = True) -> None:
+        self.sa = self.pools.use(name, spin)
+        self.b_info = self._call("pool", name, spin)
+        if self.c_conn is not None:
+            self.c_conn.send(("pool", name, spin))
+            self.c_conn.recv()
+        self.pool = name
 
     def close(self) -> None:
         try:
             self.conn.send(("stop",))
             self.proc.join(30)
+            if self.c_conn is not None:
+                self.c_conn.send(("stop",))
+                self.c_proc.join(30)
         finally:
-            self.sa.close()
+            self.pools.close()
             self.a.close()
 
     def ids(self, pattern: str) -> tuple[np.ndarray, np.ndarray]:
@@ -279,13 +450,14 @@ class GpuBench:
         sync(self.src_dev)
         descs, plan_ms = 0, 0.0
         if op == "READ":
-            ms, descs = self._call("read", strategy, sids, dids, xid, serve=strategy == "pack")
+            ms, descs = self._call("read", strategy, self.a.name, sids, dids, xid,
+                                   serve=strategy == "pack")
             if ms == "error":
                 raise CaseError(descs)
             if strategy == "pack":
                 descs = self.sa.last_send_chunks
             return {"ms": ms, "num_descs": descs, "plan_ms": plan_ms}
-        self.conn.send(("expect", strategy, xid))
+        self.conn.send(("expect", strategy, self.a.name, xid))
         t0 = time.perf_counter()
         if strategy == "pack":
             self.sa.send(self.b_name, self.b_info, sids, dids, xid, timeout_s=t_out)
@@ -299,6 +471,70 @@ class GpuBench:
             descs = plan.num_descs
         t_done = self.conn.recv()
         return {"ms": (t_done - t0) * 1e3, "num_descs": descs, "plan_ms": plan_ms}
+
+    def two_senders(self, op: str, sids: np.ndarray, dids: np.ndarray) -> dict[str, Any]:
+        """A and C pack into B at the same time, half of B's blocks each (WRITE: both push
+        from the same instant; READ: B pulls from both at once). Per sender: ms from the
+        start to its transfer's completion at B; every byte checksum-verified."""
+        self.second_sender()
+        half = self.n // 2
+        c_src = np.random.default_rng(self.args.seed + 3).permutation(self.n)[:self.n - half]
+        jobs = {"A": (sids[:half], dids[:half]), "C": (c_src, dids[half:])}
+        self.clear_dst()
+        self._xfer += 1
+        xa, xc = f"tA{self._xfer}", f"tC{self._xfer}"
+        t_go = time.perf_counter() + 0.05
+        if op == "WRITE":
+            self.conn.send(("expect_all", [xa, xc]))
+            self.c_conn.send(("send", self.b_name, *jobs["C"], xc, t_go))
+            while time.perf_counter() < t_go:
+                pass
+            self.sa.send(self.b_name, self.b_info, *jobs["A"], xa, timeout_s=self.args.timeout)
+            self.c_conn.recv()
+            done = self.conn.recv()
+        else:
+            self.c_conn.send(("serve", 1))
+            done = self._call("pull_all", [(self.a.name, *jobs["A"], xa),
+                                           (self.c_name, *jobs["C"], xc)], t_go, serve=True)
+            self.c_conn.recv()
+        ok_a = bool(torch.equal(self.dst_checksum(jobs["A"][1]), self.check(self.vs, jobs["A"][0])))
+        self.c_conn.send(("checksum", jobs["C"][0]))
+        want_c = self.c_conn.recv()
+        ok_c = bool(torch.equal(self.dst_checksum(jobs["C"][1]), want_c))
+        bpb = self.ls.bytes_per_block * self.ls.num_regions
+        return {"A_ms": (done[xa] - t_go) * 1e3, "C_ms": (done[xc] - t_go) * 1e3,
+                "A_bytes": half * bpb, "C_bytes": (self.n - half) * bpb,
+                "all_ms": (max(done.values()) - t_go) * 1e3, "ok": ok_a and ok_c}
+
+    def trace(self, sids: np.ndarray, dids: np.ndarray) -> dict[str, Any]:
+        """One fragmented staged WRITE with both sides tracing: where a chunk's time goes."""
+        self.clear_dst()
+        self.sa.trace = []
+        self._call("trace", True)
+        r = self.run_once("WRITE", "pack", sids, dids)
+        tb = self._call("trace", False) or []
+        ta, self.sa.trace = self.sa.trace or [], None
+        ev: dict[str, dict[int, float]] = {}
+        for t, what, seq in ta + tb:
+            ev.setdefault(what, {})[seq] = t
+        out: dict[str, Any] = {"pool": self.pool, "tokens": self.tokens, "ms": round(r["ms"], 3),
+                               "chunks": r["num_descs"]}
+
+        def med(a: str, b: str) -> float | None:
+            xs = [ev[b][c] - ev[a][c] for c in ev.get(a, {}) if c in ev.get(b, {})]
+            return round(statistics.median(xs) * 1e6, 1) if xs else None
+
+        out["grant_wait_us"] = round((ev.get("grant", {}).get(0, 0) - ev.get("send", {}).get(0, 0)) * 1e6, 1)
+        out["gather_to_post_us"] = med("pack", "post")
+        out["post_to_write_done_us"] = med("post", "wrote")
+        out["post_to_chunk_at_receiver_us"] = med("post", "chunk")
+        out["chunk_to_scattered_ack_us"] = med("chunk", "acked")
+        out["ack_to_sender_us"] = med("acked", "ack")
+        out["slot_cycle_us"] = med("pack", "ack")
+        posts = sorted(ev.get("post", {}).values())
+        gaps = [b - a for a, b in zip(posts, posts[1:])]
+        out["post_interval_us"] = round(statistics.median(gaps) * 1e6, 1) if gaps else None
+        return out
 
     def raw_copy(self) -> float:
         """``dst.copy_(src)`` per layer tensor (a peer copy across GPUs), median ms."""
@@ -388,14 +624,35 @@ def measure(bench: GpuBench, op: str, strategy: str, sids: np.ndarray, dids: np.
         if i >= warmup:
             times.append(r["ms"])
             plan_ms, descs = r["plan_ms"], r["num_descs"]
+            if r["ms"] > 2000:  # seconds-long cases (per-descriptor READs): one run says enough
+                break
+        elif r["ms"] > 2000:
+            warmup = i + 1  # no more warm-ups for such a case either
     return times, descs, plan_ms, ok_all
 
 
+def _pack_row(bench: GpuBench, tokens: int, op: str, pattern: str, pool: str, sids: np.ndarray,
+              dids: np.ndarray, want: torch.Tensor, base_ms: float, policy: str,
+              **extra: Any) -> dict[str, Any]:
+    times, descs, _, ok = measure(bench, op, "pack", sids, dids, bench.args.warmup,
+                                  bench.args.iters, want)
+    row = datapath._row(tokens, op, pattern, f"pack@{pool}", statistics.median(times),
+                        bench.nbytes, descs, 0.0, ok, times)
+    row.update(policy_choice=policy, raw_copy_ratio=round(base_ms / row["ms"], 3), pool=pool,
+               staging_mib=pool_by_name(pool.removesuffix("-nospin")).total_bytes // MiB, **extra)
+    print(datapath._fmt(row) + f"  {row['raw_copy_ratio']:.0%} of raw", flush=True)
+    if not ok:
+        raise SystemExit(f"verification FAILED: {row}")
+    return row
+
+
 def run_suite(args: argparse.Namespace, tokens: int, src: torch.device, dst: torch.device,
-              sweep: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+              largest: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
     bench = GpuBench(args, tokens, src, dst)
     rows: list[dict[str, Any]] = []
     kernels: list[dict[str, Any]] = []
+    traces: list[dict[str, Any]] = []
+    pools = [p for p in args.pools.split(",") if p]
     try:
         base_ms = bench.raw_copy()
         rows.append(datapath._row(tokens, "COPY", "contiguous", "plain_copy", base_ms,
@@ -408,6 +665,13 @@ def run_suite(args: argparse.Namespace, tokens: int, src: torch.device, dst: tor
             policy = choose_strategy(nruns, bench.nbytes, device="cuda")
             for op in args.ops.split(","):
                 for strategy in args.strategies.split(","):
+                    if strategy == "pack":
+                        for pool in pools:
+                            bench.use_pool(pool)
+                            rows.append(_pack_row(bench, tokens, op, pattern, pool, sids, dids,
+                                                  want, base_ms, policy))
+                        bench.use_pool("shipped")
+                        continue
                     pb = strategy == "per_block"
                     try:
                         times, descs, plan_ms, ok = measure(
@@ -428,70 +692,137 @@ def run_suite(args: argparse.Namespace, tokens: int, src: torch.device, dst: tor
                     print(datapath._fmt(row) + f"  {row['raw_copy_ratio']:.0%} of raw", flush=True)
                     if not ok:
                         raise SystemExit(f"verification FAILED: {row}")
-            if pattern == "fragmented":
+            if pattern != "fragmented":
+                continue
+            # pool shapes within 256 MiB per engine, and the poll interval's share
+            sweep = [p for p in args.sweep_pools.split(",") if p and p not in pools]
+            for pool in sweep:
+                bench.use_pool(pool)
+                for op in args.ops.split(","):
+                    rows.append(_pack_row(bench, tokens, op, pattern, pool, sids, dids, want,
+                                          base_ms, policy, sweep=True))
+            if args.nospin and largest:
+                bench.use_pool("shipped", spin=False)
+                for op in args.ops.split(","):
+                    rows.append(_pack_row(bench, tokens, op, pattern, "shipped-nospin", sids, dids,
+                                          want, base_ms, policy, sweep=True))
+            bench.use_pool("shipped")
+            if args.two_senders:
+                bench.use_pool(args.two_senders)
+                for op in args.ops.split(","):
+                    res = [bench.two_senders(op, sids, dids)
+                           for _ in range(args.warmup + args.iters)][args.warmup:]
+                    r2 = {"tokens": tokens, "op": op, "pattern": pattern, "two_senders": True,
+                          "strategy": f"pack@{args.two_senders} ×2", "pool": args.two_senders,
+                          "nbytes": bench.nbytes, "verified": all(r["ok"] for r in res),
+                          "staging_mib": pool_by_name(args.two_senders).total_bytes // MiB}
+                    for k in ("A", "C"):
+                        ms = statistics.median(r[f"{k}_ms"] for r in res)
+                        r2[f"{k}_ms"] = round(ms, 3)
+                        r2[f"{k}_gbps"] = round(res[0][f"{k}_bytes"] / (ms / 1e3) / GB, 1)
+                    ms = statistics.median(r["all_ms"] for r in res)
+                    r2["ms"] = round(ms, 3)
+                    r2["gbps"] = round(bench.nbytes / (ms / 1e3) / GB, 1)
+                    r2["raw_copy_ratio"] = round(base_ms / ms, 3)
+                    rows.append(r2)
+                    print(f"{tokens:>6} {op:<5} two senders into one receiver: A {r2['A_gbps']} GB/s, "
+                          f"C {r2['C_gbps']} GB/s, together {r2['gbps']} GB/s "
+                          f"({'ok' if r2['verified'] else 'FAIL'})", flush=True)
+                    if not r2["verified"]:
+                        raise SystemExit(f"verification FAILED: {r2}")
+                bench.use_pool("shipped")
+            if largest:
+                for pool in [p for p in args.trace.split(",") if p]:
+                    bench.use_pool(pool)
+                    t = bench.trace(sids, dids)
+                    traces.append(t)
+                    print(f"trace {t}", flush=True)
+                bench.use_pool("shipped")
                 kernels = [dict(k, tokens=tokens) for k in bench.kernels(sids, dids)]
                 for k in kernels:
                     print(f"{tokens:>6} kernel {k['kernel']:<15} {k['ms']:>8.3f} ms "
                           f"{k['gbps']:>8.1f} GB/s ({k['tiles']} tiles)", flush=True)
-                if sweep and args.sweep_chunks:
-                    for c in [int(x) for x in args.sweep_chunks.split(",")]:
-                        bench.sa.target_chunks = c
-                        for op in args.ops.split(","):
-                            times, descs, _, ok = measure(bench, op, "pack", sids, dids,
-                                                          args.warmup, args.iters, want)
-                            row = datapath._row(tokens, op, pattern, f"pack@{c}",
-                                                statistics.median(times), bench.nbytes, descs,
-                                                0.0, ok, times)
-                            row["raw_copy_ratio"] = round(base_ms / row["ms"], 3)
-                            row["sweep"] = True
-                            rows.append(row)
-                            print(datapath._fmt(row) + f"  {row['raw_copy_ratio']:.0%} of raw",
-                                  flush=True)
-                            if not ok:
-                                raise SystemExit(f"verification FAILED: {row}")
-                    bench.sa.target_chunks = args.chunks
     finally:
         bench.close()
         del bench
-    return rows, kernels
+    return rows, kernels, traces
+
+
+NAMES = {"runs": "coalesced runs", "per_block": "NIXL per-block", "plain_copy": "raw peer copy"}
+
+
+def _path_name(r: dict[str, Any]) -> str:
+    s = r["strategy"]
+    if s.startswith("pack@"):
+        pool = r.get("pool", s[5:])
+        base = pool.removesuffix("-nospin")
+        tag = "connector, shipped defaults" if base == "shipped" else "connector"
+        label = pool_label(base) + (", sleep-backoff polling" if pool.endswith("-nospin") else "")
+        two = " — two senders at once" if r.get("two_senders") else ""
+        return f"{tag}: staged pack ({label}){two}"
+    return NAMES.get(s, s)
 
 
 def markdown(rows: list[dict[str, Any]], kernels: list[dict[str, Any]], env: dict[str, Any]) -> str:
-    names = {"pack": "connector: staged pack (pipelined)", "runs": "coalesced runs",
-             "per_block": "NIXL per-block", "plain_copy": "raw peer copy"}
+    traces = env.get("traces", [])
     lines = [f"# GPU data path: {env.get('gpus')} ({env.get('src')} → {env.get('dst')})", "",
-             "Qwen3-32B-shaped cache (64 layers, 8 KV heads × 128, bf16, 16-token blocks, "
-             "32 KiB per layer-K/V block). Median ms; GB/s of KV bytes moved; 'descs' is "
-             "NIXL descriptors (chunks for the staged path); every run checksum-verified. "
-             "'policy' = what choose_strategy picks.", "",
+             f"Commit {env.get('commit') or '?'}. Qwen3-32B-shaped cache (64 layers, 8 KV heads × 128, "
+             "bf16, 16-token blocks, 32 KiB per layer-K/V block). Median ms; GB/s of KV bytes "
+             "moved; 'descs' is NIXL descriptors (chunks for the staged path); every run "
+             "checksum-verified. 'policy' = what choose_strategy picks. Staging memory is per "
+             "engine (send + receive pools).", "",
              "| tokens | GiB | pattern | op | path | ms | GB/s | % of raw copy | descs | policy | ok |",
              "|---:|---:|---|---|---|---:|---:|---:|---:|---|---|"]
     for r in rows:
-        if r.get("sweep"):
+        if r.get("sweep") or r.get("two_senders"):
             continue
         if "error" in r and "op" not in r:
             lines.append(f"| {r['tokens']} | | | | suite failed | | | | | | {r['error'][:80]} |")
             continue
         if "error" in r:
             lines.append(f"| {r['tokens']} | {r['nbytes'] / 2**30:.2f} | {r['pattern']} | {r['op']} | "
-                         f"{names.get(r['strategy'], r['strategy'])} | failed | — | — | — | "
+                         f"{_path_name(r)} | failed | — | — | — | "
                          f"{r.get('policy_choice', '')} | {r['error'][:80]} |")
             continue
         lines.append(f"| {r['tokens']} | {r['nbytes'] / 2**30:.2f} | {r['pattern']} | {r['op']} | "
-                     f"{names.get(r['strategy'], r['strategy'])} | {r['ms']:.2f} | {r['gbps']:.1f} | "
+                     f"{_path_name(r)} | {r['ms']:.2f} | {r['gbps']:.1f} | "
                      f"{r.get('raw_copy_ratio', 1.0):.0%} | {r['num_descs']} | "
                      f"{r.get('policy_choice', '')} | {'yes' if r['verified'] else 'NO'} |")
+    two = [r for r in rows if r.get("two_senders")]
+    if two:
+        lines += ["", "Two senders packing into one receiver at the same time (fragmented, half of the "
+                  "blocks each; WRITE: both push from the same instant; READ: the receiver pulls "
+                  "from both at once). ms from the common start to each sender's transfer "
+                  "completing at the receiver; every byte checksum-verified:", "",
+                  "| tokens | op | pool | sender A GB/s | sender C GB/s | both: ms | both: GB/s | "
+                  "% of raw copy | ok |", "|---:|---|---|---:|---:|---:|---:|---:|---|"]
+        for r in two:
+            lines.append(f"| {r['tokens']} | {r['op']} | {pool_label(r['pool'])} | {r['A_gbps']} | "
+                         f"{r['C_gbps']} | {r['ms']:.2f} | {r['gbps']} | {r['raw_copy_ratio']:.0%} | "
+                         f"{'yes' if r['verified'] else 'NO'} |")
     sw = [r for r in rows if r.get("sweep")]
     if sw:
-        lines += ["", "Chunk-count sweep (fragmented, staged path):", "",
-                  "| tokens | op | target chunks | chunks | ms | GB/s | % of raw |",
-                  "|---:|---|---:|---:|---:|---:|---:|"]
+        lines += ["", "Pool shapes (fragmented, staged path; SLOT MiB × receive + send slots, "
+                  "target chunks):", "",
+                  "| tokens | op | pool | staging MiB/engine | chunks | ms | GB/s | % of raw |",
+                  "|---:|---|---|---:|---:|---:|---:|---:|"]
         for r in sw:
-            lines.append(f"| {r['tokens']} | {r['op']} | {r['strategy'].split('@')[1]} | "
+            lines.append(f"| {r['tokens']} | {r['op']} | {r['pool']} | {r['staging_mib']} | "
                          f"{r['num_descs']} | {r['ms']:.2f} | {r['gbps']:.1f} | "
                          f"{r['raw_copy_ratio']:.0%} |")
+    if traces:
+        keys = ["grant_wait_us", "gather_to_post_us", "post_to_write_done_us",
+                "post_to_chunk_at_receiver_us", "chunk_to_scattered_ack_us", "ack_to_sender_us",
+                "slot_cycle_us", "post_interval_us"]
+        lines += ["", "Where a staged WRITE's time goes (one fragmented WRITE, both sides traced; "
+                  "medians over chunks, µs):", "",
+                  "| tokens | pool | ms | chunks | " + " | ".join(k.removesuffix("_us") for k in keys) + " |",
+                  "|---:|---|---:|---:|" + "---:|" * len(keys)]
+        for t in traces:
+            lines.append(f"| {t['tokens']} | {t['pool']} | {t['ms']} | {t['chunks']} | "
+                         + " | ".join(str(t.get(k)) for k in keys) + " |")
     if kernels:
-        lines += ["", "Gather/scatter alone (fragmented, all tiles, one GPU):", "",
+        lines += ["", "Gather/scatter alone (fragmented, all tiles of the shipped pool, one GPU):", "",
                   "| tokens | kernel | tiles | ms | GB/s |", "|---:|---|---:|---:|---:|"]
         for k in kernels:
             lines.append(f"| {k['tokens']} | {k['kernel']} | {k['tiles']} | {k['ms']:.3f} | "
@@ -500,7 +831,8 @@ def markdown(rows: list[dict[str, Any]], kernels: list[dict[str, Any]], env: dic
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    if not torch.cuda.is_available():
+    args = parse_args(argv)
+    if not torch.cuda.is_available() and not args.cpu:
         print("skipped: no CUDA")
         return 0
     try:
@@ -508,32 +840,43 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ImportError as e:
         print(f"error: nixl is not importable ({e}); install nixl + nixl-cu13 wheels with --no-deps")
         return 2
-    args = parse_args(argv)
-    ngpu = torch.cuda.device_count()
-    src, dst = torch.device("cuda:0"), torch.device("cuda:1" if ngpu > 1 else "cuda:0")
-    torch.cuda.set_device(src)
-    enable_peer_access()
-    if ngpu > 1:
-        print(f"peer access cuda:0 → cuda:1: {torch.cuda.can_device_access_peer(0, 1)}")
-    names = [torch.cuda.get_device_name(i) for i in range(ngpu)]
-    print(f"{ngpu} GPU(s) {names}; {src} → {dst}; {args.layers} layers, {args.kv_heads} KV heads"
-          f" × {args.head_dim}, {args.block_size}-token blocks; chunks≈{args.chunks}, "
-          f"{args.slots}×{args.slot_mib} MiB slots", flush=True)
+    if args.cpu:
+        os.environ.setdefault("UCX_TLS", "tcp,self,sm")
+        os.environ.setdefault("UCX_NET_DEVICES", "lo")
+        src = dst = torch.device("cpu")
+        names = ["cpu"]
+    else:
+        ngpu = torch.cuda.device_count()
+        src, dst = torch.device("cuda:0"), torch.device("cuda:1" if ngpu > 1 else "cuda:0")
+        torch.cuda.set_device(src)
+        enable_peer_access()
+        if ngpu > 1:
+            print(f"peer access cuda:0 → cuda:1: {torch.cuda.can_device_access_peer(0, 1)}")
+        names = [torch.cuda.get_device_name(i) for i in range(ngpu)]
+    print(f"{len(names)} device(s) {names}; {src} → {dst}; {args.layers} layers, {args.kv_heads} KV heads"
+          f" × {args.head_dim}, {args.block_size}-token blocks; pools: "
+          + "; ".join(pool_label(p) for p in args.pools.split(",") if p), flush=True)
     print(datapath.header(), flush=True)
     rows: list[dict[str, Any]] = []
     kernels: list[dict[str, Any]] = []
+    traces: list[dict[str, Any]] = []
     for tokens in args.tokens:
         try:
-            r, k = run_suite(args, tokens, src, dst, sweep=tokens == max(args.tokens))
+            r, k, t = run_suite(args, tokens, src, dst, largest=tokens == max(args.tokens))
         except Exception as e:  # noqa: BLE001 - keep the other sizes
+            import traceback
+            traceback.print_exc()
             print(f"{tokens} tokens FAILED: {type(e).__name__}: {e}", flush=True)
             rows.append({"tokens": tokens, "error": f"{type(e).__name__}: {e}"[:300]})
             continue
         rows += r
         kernels += k
-        torch.cuda.empty_cache()
+        traces += t
+        if not args.cpu:
+            torch.cuda.empty_cache()
     extra = {"device": "cuda", "gpus": names, "src": str(src), "dst": str(dst),
-             "cuda": torch.version.cuda, "kernels": kernels}
+             "cuda": torch.version.cuda, "kernels": kernels, "traces": traces,
+             "commit": args.commit, "shipped_pool": pool_label("shipped")}
     datapath.write_json(args.out, args, rows, extra)
     md = args.md or str(Path(args.out).with_suffix(".md"))
     Path(md).write_text(markdown(rows, kernels, extra))

@@ -20,6 +20,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from .transfer.pools import default_pool
+
 MODE_PULL = "pull"
 MODE_PUSH = "push"
 MODE_REUSE = "reuse"  # a LoadSpec that READs a decode engine's retained blocks (D→P)
@@ -111,24 +113,33 @@ class KvbatonSettings:
     fault_file: str = setting(
         "", "Test-only fault injection (a JSON file the worker re-reads). Never set in production.", shown="none")
     staging: str = setting(
-        STAGING_NEVER, "Pack path for fragmented transfers (`connector/transfer/staging.py`): `auto` lets the cost "
-        "model choose per transfer (runs on host memory with vLLM's block sizes), `always` packs whenever the "
-        "peer has a pool. Opt-in: the sender picks the receiver's slots, so use it where one prefill engine "
-        "packs into a decode engine at a time (or with `verify_kv`).",
+        STAGING_AUTO, "Pack path for fragmented transfers (`connector/transfer/staging.py`): `auto` lets the cost "
+        "model choose per transfer (packs fragmented GPU transfers; keeps coalesced runs on host memory with "
+        "vLLM's block sizes), `always` packs whenever the peer has a pool, `never` allocates no staging memory "
+        "and always moves runs. Safe with any number of engines packing into one at once: the receiver grants "
+        "its staging slots. Memory per engine: `staging_slot_bytes` × (`staging_slots` + `staging_send_slots`) "
+        "on the KV's device, by default 256 MiB of HBM on GPUs, 16 MiB on host memory.",
         choices=(STAGING_AUTO, STAGING_ALWAYS, STAGING_NEVER))
     staging_slot_bytes: int = setting(
-        0, "Size of one staging slot (never smaller than one block).",
-        shown="0 (2 MiB on host memory, 32 MiB on GPUs)")
+        0, "Size of one staging slot (never smaller than one block); a chunk is at most one slot.",
+        shown="0 (64 MiB on GPUs, 2 MiB on host memory)")
     staging_slots: int = setting(
-        0, "Slots per pool; each engine has one send and one receive pool, registered once.", shown="0 (4)")
+        0, "Receive slots, granted by this engine to the engines that send to it.",
+        shown="0 (2 on GPUs, 4 on host memory)")
+    staging_send_slots: int = setting(
+        0, "Send slots (a send slot is reused as soon as its WRITE is done).",
+        shown="0 (2 on GPUs, 4 on host memory)")
     staging_target_chunks: int = setting(
-        16, "How many chunks a packed transfer aims to be cut into (packing overlaps the WRITEs).")
+        0, "How many chunks a packed transfer aims to be cut into (packing overlaps the WRITEs).",
+        shown="0 (4 on GPUs, 16 on host memory)")
 
-    def staging_pool(self, device: str) -> tuple[int, int]:
-        """(slot bytes, slots) of this engine's pools on ``device`` ("cpu"/"cuda")."""
-        cuda = device == "cuda"
-        slot = self.staging_slot_bytes or ((32 << 20) if cuda else (2 << 20))
-        return int(slot), int(self.staging_slots or 4)
+    def staging_pool(self, device: str) -> tuple[int, int, int, int]:
+        """(slot bytes, receive slots, send slots, target chunks) of this engine's pools on
+        ``device`` ("cpu"/"cuda"); 0 settings take :func:`..transfer.staging.default_pool`."""
+        d = default_pool("cuda" if device == "cuda" else "cpu")
+        return (int(self.staging_slot_bytes or d.slot_bytes), int(self.staging_slots or d.slots),
+                int(self.staging_send_slots or d.send_slots),
+                int(self.staging_target_chunks or d.target_chunks))
 
     @property
     def hard_cap_s(self) -> float:

@@ -130,9 +130,60 @@ def _ids(a: Any) -> bytes:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
+class StagedGrantRequest(Message):
+    """Sender → receiver: grant me up to ``want`` of your receive slots for ``xfer_id``,
+    valid ``ttl_ms``; the transfer's destination block ids travel here, once."""
+
+    KIND: ClassVar[str] = "s.want"
+    xfer_id: str
+    want: int
+    ttl_ms: int
+    dst: np.ndarray
+
+    def fields(self) -> dict[str, Any]:
+        return {"xfer_id": self.xfer_id, "want": self.want, "ttl_ms": self.ttl_ms}
+
+    def payload(self) -> bytes:
+        return _ids(self.dst)
+
+    @classmethod
+    def build(cls, fields: dict[str, Any], payload: bytes) -> Message:
+        if len(payload) % 8:
+            raise WireError("grant request ids are not int64")
+        return cls(str(fields["xfer_id"]), int(fields["want"]), int(fields["ttl_ms"]),
+                   np.frombuffer(payload, dtype="<i8"))
+
+
+@dataclasses.dataclass(frozen=True)
+class StagedGrant(Message):
+    """Receiver → sender: these receive slots are yours for ``xfer_id`` (with where the
+    pool is, so a published pool that went stale cannot misdirect a WRITE)."""
+
+    KIND: ClassVar[str] = "s.grant"
+    xfer_id: str
+    slots: list[int]
+    base_addr: int
+    slot_bytes: int
+    mem_type: str
+    device_id: int
+
+    @classmethod
+    def build(cls, fields: dict[str, Any], payload: bytes) -> Message:
+        slots = [int(x) for x in fields["slots"]]
+        if not slots:
+            raise WireError("a grant holds at least one slot")
+        return cls(str(fields["xfer_id"]), slots, int(fields["base_addr"]), int(fields["slot_bytes"]),
+                   str(fields["mem_type"]), int(fields["device_id"]))
+
+    def slot_addr(self, slot: int) -> int:
+        return self.base_addr + slot * self.slot_bytes
+
+
+@dataclasses.dataclass(frozen=True)
 class StagedChunk(Message):
-    """Sender → receiver, on a chunk's WRITE: regions ``r0..r1`` of blocks ``dst`` landed
-    in receive slot ``slot``; chunk ``seq`` of ``nchunks``."""
+    """Sender → receiver, on a chunk's WRITE: regions ``r0..r1`` of the transfer's
+    destination ids ``b0..b1`` (sent once, with the grant request or the pull) landed in
+    receive slot ``slot``; chunk ``seq`` of ``nchunks``."""
 
     KIND: ClassVar[str] = "s.chunk"
     xfer_id: str
@@ -141,67 +192,69 @@ class StagedChunk(Message):
     nchunks: int
     r0: int
     r1: int
-    dst: np.ndarray
-
-    def fields(self) -> dict[str, Any]:
-        return {"xfer_id": self.xfer_id, "slot": self.slot, "seq": self.seq, "nchunks": self.nchunks,
-                "r0": self.r0, "r1": self.r1}
-
-    def payload(self) -> bytes:
-        return _ids(self.dst)
-
-    @classmethod
-    def build(cls, fields: dict[str, Any], payload: bytes) -> Message:
-        return cls(str(fields["xfer_id"]), int(fields["slot"]), int(fields["seq"]), int(fields["nchunks"]),
-                   int(fields["r0"]), int(fields["r1"]), np.frombuffer(payload, dtype="<i8"))
+    b0: int
+    b1: int
 
 
 @dataclasses.dataclass(frozen=True)
 class StagedAck(Message):
-    """Receiver → sender: chunk ``seq`` is scattered; slot ``slot`` may be reused."""
+    """Receiver → sender: chunk ``seq`` is scattered; ``keep``: slot ``slot`` is still the
+    sender's (else it went back to the receiver's pool: never write it again)."""
 
     KIND: ClassVar[str] = "s.ack"
     xfer_id: str
     slot: int
     seq: int
+    keep: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class StagedRelease(Message):
+    """Sender → receiver: give the rest of my grant back (aborted, nothing in flight)."""
+
+    KIND: ClassVar[str] = "s.release"
+    xfer_id: str
+
+
+@dataclasses.dataclass(frozen=True)
+class StagedDeny(Message):
+    """Receiver → sender: no grant (the receiver gave up on the transfer)."""
+
+    KIND: ClassVar[str] = "s.deny"
+    xfer_id: str
+    reason: str = ""
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class StagedPull(Message):
-    """Reader → owner: push blocks ``src`` into my ``dst`` through my receive pool (the
-    staged form of a READ); the pool is described by the other fields."""
+    """Reader → owner: push blocks ``src`` into my ``dst`` (the staged form of a READ); my
+    grant of receive slots for it follows as a :class:`StagedGrant`."""
 
     KIND: ClassVar[str] = "s.pull"
     xfer_id: str
-    base_addr: int
-    slot_bytes: int
-    num_slots: int
-    mem_type: str
-    device_id: int
     src: np.ndarray
     dst: np.ndarray
 
     def fields(self) -> dict[str, Any]:
-        return {"xfer_id": self.xfer_id, "n": int(len(self.src)), "base_addr": self.base_addr,
-                "slot_bytes": self.slot_bytes, "num_slots": self.num_slots, "mem_type": self.mem_type,
-                "device_id": self.device_id}
+        return {"xfer_id": self.xfer_id, "n": int(len(self.src))}
 
     def payload(self) -> bytes:
         return _ids(self.src) + _ids(self.dst)
 
     @classmethod
     def build(cls, fields: dict[str, Any], payload: bytes) -> Message:
+        if len(payload) % 8:
+            raise WireError("staged pull ids are not int64")
         ids = np.frombuffer(payload, dtype="<i8")
         n = int(fields["n"])
         if ids.shape[0] != 2 * n:
             raise WireError(f"staged pull carries {ids.shape[0]} ids, expected {2 * n}")
-        return cls(str(fields["xfer_id"]), int(fields["base_addr"]), int(fields["slot_bytes"]),
-                   int(fields["num_slots"]), str(fields["mem_type"]), int(fields["device_id"]),
-                   ids[:n].copy(), ids[n:].copy())
+        return cls(str(fields["xfer_id"]), ids[:n].copy(), ids[n:].copy())
 
 
 KINDS: dict[str, type[Message]] = {c.KIND: c for c in (Done, Pushed, ReuseServed, FpQuestion, FpAnswer,
-                                                      StagedChunk, StagedAck, StagedPull)}
+                                                      StagedGrantRequest, StagedGrant, StagedChunk, StagedAck,
+                                                      StagedRelease, StagedDeny, StagedPull)}
 
 
 def encode(msg: Message) -> bytes:

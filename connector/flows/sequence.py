@@ -167,10 +167,10 @@ class Mover:
             mv.job = self.staged.submit_send(mv.peer, mv.engine_id, info, mv.local, mv.remote,
                                              push_xfer_id_of(mv.msg), mv.deadline)
             return False
-        xid = self.staged.start_read(mv.peer, mv.remote, mv.local)
-        if xid is None:  # another engine is filling our receive slots: wait our turn
+        xid = self.staged.start_read(mv.peer, mv.remote, mv.local, timeout_s=max(0.001, mv.deadline - now))
+        if xid is None:  # no pool (cannot happen once chosen): wait, bounded by the deadline
             if now >= mv.deadline:
-                raise TimeoutError("staging pool busy with another peer")
+                raise TimeoutError("no staging pool")
             return False
         mv.staged_xid = xid
         return False

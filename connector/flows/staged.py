@@ -3,9 +3,10 @@
 Fragmented transfers can go gather → one NIXL WRITE per chunk → scatter → ack instead of
 one descriptor per coalesced run.
 
-* Pools: at ``register_kv_caches`` the loop allocates one send and one receive pool
-  (``staging_slot_bytes`` × ``staging_slots``, on the KV's device) and registers them with
-  the agent once; the receive pool is published with the rank (``EngineRank.staging``).
+* Pools: at ``register_kv_caches`` the loop allocates one receive and one send pool
+  (``staging_slot_bytes`` × ``staging_slots`` + ``staging_send_slots``, on the KV's device;
+  256 MiB on GPUs by default) and registers them with the agent once; the receive pool is
+  published with the rank (``EngineRank.staging``).
   ``staging: never`` allocates nothing and publishes nothing.
 * Staged sends (a push's WRITE, or the answer to a peer's staged READ) queue here and run
   one at a time (they share the send pool's slots and address the receiver's by number),
@@ -17,10 +18,10 @@ one descriptor per coalesced run.
   notification handlers would then run on either thread). What takes time off that thread
   already has its own: CPU packing runs on the ``kvbaton-pack`` thread, GPU gathers and
   scatters on side streams; the owner thread only posts, polls and acks.
-* Staged READs (pull and reuse, reader side): we ask the owner to push into our receive
-  pool (:class:`~kvbaton.connector.wire.StagedPull`). The receive slots are addressed by
-  the sender, so we run staged READs from one owner engine at a time (others wait, bounded
-  by their deadlines). The owner looks the reader up and answers with a staged send.
+* Receive slots are granted by their engine (:mod:`..transfer.staging_grants`): a pusher
+  asks first, a reader's pull request (:class:`~kvbaton.connector.wire.StagedPull`) is
+  followed by its grant, so any number of engines may pack into this one at once. The
+  owner looks the reader up and answers a pull with a staged send.
 * Staged messages from an agent we have no metadata for (push: decode never looked prefill
   up) wait for its registrar lookup before they are processed (acks need it).
 """
@@ -55,7 +56,7 @@ class SendJob:
 
     peer: str
     engine_id: str
-    info: StagingInfo
+    info: StagingInfo | None  # the peer's published pool (sizes the grant request); None: a pull's answer
     local: Any
     remote: Any
     xfer_id: str
@@ -77,7 +78,7 @@ class _Waiting:
     deadline: float
     t0: float
     msgs: list[bytes] = dataclasses.field(default_factory=list)
-    request: tuple[str, StagingInfo, Any, Any] | None = None  # serve: (xfer id, its pool, src, dst)
+    request: tuple[str, StagingInfo | None, Any, Any] | None = None  # serve: (xfer id, its pool, src, dst)
     peer_future: concurrent.futures.Future[Any] | None = None
 
 
@@ -105,7 +106,7 @@ class StagedFlow:
     def sending_on_gpu(self) -> bool:
         """A staged send is running from GPU memory: the loop polls at the GPU pace (a 32 MiB
         chunk crosses NVLink in ~80 µs; a 1 ms poll would idle the link)."""
-        return bool(self._queue) and self.peer is not None and self.peer.cuda
+        return self.peer is not None and self.peer.cuda and bool(self._queue or self.peer.busy)
 
     poll_s = GPU_POLL_MAX_S
 
@@ -114,22 +115,22 @@ class StagedFlow:
         s, layout = self.ctx.settings, self.ctx.layout
         if s.staging == STAGING_NEVER or not self._tensors:
             return
-        slot, nslots = s.staging_pool(layout.device)
+        slot, nslots, nsend, chunks = s.staging_pool(layout.device)
         slot = max(slot, layout.bytes_per_block)  # a tile holds at least one block row
         # Ours first (the first matching prefix wins): staged messages from an agent we
         # cannot answer yet wait for its registrar lookup.
         ep.on_notif(STAGED_PREFIX, self._on_notif)
         try:
             self.peer = StagedPeer(ep, self._tensors, layout, slot_bytes=slot, num_slots=nslots,
-                                   target_chunks=s.staging_target_chunks, min_chunk_bytes=min(4 << 20, slot),
+                                   send_slots=nsend, target_chunks=chunks, min_chunk_bytes=min(4 << 20, slot),
                                    on_complete=self._on_complete)
         except Exception:  # no pool: runs only (published as absent)
             log.exception("kvbaton: staging pool not available; moving KV with coalesced runs only")
             self.peer = None
             return
         self.info = self.peer.info()
-        log.info("kvbaton: staging pools %d x %d B (%s), mode %s", nslots, self.peer.recv_pool.slot_bytes,
-                 self.info.mem_type, s.staging)
+        log.info("kvbaton: staging pools %d + %d x %d B (%s), mode %s", nslots, nsend,
+                 self.peer.recv_pool.slot_bytes, self.info.mem_type, s.staging)
 
     def close(self) -> None:
         for job in self._queue:
@@ -182,7 +183,7 @@ class StagedFlow:
         return True
 
     # ------------------------------------------------------------------ sends
-    def submit_send(self, agent: str, engine_id: str, info: StagingInfo, local: Any, remote: Any, xfer_id: str,
+    def submit_send(self, agent: str, engine_id: str, info: StagingInfo | None, local: Any, remote: Any, xfer_id: str,
                     deadline: float, *, serve: bool = False) -> SendJob:
         job = SendJob(agent, engine_id, info, local, remote, xfer_id, deadline, time.monotonic(), serve)
         self._queue.append(job)
@@ -213,10 +214,10 @@ class StagedFlow:
             if job.send is None:
                 job.send = self.peer.start_send(job.peer, job.info, job.local, job.remote, job.xfer_id,
                                                 timeout_s=max(0.001, job.deadline - time.monotonic()))
-                job.chunks = job.send.nchunks
             if not job.send.step():
                 return False
-            job.nbytes, job.finished = job.send.nbytes, True
+            # the chunk count is known once the receiver's grant arrived (its slot size)
+            job.nbytes, job.chunks, job.finished = job.send.nbytes, job.send.nchunks, True
         except Exception as exc:  # noqa: BLE001 - its owner decides (fail the transfer)
             job.error = exc
         if job.send is not None:
@@ -252,6 +253,8 @@ class StagedFlow:
                     continue
             except Exception as exc:  # noqa: BLE001 - the reader gives up at its deadline
                 self._serve_failed(xid, engine_of_agent(sv.agent), exc)
+                assert self.peer is not None
+                self.peer.drop_pull(sv.agent, xid)  # the reader's slots go back
                 continue
             self.submit_send(sv.agent, engine_of_agent(sv.agent), info, src, dst, xid, sv.deadline + delay,
                              serve=True)
@@ -271,16 +274,16 @@ class StagedFlow:
         self.ctx.peers.forget(engine_id)
 
     # ------------------------------------------------------------------ staged READs (reader)
-    def start_read(self, agent: str, remote_ids: Sequence[int], local_ids: Sequence[int]) -> str | None:
+    def start_read(self, agent: str, remote_ids: Sequence[int], local_ids: Sequence[int],
+                   timeout_s: float | None = None) -> str | None:
         """Ask ``agent`` to push its ``remote_ids`` into our ``local_ids`` through our receive
-        pool; the transfer's id, or None while another engine is answering a staged READ of
-        ours (one sending engine at a time)."""
+        pool (the request carries our grant of receive slots, valid ``timeout_s``: any number
+        of engines may answer staged READs of ours at once); the transfer's id."""
         assert self.peer is not None
-        if any(n > 0 for a, n in self._sources.items() if a != agent):
-            return None
         xid = "s" + uuid.uuid4().hex
         self._sources[agent] = self._sources.get(agent, 0) + 1
-        self.peer.request_pull(agent, remote_ids, local_ids, xid)
+        self.peer.request_pull(agent, remote_ids, local_ids, xid,
+                               timeout_s=timeout_s if timeout_s is not None else self.ctx.settings.timeout_s)
         return xid
 
     def read_done(self, xid: str) -> bool:

@@ -16,18 +16,15 @@ posts and waits for chunk i's WRITE (UCX copies inside the post call with the GI
 released). On CUDA nothing blocks: each chunk's gather is one Triton launch for all of
 its regions (:class:`GpuRowCopier`, torch per-region fallback) on a side stream, its
 WRITE is posted when the chunk's event fires, and the receiver enqueues the scatter on
-another stream and acks only when that event fires (:meth:`StagedPeer.progress`). Slots are a fixed pool on both sides,
-reused: a slot is free again once its WRITE is done *and* the receiver acked its unpack.
+another stream and acks only when that event fires (:meth:`StagedPeer.progress`). Slots are a
+fixed pool on both sides, reused: a send slot once its WRITE is done, a receive slot once
+the receiver scattered the chunk in it.
 
-Protocol (NIXL notifications, which arrive after the data they follow; typed and
-versioned in :mod:`kvbaton.connector.wire`):
-
-* :class:`~kvbaton.connector.wire.StagedChunk` — regions ``r0..r1`` of blocks ``dst``
-  landed in ``slot``.
-* :class:`~kvbaton.connector.wire.StagedAck` — receiver unpacked it; the slot may be reused.
-* :class:`~kvbaton.connector.wire.StagedPull` — please push these blocks to me (the staged
-  form of a READ: the owner of the data must pack, so a staged READ is a request that the
-  peer answers with a staged WRITE).
+Slot grants (:mod:`.staging_grants`; messages typed and versioned in :mod:`kvbaton.connector.wire`): the receiver owns
+its receive slots and hands them out; a sender WRITEs only into slots granted to it, and
+each chunk's ack says whether the sender keeps that slot. Many senders can pack into one
+receiver at once. A staged READ is a pull request the owner answers with a staged WRITE
+(the owner of the data must pack); the reader sends its grant with the request.
 
 The same code runs on CPU tensors (CI) and CUDA tensors (a side stream per direction).
 All methods run on the endpoint's owner thread except the packing itself.
@@ -51,18 +48,20 @@ from .. import wire
 from .descriptors import as_ids, check_ids, plan_contiguous
 from .geometry import LAYOUT_KV_SPLIT, KvLayout
 from .nixl_agent import POLL_MAX_S, POLL_MIN_S, NixlEndpoint, Transfer
+from .pools import GPU_POOL, HOST_POOL, PoolDefaults, default_pool
+from .staging_grants import Handout, SlotGrants
 
 Strategy = Literal["runs", "pack"]
-#: Every pack-path message starts with this (:mod:`kvbaton.connector.wire`, versioned).
 PREFIX = wire.staged_prefix()
-log = logging.getLogger("kvbaton.connector.staging")
+log = logging.getLogger(__name__)
+__all__ = ["GPU_POOL", "HOST_POOL", "PREFIX", "PoolDefaults", "StagedPeer", "StagedSend", "StagingInfo",
+           "StagingPool", "choose_strategy", "default_pool"]
 
 
 # ---------------------------------------------------------------------------- policy
 @dataclasses.dataclass(frozen=True)
 class PathCosts:
-    """Rough cost model; defaults from NIXL measurements on the host and on two H200s
-    (``benchmarks/datapath.py``, ``benchmarks/datapath_gpu.py``; results in ``benchmarks/results/``)."""
+    """Rough cost model; defaults from measurements in shared/nixl-notes.md."""
 
     desc_s: float        # fixed cost per NIXL descriptor
     link_bps: float      # large-descriptor NIXL bandwidth
@@ -371,34 +370,50 @@ class _Unpack:
     keep: tuple[torch.Tensor, ...]  # tensors the scatter still reads
 
 
+@dataclasses.dataclass
+class _Outgoing:
+    """Sender side of one staged transfer to one peer: the receiver's slots we hold."""
+
+    created: float
+    grant: wire.StagedGrant | None = None  # the receiver's pool (from its latest grant)
+    idle: collections.deque[int] = dataclasses.field(default_factory=collections.deque)
+    acks: collections.deque[tuple[int, int, bool]] = dataclasses.field(default_factory=collections.deque)
+    denied: str = ""
+    pulled: bool = False  # a staged READ: the reader granted slots with its request
+
+
 class StagedPeer:
     """Both roles of the pack path for one endpoint: sender (:meth:`send`) and receiver
-    (unpack + ack, driven by :meth:`progress` / :meth:`NixlEndpoint.poll_notifs`).
+    (grants, unpack + ack, driven by :meth:`progress` / :meth:`NixlEndpoint.poll_notifs`).
+
+    Receive slots are granted by the receiver (:mod:`.staging_grants`, messages in
+    :mod:`kvbaton.connector.wire`): a sender asks for slots, WRITEs only into slots it holds, and
+    gets each slot back (or loses it to another sender) with the chunk's ack. Any number
+    of senders may pack into one receiver at once.
 
     On CUDA nothing blocks on the GPU: the sender enqueues each chunk's gather on a side
-    stream and posts its WRITE once the chunk's event has fired; the receiver enqueues each
-    chunk's scatter on another side stream and acks the chunk (freeing the slot) and
+    stream and posts its WRITE once the chunk's event has fired; a send slot is reused as
+    soon as its WRITE is done (the receiver's slot only once acked). The receiver enqueues
+    each chunk's scatter on another side stream and acks the chunk (freeing the slot) and
     reports the transfer complete only once the scatter's event has fired. Those events
     are checked by :meth:`progress`, which the owner thread must keep calling while
-    transfers are incoming (it also polls notifications); :meth:`send` and
-    :meth:`wait_complete` call it themselves. On CPU the scatter is synchronous inside
-    the notification handler, so ``poll_notifs`` alone is enough.
+    :attr:`busy` (it also polls notifications); :meth:`send` and :meth:`wait_complete`
+    call it themselves. On CPU the scatter is synchronous inside the notification handler.
     """
 
     def __init__(self, endpoint: NixlEndpoint, tensors: Sequence[torch.Tensor],
                  layout: KvLayout, *, slot_bytes: int, num_slots: int = 4,
                  target_chunks: int = 16, min_chunk_bytes: int = 4 << 20,
-                 use_kernel: bool | None = None,
+                 use_kernel: bool | None = None, send_slots: int | None = None,
+                 grant_margin_s: float = 2.0,
                  on_complete: Callable[[str, str], None] | None = None) -> None:
-        """Allocate and register two pools (send and receive, so both directions can run
-        at once without sharing slots) of ``num_slots × slot_bytes`` on the KV's device.
+        """Allocate and register two pools (send: ``send_slots`` (default ``num_slots``),
+        receive: ``num_slots``, both ``slot_bytes``) on the KV's device.
 
         A transfer is cut into about ``target_chunks`` chunks of at least
         ``min_chunk_bytes`` (and at most a slot). ``use_kernel`` picks the one-launch
-        Triton gather/scatter on CUDA (default: when available).
-
-        One incoming staged transfer at a time per :class:`StagedPeer`: the receive slots
-        are addressed by the sender, so concurrent senders need separate peers/pools.
+        Triton gather/scatter on CUDA (default: when available). ``grant_margin_s`` is
+        how long past a sender's deadline its grant is kept (WRITEs still in flight).
         """
         self.ep = endpoint
         self.layout = layout
@@ -406,12 +421,17 @@ class StagedPeer:
         self.device = tensors[0].device
         self.target_chunks = int(target_chunks)
         self.min_chunk_bytes = int(min_chunk_bytes)
-        self.send_pool = StagingPool(slot_bytes, num_slots, self.device)
+        self.send_pool = StagingPool(slot_bytes, send_slots or num_slots, self.device)
         self.recv_pool = StagingPool(slot_bytes, num_slots, self.device)
         self.send_pool.register(endpoint)
         self.recv_pool.register(endpoint)
         self._send_info = self.send_pool.info()
+        self._recv_info = self.recv_pool.info()
+        self.grants = SlotGrants(self.recv_pool.num_slots, margin_s=grant_margin_s)
         self.cuda = self.device.type == "cuda"
+        #: busy-poll (yield only) while chunks are in flight on CUDA: a sleep costs more
+        #: than a chunk's WRITE there (measured: benchmarks/results/datapath_gpu*.md)
+        self.spin = self.cuda
         self._packer = None if self.cuda else cf.ThreadPoolExecutor(
             1, thread_name_prefix="kvbaton-pack")
         self._pack_stream = torch.cuda.Stream(self.device) if self.cuda else None
@@ -423,25 +443,42 @@ class StagedPeer:
             except ValueError:
                 if use_kernel:
                     raise
-        self._acks: dict[str, set[int]] = {}
-        self._recv_counts: dict[str, int] = {}
+        #: tiles with fewer regions than this are moved with one torch kernel per region
+        #: (a Triton launch costs more CPU time than a few torch launches)
+        self.kernel_min_regions = 4
+        # Destination ids of incoming transfers, received once (grant request or our pull)
+        # and uploaded once on CUDA; chunks name a range of them (no ids per chunk).
+        self._dst_ids: collections.OrderedDict[tuple[str, str], np.ndarray] = collections.OrderedDict()
+        self._dst_dev: dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._outgoing: dict[tuple[str, str], _Outgoing] = {}
+        self._recv_counts: dict[tuple[str, str], int] = {}
         self._cancelled: dict[str, None] = {}  # insertion-ordered set (see cancel)
         self._unpacking: collections.deque[_Unpack] = collections.deque()
         self.completed: dict[str, str] = {}  # xfer_id → peer, for finished incoming transfers
-        self._pulls: collections.deque[tuple[str, str, StagingInfo, np.ndarray, np.ndarray]] = \
+        self._pulls: collections.deque[tuple[str, str, StagingInfo | None, np.ndarray, np.ndarray]] = \
             collections.deque()
         self._on_complete = on_complete
         self.last_send_chunks = 0
+        self.dropped_chunks = 0  # chunks in slots their sender did not hold (never scattered)
+        self.bad_messages = 0
+        #: (perf_counter, event, seq) when a list: where a transfer's time goes
+        self.trace: list[tuple[float, str, int]] | None = None
         endpoint.on_notif(PREFIX, self._on_notif)
 
     def info(self) -> StagingInfo:
-        """Where peers WRITE into us (publish it with the KV geometry)."""
-        return self.recv_pool.info()
+        """Our receive pool (published with the KV geometry; senders get slots by grant)."""
+        return self._recv_info
 
     @property
     def block_bytes(self) -> int:
         """Bytes one block id moves (all regions)."""
         return self.layout.bytes_per_block * self.layout.num_regions
+
+    @property
+    def busy(self) -> bool:
+        """Incoming work the owner must keep calling :meth:`progress` for (bounded: a
+        grant ends with its transfer, its sender's release, or its expiry)."""
+        return bool(self.grants.busy or self._unpacking)
 
     def close(self) -> None:
         if self._packer is not None:
@@ -451,13 +488,15 @@ class StagedPeer:
 
     def forget(self, xfer_id: str) -> None:
         """Drop receive-side state of an incoming transfer whose sender gave up."""
-        self._recv_counts.pop(xfer_id, None)
+        for k in [k for k in self._recv_counts if k[1] == xfer_id]:
+            del self._recv_counts[k]
         self.completed.pop(xfer_id, None)
 
     def cancel(self, xfer_id: str) -> None:
         """The receiver gave up on an incoming transfer (its blocks may be freed and reused):
         chunks of it that still arrive are acked (the sender's slots come free) but never
-        scattered. Remembered for a bounded number of ids."""
+        scattered, and new grant requests for it are refused. Remembered for a bounded
+        number of ids."""
         self.forget(xfer_id)
         self._cancelled[xfer_id] = None
         if self._unpack_stream is not None:
@@ -467,43 +506,64 @@ class StagedPeer:
             self._cancelled.pop(next(iter(self._cancelled)))
 
     def progress(self) -> bool:
-        """Poll notifications and finish scatters whose events fired (acks, completions).
-
-        Non-blocking; returns whether anything happened. Call it from the owner thread.
-        """
+        """Poll notifications, finish scatters whose events fired (acks, completions),
+        reclaim expired grants. Non-blocking; returns whether anything happened. Call it
+        from the owner thread."""
         got = bool(self.ep.poll_notifs())
-        return self._finish_unpacks() or got
+        done = self._finish_unpacks()
+        if self.grants.busy:
+            self._send_handouts(self.grants.expire())
+        return done or got
 
-    def tile_bytes(self, num_blocks: int, remote: StagingInfo | None = None) -> int:
-        slot = self._send_info.slot_bytes if remote is None else min(
-            self._send_info.slot_bytes, remote.slot_bytes)
+    def tile_bytes(self, num_blocks: int, remote_slot_bytes: int | StagingInfo | None = None) -> int:
+        slot = self._send_info.slot_bytes
+        if isinstance(remote_slot_bytes, StagingInfo):
+            remote_slot_bytes = remote_slot_bytes.slot_bytes
+        if remote_slot_bytes:
+            slot = min(slot, int(remote_slot_bytes))
         return chunk_bytes_for(num_blocks * self.block_bytes, slot, self.layout.bytes_per_block,
                                target_chunks=self.target_chunks,
                                min_chunk_bytes=self.min_chunk_bytes)
 
+    def _want(self, num_blocks: int, slot_bytes: int) -> int:
+        """Receive slots worth asking for: the chunk count, at most a whole pool."""
+        tiles = plan_tiles(num_blocks, self.layout.num_regions, self.layout.bytes_per_block,
+                           self.tile_bytes(num_blocks, slot_bytes))
+        return max(1, len(tiles))
+
+    def _note(self, what: str, seq: int) -> None:
+        if self.trace is not None:
+            self.trace.append((time.perf_counter(), what, seq))
+
+    def _nap(self, delay: float, active: bool, poll_max: float) -> float:
+        """Sleep between polls; returns the next delay. Spins (yields the GIL only) while
+        GPU chunks are in flight and :attr:`spin` is set."""
+        if active and self.spin:
+            time.sleep(0)
+            return POLL_MIN_S
+        time.sleep(delay)
+        return min(delay * 2, poll_max)
+
     # -------------------------------------------------------------- sender
-    def start_send(self, peer: str, remote: StagingInfo, local_ids: npt.ArrayLike,
+    def start_send(self, peer: str, remote: StagingInfo | None, local_ids: npt.ArrayLike,
                    remote_ids: npt.ArrayLike, xfer_id: str, *, timeout_s: float) -> StagedSend:
         """A staged WRITE of local blocks into the peer's blocks, advanced by
-        :meth:`StagedSend.step` (never blocks). One at a time per :class:`StagedPeer`: the
-        send pool's slots (and the receiver's, addressed by slot number) are its own."""
+        :meth:`StagedSend.step` (never blocks). One at a time per :class:`StagedPeer` (the
+        send pool's slots are its own); any number of senders may target one receiver."""
         return StagedSend(self, peer, remote, local_ids, remote_ids, xfer_id, timeout_s=timeout_s)
 
-    def send(self, peer: str, remote: StagingInfo, local_ids: npt.ArrayLike,
+    def send(self, peer: str, remote: StagingInfo | None, local_ids: npt.ArrayLike,
              remote_ids: npt.ArrayLike, xfer_id: str, *, timeout_s: float,
              idle: Callable[[], object] | None = None) -> int:
-        """Staged WRITE of local blocks into the peer's blocks; returns bytes moved.
-
-        Blocking form of :meth:`start_send`: returns once the receiver acked every chunk (its
-        blocks hold the data). ``idle`` runs on every turn of the loop (tests progress the
-        peer with it).
-        """
+        """Blocking form of :meth:`start_send`; returns bytes moved once the receiver acked
+        every chunk (its blocks hold the data). ``idle`` runs on every turn of the loop
+        (tests progress the peer with it)."""
         job = self.start_send(peer, remote, local_ids, remote_ids, xfer_id, timeout_s=timeout_s)
         poll_max = GPU_POLL_MAX_S if self.cuda else POLL_MAX_S
         delay = POLL_MIN_S
         try:
             while True:
-                self.progress()
+                job.progressed |= self.progress()
                 if job.step():
                     return job.nbytes
                 if idle is not None:
@@ -515,8 +575,7 @@ class StagedPeer:
                 if fut is not None:
                     cf.wait([fut], timeout=delay)  # sleeps until packed, bounded
                 else:
-                    time.sleep(delay)
-                delay = min(delay * 2, poll_max)
+                    delay = self._nap(delay, job.active, poll_max)
         finally:
             job.close()
 
@@ -530,7 +589,7 @@ class StagedPeer:
         with torch.cuda.device(self.device), torch.cuda.stream(self._pack_stream):
             ids = ids_dev[b0:b1]
             out = self.send_pool.slot(slot)
-            if self.copier is not None:
+            if self.copier is not None and r1 - r0 >= self.kernel_min_regions:
                 nbytes = self.copier.gather(ids, r0, r1, out)
             else:
                 nbytes = pack_blocks(self.views[r0:r1], ids, out)
@@ -556,16 +615,21 @@ class StagedPeer:
 
     # -------------------------------------------------------------- staged READ
     def request_pull(self, peer: str, remote_ids: npt.ArrayLike, local_ids: npt.ArrayLike,
-                     xfer_id: str) -> None:
-        """Ask ``peer`` to push its ``remote_ids`` into our ``local_ids`` (staged READ)."""
+                     xfer_id: str, *, timeout_s: float = 30.0) -> None:
+        """Ask ``peer`` to push its ``remote_ids`` into our ``local_ids`` (staged READ).
+
+        The request is followed by our grant of receive slots for it (at once when slots
+        are free, else when they come free), valid ``timeout_s``."""
         _check_xfer_id(xfer_id)
         rids, lids = as_ids(remote_ids), as_ids(local_ids)
         if rids.shape != lids.shape:
             raise ValueError("remote and local id counts differ")
         check_ids(lids, self.layout.num_blocks, side="local", unique=True)
-        i = self.info()
-        self.ep.send_notif(peer, wire.encode(wire.StagedPull(xfer_id, i.base_addr, i.slot_bytes, i.num_slots,
-                                                             i.mem_type, i.device_id, rids, lids)))
+        self.ep.send_notif(peer, wire.encode(wire.StagedPull(xfer_id, rids, lids)))
+        self._remember_ids((peer, xfer_id), lids)
+        if lids.shape[0]:
+            want = self._want(int(lids.shape[0]), self.recv_pool.slot_bytes)
+            self._send_handouts(self.grants.request(peer, xfer_id, want, timeout_s))
 
     def wait_complete(self, xfer_id: str, *, timeout_s: float,
                       idle: Callable[[], object] | None = None) -> str:
@@ -582,13 +646,18 @@ class StagedPeer:
                 raise TimeoutError(f"staged transfer {xfer_id} not complete after {timeout_s:.3f}s")
             if idle is not None:
                 idle()
-            time.sleep(delay)
-            delay = min(delay * 2, poll_max)
+            delay = self._nap(delay, self.busy, poll_max)
 
-    def take_pull(self) -> tuple[str, str, StagingInfo, np.ndarray, np.ndarray] | None:
-        """The oldest queued pull request ``(peer, xfer_id, info, src ids, dst ids)``, or
-        None: for owners that serve pulls themselves (after checks) with :meth:`send`."""
+    def take_pull(self) -> tuple[str, str, StagingInfo | None, np.ndarray, np.ndarray] | None:
+        """The oldest queued pull request ``(peer, xfer_id, None, src ids, dst ids)``, or
+        None: for owners that serve pulls themselves (after checks) with :meth:`send`.
+        (The third field, once the reader's pool, is None: the reader's grant says where.)"""
         return self._pulls.popleft() if self._pulls else None
+
+    def drop_pull(self, peer: str, xfer_id: str) -> None:
+        """An owner will not answer this pull: give the reader's slots back."""
+        if self._outgoing.pop((peer, xfer_id), None) is not None:
+            self.ep.send_notif(peer, wire.encode(wire.StagedRelease(xfer_id)))
 
     def serve_pulls(self, *, timeout_s: float, idle: Callable[[], object] | None = None) -> int:
         """Answer queued pull requests with staged WRITEs; returns how many were served.
@@ -603,47 +672,119 @@ class StagedPeer:
         return served
 
     # -------------------------------------------------------------- receiver
-    def _on_notif(self, peer: str, raw: bytes) -> None:
-        try:
-            msg = wire.decode(raw)
-        except wire.WireError as exc:
-            log.warning("kvbaton: staged message from %s refused: %s", peer, exc)
-            return
-        if isinstance(msg, wire.StagedAck):
-            self._acks.setdefault(msg.xfer_id, set()).add(msg.slot)
-        elif isinstance(msg, wire.StagedChunk):
-            ids = msg.dst
-            check_ids(ids, self.layout.num_blocks, side="staged destination", unique=True)
-            if msg.xfer_id in self._cancelled:  # the receiver gave up: free the slot, keep the blocks
-                self.ep.send_notif(peer, wire.encode(wire.StagedAck(msg.xfer_id, msg.slot, msg.seq)))
-                return
-            if not self.cuda:
-                unpack_blocks(self.views[msg.r0:msg.r1], torch.from_numpy(ids.copy()),
-                              self.recv_pool.slot(msg.slot))
-                self._chunk_done(peer, msg.xfer_id, msg.slot, msg.seq, msg.nchunks)
-                return
-            self._unpacking.append(self._start_unpack(peer, msg.xfer_id, msg.slot, msg.seq, msg.nchunks,
-                                                      ids, msg.r0, msg.r1))
-            self._finish_unpacks()
-        elif isinstance(msg, wire.StagedPull):
-            info = StagingInfo(msg.base_addr, msg.slot_bytes, msg.num_slots, msg.mem_type, msg.device_id)
-            self._pulls.append((peer, msg.xfer_id, info, msg.src, msg.dst))
+    def _send_handouts(self, handouts: Sequence[Handout]) -> None:
+        i = self._recv_info
+        for h in handouts:
+            self.ep.send_notif(h.peer, wire.encode(wire.StagedGrant(
+                h.xfer_id, list(h.slots), i.base_addr, i.slot_bytes, i.mem_type, i.device_id)))
 
-    def _start_unpack(self, peer: str, xfer_id: str, slot: int, seq: int, nchunks: int,
-                      ids: np.ndarray, r0: int, r1: int) -> _Unpack:
-        """Enqueue a chunk's scatter on the unpack stream; its event says when it is out."""
+    def _on_notif(self, peer: str, msg: bytes) -> None:
+        try:
+            m = wire.decode(msg)
+        except wire.WireError as e:
+            self.bad_messages += 1
+            log.warning("kvbaton: staging message from %s dropped: %s", peer, e)
+            return
+        key = (peer, str(getattr(m, "xfer_id", "")))
+        if isinstance(m, wire.StagedAck):
+            out = self._outgoing.get(key)
+            if out is not None:
+                out.acks.append((m.slot, m.seq, m.keep))
+        elif isinstance(m, wire.StagedGrant):
+            out = self._outgoing.get(key)
+            if out is None:  # we gave up on it (or never asked): hand the slots back
+                self.ep.send_notif(peer, wire.encode(wire.StagedRelease(m.xfer_id)))
+                return
+            out.grant = m
+            out.idle.extend(m.slots)
+        elif isinstance(m, wire.StagedDeny):
+            out = self._outgoing.get(key)
+            if out is not None:
+                out.denied = m.reason or "refused"
+        elif isinstance(m, wire.StagedChunk):
+            self._on_chunk(peer, m)
+        elif isinstance(m, wire.StagedGrantRequest):
+            if m.xfer_id in self._cancelled:
+                self.ep.send_notif(peer, wire.encode(wire.StagedDeny(m.xfer_id, "cancelled by the receiver")))
+                return
+            try:
+                check_ids(m.dst, self.layout.num_blocks, side="staged destination", unique=True)
+                self._send_handouts(self.grants.request(peer, m.xfer_id, m.want, m.ttl_ms / 1e3))
+            except ValueError as e:
+                self.ep.send_notif(peer, wire.encode(wire.StagedDeny(m.xfer_id, str(e))))
+                return
+            self._remember_ids(key, m.dst)
+        elif isinstance(m, wire.StagedRelease):
+            self._recv_counts.pop(key, None)
+            self._forget_ids(key)
+            self._send_handouts(self.grants.release(peer, m.xfer_id))
+        elif isinstance(m, wire.StagedPull):
+            self._outgoing[key] = _Outgoing(time.monotonic(), pulled=True)
+            self._pulls.append((peer, m.xfer_id, None, m.src, m.dst))
+            while len(self._outgoing) > 4096:  # pulls an owner never took or dropped
+                old = next(iter(self._outgoing))
+                if not self._outgoing[old].pulled:
+                    break
+                del self._outgoing[old]
+
+    def _on_chunk(self, peer: str, m: wire.StagedChunk) -> None:
+        if not self.grants.owns(peer, m.xfer_id, m.slot):
+            # never scatter a slot its sender does not hold (expired grant, buggy peer)
+            self.dropped_chunks += 1
+            log.warning("kvbaton: staged chunk %s/%d from %s in slot %d it does not hold: dropped",
+                        m.xfer_id, m.seq, peer, m.slot)
+            return
+        if m.xfer_id in self._cancelled:  # the receiver gave up: free the slot, keep the blocks
+            self._chunk_done(peer, m.xfer_id, m.slot, m.seq, m.nchunks)
+            return
+        key = (peer, m.xfer_id)
+        all_ids = self._dst_ids.get(key)
+        nb = (m.r1 - m.r0) * (m.b1 - m.b0) * self.layout.bytes_per_block
+        if (all_ids is None or not (0 <= m.r0 < m.r1 <= self.layout.num_regions)
+                or not (0 <= m.b0 < m.b1 <= all_ids.shape[0]) or nb > self.recv_pool.slot_bytes):
+            self.dropped_chunks += 1
+            log.warning("kvbaton: staged chunk %s/%d from %s does not match its transfer: dropped",
+                        m.xfer_id, m.seq, peer)
+            return
+        self._note("chunk", m.seq)
+        if not self.cuda:
+            unpack_blocks(self.views[m.r0:m.r1], torch.from_numpy(all_ids[m.b0:m.b1].copy()),
+                          self.recv_pool.slot(m.slot))
+            self._chunk_done(peer, m.xfer_id, m.slot, m.seq, m.nchunks)
+            return
+        self._unpacking.append(self._start_unpack(peer, m, all_ids))
+        self._finish_unpacks()
+
+    def _remember_ids(self, key: tuple[str, str], ids: np.ndarray) -> None:
+        self._dst_ids[key] = np.array(ids, dtype=np.int64)  # a writable copy (pinned later)
+        self._dst_dev.pop(key, None)
+        while len(self._dst_ids) > 1024:  # transfers whose sender vanished
+            old, _ = self._dst_ids.popitem(last=False)
+            self._dst_dev.pop(old, None)
+
+    def _forget_ids(self, key: tuple[str, str]) -> None:
+        self._dst_ids.pop(key, None)
+        self._dst_dev.pop(key, None)
+
+    def _start_unpack(self, peer: str, m: wire.StagedChunk, all_ids: np.ndarray) -> _Unpack:
+        """Enqueue a chunk's scatter on the unpack stream; its event says when it is out.
+        The transfer's ids go to the GPU once, with its first chunk."""
         assert self._unpack_stream is not None
-        host = torch.from_numpy(ids.copy()).pin_memory()
+        key = (peer, m.xfer_id)
         with torch.cuda.device(self.device), torch.cuda.stream(self._unpack_stream):
-            ids_dev = host.to(self.device, non_blocking=True)
-            src = self.recv_pool.slot(slot)
-            if self.copier is not None:
-                self.copier.scatter(ids_dev, r0, r1, src)
+            dev = self._dst_dev.get(key)
+            if dev is None:
+                host = torch.from_numpy(all_ids).pin_memory()
+                dev = self._dst_dev[key] = (host, host.to(self.device, non_blocking=True))
+            ids_dev = dev[1][m.b0:m.b1]
+            src = self.recv_pool.slot(m.slot)
+            if self.copier is not None and m.r1 - m.r0 >= self.kernel_min_regions:
+                self.copier.scatter(ids_dev, m.r0, m.r1, src)
             else:
-                unpack_blocks(self.views[r0:r1], ids_dev, src)
+                unpack_blocks(self.views[m.r0:m.r1], ids_dev, src)
             ev = torch.cuda.Event()
             ev.record(self._unpack_stream)
-        return _Unpack(peer, xfer_id, slot, seq, nchunks, ev, (host, ids_dev))
+        return _Unpack(peer, m.xfer_id, m.slot, m.seq, m.nchunks, ev, dev)
 
     def _finish_unpacks(self) -> bool:
         """Ack every chunk whose scatter finished (one stream: they finish in order)."""
@@ -655,29 +796,40 @@ class StagedPeer:
         return done
 
     def _chunk_done(self, peer: str, xfer_id: str, slot: int, seq: int, nchunks: int) -> None:
-        """A chunk is in the KV blocks: free the sender's slot, count the transfer."""
-        self.ep.send_notif(peer, wire.encode(wire.StagedAck(xfer_id, slot, seq)))
-        got = self._recv_counts.get(xfer_id, 0) + 1
-        if got == nchunks:
-            self._recv_counts.pop(xfer_id, None)
+        """A chunk is in the KV blocks: tell the sender (and whether it keeps the slot),
+        hand freed slots to others, count the transfer."""
+        keep, handouts = self.grants.chunk_done(peer, xfer_id, slot, nchunks)
+        self.ep.send_notif(peer, wire.encode(wire.StagedAck(xfer_id, slot, seq, keep)))
+        self._send_handouts(handouts)
+        self._note("acked", seq)
+        key = (peer, xfer_id)
+        got = self._recv_counts.get(key, 0) + 1
+        if got >= nchunks:
+            self._recv_counts.pop(key, None)
+            self._forget_ids(key)
+            if xfer_id in self._cancelled:
+                return
             self.completed[xfer_id] = peer
             if self._on_complete is not None:
                 self._on_complete(peer, xfer_id)
         else:
-            self._recv_counts[xfer_id] = got
+            self._recv_counts[key] = got
 
 
 class StagedSend:
     """One staged WRITE in progress (sender side), advanced by :meth:`step`, never blocking.
 
-    Each step starts packing chunks into free send slots, posts the WRITE of every packed
-    chunk (with its :class:`~kvbaton.connector.wire.StagedChunk` notification), releases
-    finished WRITEs and frees slots the receiver acked. The caller polls notifications
-    between steps (:meth:`StagedPeer.progress`; acks arrive there). :meth:`close` always
-    runs at the end (done, failed or abandoned): it cancels what is still in flight.
+    It asks the receiver for slots (unless it answers the receiver's pull, which came with
+    a grant), packs chunks into free send slots, WRITEs each packed chunk into a receive
+    slot it holds (with a :class:`~kvbaton.connector.wire.StagedChunk` notification),
+    frees a send slot once its WRITE is done and a receive slot once acked (or drops it
+    when the ack says it went back). The caller polls notifications between steps
+    (:meth:`StagedPeer.progress`). :meth:`close` always runs at the end (done, failed or
+    abandoned): it cancels what is still in flight and, when nothing of ours can still
+    land, gives the receiver its slots back.
     """
 
-    def __init__(self, sp: StagedPeer, peer: str, remote: StagingInfo, local_ids: npt.ArrayLike,
+    def __init__(self, sp: StagedPeer, peer: str, remote: StagingInfo | None, local_ids: npt.ArrayLike,
                  remote_ids: npt.ArrayLike, xfer_id: str, *, timeout_s: float) -> None:
         _check_xfer_id(xfer_id)
         lids, rids = as_ids(local_ids), as_ids(remote_ids)
@@ -686,98 +838,150 @@ class StagedSend:
         check_ids(lids, sp.layout.num_blocks, side="local", unique=False)
         if rids.shape[0] and (rids.min() < 0 or np.unique(rids).shape[0] != rids.shape[0]):
             raise ValueError("remote (destination) block ids must be unique and non-negative")
-        self.sp, self.peer, self.remote, self.xfer_id = sp, peer, remote, xfer_id
+        self.sp, self.peer, self.xfer_id, self.timeout_s = sp, peer, xfer_id, timeout_s
         self.lids, self.rids = lids, rids
-        self.timeout_s = timeout_s
-        self.deadline = time.monotonic() + timeout_s
+        self.key = (peer, xfer_id)
         n = int(lids.shape[0])
         self.nbytes = n * sp.block_bytes
-        self.tiles = plan_tiles(n, sp.layout.num_regions, sp.layout.bytes_per_block,
-                                sp.tile_bytes(n, remote)) if n else []
-        self.nchunks = len(self.tiles)
-        sp.last_send_chunks = self.nchunks
+        self.deadline = time.monotonic() + timeout_s
+        self.tiles: list[tuple[int, int, int, int]] | None = None
+        self.nchunks = 0
+        self.next_c = self.acked = 0
+        self.local_free = collections.deque(range(sp.send_pool.num_slots))
+        self.packing: collections.deque[tuple[int, int, int, object]] = collections.deque()
+        self.inflight: dict[int, tuple[int, int, Transfer]] = {}  # send slot → (recv slot, seq, WRITE)
+        self.progressed = False
+        self.closed = self.ok = False
+        out = sp._outgoing.get(self.key)
+        if n == 0:
+            self.tiles, self.ok = [], True
+            if out is not None and out.pulled:  # an empty pull: hand its grant back
+                del sp._outgoing[self.key]
+                sp.ep.send_notif(peer, wire.encode(wire.StagedRelease(xfer_id)))
+            self.out = _Outgoing(time.monotonic())
+            self.closed = True
+            return
+        if out is not None and not out.pulled:
+            raise ValueError(f"staged transfer {xfer_id} to {peer} is already in progress")
+        if out is None:
+            out = sp._outgoing[self.key] = _Outgoing(time.monotonic())
+            rslot = remote.slot_bytes if remote is not None else sp._send_info.slot_bytes
+            want = min(sp._want(n, rslot), remote.num_slots if remote is not None else 1 << 30)
+            sp.ep.send_notif(peer, wire.encode(wire.StagedGrantRequest(
+                xfer_id, want, max(1, int(timeout_s * 1e3)), rids)))
+        out.pulled = False
+        self.out = out
+        sp._note("send", 0)
         self.ids_dev: torch.Tensor | None = None
-        if sp.cuda and n:
+        if sp.cuda:
             assert sp._pack_stream is not None
             # the gathers read what the engine's stream wrote: order after it
             sp._pack_stream.wait_stream(torch.cuda.current_stream(sp.device))
             with torch.cuda.device(sp.device), torch.cuda.stream(sp._pack_stream):
                 self.ids_dev = torch.from_numpy(lids).pin_memory().to(sp.device, non_blocking=True)
-        self.acks = sp._acks.setdefault(xfer_id, set())
-        self.free = collections.deque(range(min(sp._send_info.num_slots, remote.num_slots)))
-        self.packing: collections.deque[tuple[int, int, object]] = collections.deque()
-        self.inflight: dict[int, Transfer] = {}
-        self.written: set[int] = set()
-        self.next_c = self.acked = 0
-        self.progressed = False
-        self.closed = False
 
     @property
     def done(self) -> bool:
-        return self.acked >= self.nchunks
+        return self.tiles is not None and self.acked >= self.nchunks
+
+    @property
+    def active(self) -> bool:
+        """Chunks packing or in flight (the GPU pace of polling applies)."""
+        return bool(self.packing or self.inflight or self.next_c)
 
     def step(self) -> bool:
-        """One non-blocking turn; True once every chunk is acked. Raises on a failed WRITE or
-        past the deadline (then :meth:`close`)."""
-        sp = self.sp
-        self.progressed = False
-        while self.next_c < self.nchunks and self.free:
-            slot = self.free.popleft()
-            r0, r1, b0, b1 = self.tiles[self.next_c]
-            self.packing.append((self.next_c, slot, sp._start_pack(self.lids, self.ids_dev, b0, b1, r0, r1, slot)))
-            self.next_c += 1
-        while self.packing and sp._pack_done(self.packing[0][2]):
-            c, slot, handle = self.packing.popleft()
-            nbytes = sp._pack_result(handle)
-            r0, r1, b0, b1 = self.tiles[c]
-            msg = wire.encode(wire.StagedChunk(self.xfer_id, slot, c, self.nchunks, r0, r1, self.rids[b0:b1]))
-            mine = sp._send_info
-            plan = plan_contiguous(mine.slot_addr(slot), self.remote.slot_addr(slot), nbytes,
-                                   local_dev=mine.device_id, remote_dev=self.remote.device_id,
-                                   local_mem_type=mine.mem_type, remote_mem_type=self.remote.mem_type)
-            self.inflight[slot] = sp.ep.write(plan, self.peer, msg)
-            self.progressed = True
-        for slot, x in list(self.inflight.items()):
-            st = sp.ep.state(x)
-            if st == "ERR":
-                raise RuntimeError(f"staged WRITE of slot {slot} to {self.peer} failed")
-            if st == "DONE":
-                sp.ep.release(x)
-                del self.inflight[slot]
-                self.written.add(slot)
-                self.progressed = True
-        for slot in list(self.acks & self.written):
-            self.acks.discard(slot)
-            self.written.discard(slot)
-            self.free.append(slot)
-            self.acked += 1
-            self.progressed = True
+        """One non-blocking turn; True once every chunk is acked. Raises on a refusal, a
+        failed WRITE or past the deadline (then :meth:`close`)."""
         if self.done:
             return True
+        sp, out = self.sp, self.out
+        self.progressed = False
+        if out.denied:
+            raise RuntimeError(f"{self.peer} refused staged transfer {self.xfer_id}: {out.denied}")
+        g = out.grant
+        if self.tiles is None and g is not None:
+            n = int(self.lids.shape[0])
+            self.tiles = plan_tiles(n, sp.layout.num_regions, sp.layout.bytes_per_block,
+                                    sp.tile_bytes(n, g.slot_bytes))
+            self.nchunks = len(self.tiles)
+            sp.last_send_chunks = self.nchunks
+            sp._note("grant", 0)
+        if self.tiles is not None and g is not None:
+            tiles, mine = self.tiles, sp._send_info
+            while self.next_c < self.nchunks and self.local_free and out.idle:
+                ls, rs = self.local_free.popleft(), out.idle.popleft()
+                r0, r1, b0, b1 = tiles[self.next_c]
+                self.packing.append((self.next_c, ls, rs,
+                                     sp._start_pack(self.lids, self.ids_dev, b0, b1, r0, r1, ls)))
+                sp._note("pack", self.next_c)
+                self.next_c += 1
+            while self.packing and sp._pack_done(self.packing[0][3]):
+                c, ls, rs, handle = self.packing.popleft()
+                nbytes = sp._pack_result(handle)
+                r0, r1, b0, b1 = tiles[c]
+                msg = wire.encode(wire.StagedChunk(self.xfer_id, rs, c, self.nchunks, r0, r1, b0, b1))
+                plan = plan_contiguous(mine.slot_addr(ls), g.slot_addr(rs), nbytes,
+                                       local_dev=mine.device_id, remote_dev=g.device_id,
+                                       local_mem_type=mine.mem_type, remote_mem_type=g.mem_type)
+                self.inflight[ls] = (rs, c, sp.ep.write(plan, self.peer, msg))
+                sp._note("post", c)
+                self.progressed = True
+            for ls, (rs, c, x) in list(self.inflight.items()):
+                st = sp.ep.state(x)
+                if st == "ERR":
+                    raise RuntimeError(f"staged WRITE into slot {rs} of {self.peer} failed")
+                if st == "DONE":
+                    sp.ep.release(x)
+                    del self.inflight[ls]
+                    self.local_free.append(ls)  # our copy is out: the send slot is free
+                    sp._note("wrote", c)
+                    self.progressed = True
+            while out.acks:
+                rs, seq, keep = out.acks.popleft()
+                sp._note("ack", seq)
+                self.acked += 1
+                if keep:
+                    out.idle.append(rs)
+                self.progressed = True
+            if self.acked >= self.nchunks:
+                self.ok = True
+                return True
         if time.monotonic() >= self.deadline:
-            raise TimeoutError(f"staged transfer {self.xfer_id} to {self.peer}: {self.acked}/{self.nchunks} "
-                               f"chunks acked after {self.timeout_s:.3f}s")
+            raise TimeoutError(f"staged transfer {self.xfer_id} to {self.peer}: {self.acked}/"
+                               f"{self.nchunks or '?'} chunks acked after {self.timeout_s:.3f}s"
+                               + ("" if g is not None else " (no grant from the receiver)"))
         return False
 
     def pack_future(self) -> cf.Future[int] | None:
         """The CPU pack the next WRITE waits for, when nothing is in flight (to sleep on)."""
-        if self.packing and not self.inflight and isinstance(self.packing[0][2], cf.Future):
-            return self.packing[0][2]
+        if self.packing and not self.inflight and isinstance(self.packing[0][3], cf.Future):
+            return self.packing[0][3]
         return None
 
     def close(self) -> None:
-        """Release anything in flight (cancels it) and the slots' bookkeeping; idempotent."""
+        """Release anything in flight (cancels it) and the grant's bookkeeping; idempotent."""
         if self.closed:
             return
         self.closed = True
-        for x in self.inflight.values():
-            self.sp.ep.release(x)
-        for _, _, h in self.packing:
+        sp = self.sp
+        writes_open = bool(self.inflight)
+        for _, _, x in self.inflight.values():
+            sp.ep.release(x)  # cancels anything still in flight
+        for _, _, _, h in self.packing:
             if isinstance(h, cf.Future):
                 h.cancel()
-        if self.sp._pack_stream is not None and self.packing:
-            self.sp._pack_stream.synchronize()  # no gather may still write a slot we reuse
-        self.sp._acks.pop(self.xfer_id, None)
+        if sp._pack_stream is not None and self.packing:
+            sp._pack_stream.synchronize()  # no gather may still write a slot we reuse
+        if sp._outgoing.get(self.key) is self.out:
+            del sp._outgoing[self.key]
+        if not self.ok and not writes_open and not self.out.denied:
+            # nothing of ours can still land: give the receiver its slots back now
+            # (with a WRITE in flight we cannot know that; the grant expires instead)
+            try:
+                sp.ep.send_notif(self.peer, wire.encode(wire.StagedRelease(self.xfer_id)))
+            except Exception as e:  # noqa: BLE001 - best effort; the grant expires anyway
+                log.debug("kvbaton: release of %s to %s not sent: %r", self.xfer_id, self.peer, e)
+        sp._note("done", self.acked)
 
 
 def _check_xfer_id(xfer_id: str) -> None:

@@ -193,21 +193,24 @@ def test_staged_rejects_bad_ids() -> None:
 
 
 @pytest.mark.nixl
-def test_cancelled_transfer_is_acked_not_scattered() -> None:
-    """A receiver that gave up (its blocks may be reused) frees the sender's slots but never
-    scatters late chunks; a later transfer with another id lands normally."""
+def test_cancelled_transfer_is_refused_not_scattered() -> None:
+    """A receiver that gave up on a transfer (its blocks may be freed and reused) refuses to
+    grant slots for it: the sender fails fast, nothing is scattered, no slot leaks on either
+    side, and a later transfer with another id lands normally."""
     block_bytes = LAYERS * 2 * TPB * 2 * 8 * 2
     p = StagedPair("kv", slot_bytes=2 * block_bytes, num_slots=2)
     try:
         src, dst = np.arange(1, 9), np.arange(30, 38)
         p.sb.cancel("gone")
-        moved = p.sa.send(p.b.name, p.sb.info(), src, dst, "gone", timeout_s=20, idle=p.b.poll_notifs)
-        assert moved == 8 * block_bytes  # every chunk acked: no slot leaks on the sender
+        with pytest.raises(RuntimeError, match="refused.*cancelled"):
+            p.sa.send(p.b.name, p.sb.info(), src, dst, "gone", timeout_s=20, idle=p.b.poll_notifs)
         assert "gone" not in p.sb.completed
         assert all(int(t.abs().sum()) == 0 for t in p.tb)  # nothing scattered
+        assert not p.sb.grants.busy and p.sb.grants.free_slots() == 2
         p.sa.send(p.b.name, p.sb.info(), src, dst, "next", timeout_s=20, idle=p.b.poll_notifs)
         assert p.sb.completed.pop("next") == p.a.name
         assert checksum(p.tb, dst, p.bd) == checksum(p.ta, src, p.bd)
+        assert not p.sb.grants.busy and p.sb.grants.free_slots() == 2  # all slots came back
     finally:
         p.close()
 
@@ -230,6 +233,129 @@ def test_take_pull_hands_out_requests_in_order() -> None:
                 break
         assert [(g[0], g[1], list(g[3]), list(g[4])) for g in got] == \
             [(p.b.name, "q1", [1, 2], [5, 6]), (p.b.name, "q2", [3], [7])]
-        assert got[0][2] == p.sb.info()
+        assert got[0][2] is None  # the reader's grant, not the request, says where to write
+        for g in got:
+            p.sa.drop_pull(g[0], g[1])  # not answering: the reader gets its slots back
+        for _ in range(500):
+            p.a.poll_notifs()
+            p.sb.progress()
+            if not p.sb.grants.busy:
+                break
+            time.sleep(0.002)
+        assert not p.sb.grants.busy and p.sb.grants.free_slots() == 2
     finally:
+        p.close()
+
+
+@pytest.mark.nixl
+@pytest.mark.parametrize("mode", ["write", "pull"])
+def test_two_senders_into_one_receiver_at_once(mode: str) -> None:
+    """Two engines pack into one receiver at the same time (each on its own thread, as two
+    prefill engines would): the receiver's grants keep their slots apart, so every byte
+    lands where it belongs (checksums), and the receiver's pool is whole again after."""
+    import threading
+
+    from kvbaton.connector.transfer.nixl_agent import NixlEndpoint
+    from kvbaton.connector.transfer.staging import StagedPeer
+
+    block_bytes = LAYERS * 2 * TPB * 2 * 8 * 2
+    p = StagedPair("kv", slot_bytes=3 * block_bytes, num_slots=3)
+    c = NixlEndpoint(f"SC{next(_names)}", net_devices="lo", ucx_tls="tcp,self,sm")
+    tc = kv("kv", True)
+    sc = StagedPeer(c, tc, KvLayout.from_tensors(tc, TPB), slot_bytes=3 * block_bytes, num_slots=3)
+    c.add_peer(p.b.name, p.b.metadata())
+    p.b.add_peer(c.name, c.metadata())
+    try:
+        rng = np.random.default_rng(5)
+        dst = rng.permutation(NUM_BLOCKS)[:70]
+        jobs = {"a": (p.a, p.sa, rng.permutation(NUM_BLOCKS)[:40], dst[:40]),
+                "c": (c, sc, rng.permutation(NUM_BLOCKS)[:30], dst[40:])}
+        asked = {k: threading.Event() for k in jobs}
+        errors: list[BaseException] = []
+        both_active = []
+
+        def sender(k: str) -> None:
+            _ep, sp, src, d = jobs[k]
+            try:
+                if mode == "write":
+                    sp.send(p.b.name, p.sb.info(), src, d, f"w{k}", timeout_s=30,
+                            idle=asked[k].set)
+                else:  # the receiver asked both to push (a staged READ from each)
+                    asked[k].set()
+                    deadline = time.monotonic() + 30
+                    while not sp.serve_pulls(timeout_s=30):
+                        sp.progress()
+                        assert time.monotonic() < deadline, "pull never arrived"
+                        time.sleep(0.001)
+            except BaseException as e:  # noqa: BLE001 - re-raised on the main thread
+                errors.append(e)
+
+        if mode == "pull":
+            for k, (ep, _sp, src, d) in jobs.items():
+                p.sb.request_pull(ep.name, src, d, f"w{k}", timeout_s=30)
+        threads = [threading.Thread(target=sender, args=(k,), daemon=True) for k in jobs]
+        for t in threads:
+            t.start()
+        for e in asked.values():
+            assert e.wait(10)  # both requests are out before the receiver looks
+        deadline = time.monotonic() + 60
+        while any(t.is_alive() for t in threads):
+            p.sb.progress()
+            holders = {p.sb.grants.holder(s) for s in range(3)} - {None}
+            both_active.append(len(holders) == 2)
+            assert time.monotonic() < deadline, "senders did not finish"
+            time.sleep(0.0005)
+        for t in threads:
+            t.join(5)
+        if errors:
+            raise errors[0]
+        for k in jobs:
+            assert p.sb.completed.pop(f"w{k}") == jobs[k][0].name
+        assert checksum(p.tb, dst[:40], p.bd) == checksum(p.ta, jobs["a"][2], p.bd)
+        assert checksum(p.tb, dst[40:], p.bd) == checksum(tc, jobs["c"][2], p.bd)
+        rest = np.setdiff1d(np.arange(NUM_BLOCKS), dst)
+        assert all(int(t.index_select(p.bd, torch.from_numpy(rest)).abs().sum()) == 0 for t in p.tb)
+        assert any(both_active)  # the two really shared the pool at some point
+        assert not p.sb.grants.busy and p.sb.grants.free_slots() == 3
+        assert p.sb.dropped_chunks == 0
+    finally:
+        sc.close()
+        c.close()
+        p.close()
+
+
+@pytest.mark.nixl
+def test_grant_of_a_vanished_sender_is_reclaimed() -> None:
+    """A sender that asked for slots and never used them (crashed, say) does not block the
+    receiver: its grant expires at its ttl (+ margin) and the next sender proceeds; a chunk
+    notification for a slot its sender does not hold is dropped, never scattered."""
+    from kvbaton.connector import wire
+    from kvbaton.connector.transfer.nixl_agent import NixlEndpoint
+
+    block_bytes = LAYERS * 2 * TPB * 2 * 8 * 2
+    p = StagedPair("kv", slot_bytes=2 * block_bytes, num_slots=2)
+    ghost = NixlEndpoint(f"SG{next(_names)}", net_devices="lo", ucx_tls="tcp,self,sm")
+    ghost.add_peer(p.b.name, p.b.metadata())
+    p.b.add_peer(ghost.name, ghost.metadata())
+    p.sb.grants.margin_s = 0.05
+    try:
+        ghost.send_notif(p.b.name, wire.encode(wire.StagedGrantRequest("gx", 2, 300, np.arange(4))))
+        for _ in range(2000):
+            p.sb.progress()
+            ghost.poll_notifs()
+            if p.sb.grants.free_slots() == 0:
+                break
+            time.sleep(0.001)
+        assert p.sb.grants.slots_of(ghost.name, "gx") == {0, 1}
+        # a forged chunk from a peer that holds no slot: dropped
+        p.a.send_notif(p.b.name, wire.encode(wire.StagedChunk("fake", 0, 0, 1, 0, 1, 0, 1)))
+        src, dst = np.arange(1, 9), np.arange(30, 38)
+        t0 = time.monotonic()
+        p.sa.send(p.b.name, p.sb.info(), src, dst, "after", timeout_s=20, idle=p.sb.progress)
+        assert time.monotonic() - t0 >= 0.3  # waited for the ghost's grant to expire
+        assert p.sb.grants.expired == 1 and p.sb.dropped_chunks == 1
+        assert checksum(p.tb, dst, p.bd) == checksum(p.ta, src, p.bd)
+        assert not p.sb.grants.busy and not p.sb.busy  # the worker's loop may poll slowly again
+    finally:
+        ghost.close()
         p.close()

@@ -117,3 +117,75 @@ def test_staged_write_and_read_cuda(kernel: bool) -> None:
         sb.close()
         a.close()
         b.close()
+
+
+@pytest.mark.nixl
+def test_two_senders_into_one_receiver_cuda() -> None:
+    """Two senders pack into one receiver's CUDA staging pool at once (each on its own
+    thread, as two prefill engines would): the receiver's grants keep their slots apart,
+    every byte lands where it belongs, and the pool is whole again afterwards."""
+    import threading
+    import time
+
+    pytest.importorskip("nixl")
+    try:
+        from kvbaton.connector.transfer.nixl_agent import NixlEndpoint
+        from kvbaton.connector.transfer.staging import StagedPeer
+    except ImportError:
+        from connector.transfer.nixl_agent import NixlEndpoint  # type: ignore[no-redef]
+        from connector.transfer.staging import StagedPeer  # type: ignore[no-redef]
+    eps = [NixlEndpoint(f"G2{k}{next(_names)}") for k in "ACB"]
+    caches = [kv("kv", True), kv("kv", True), kv("kv", False)]
+    lays = [KvLayout.from_tensors(t, TPB) for t in caches]
+    block_bytes = lays[0].bytes_per_block * lays[0].num_regions
+    kw = dict(slot_bytes=3 * block_bytes, num_slots=3, target_chunks=64, min_chunk_bytes=0)
+    peers = [StagedPeer(e, t, lay, **kw) for e, t, lay in zip(eps, caches, lays)]
+    a, c, b = eps
+    sa, sc, sb = peers
+    for x in (a, c):
+        x.add_peer(b.name, b.metadata())
+        b.add_peer(x.name, x.metadata())
+    views = [region_byte_views(t, lay) for t, lay in zip(caches, lays)]
+    try:
+        rng = np.random.default_rng(9)
+        dst = rng.permutation(NUM_BLOCKS)[:70]
+        jobs = [(sa, rng.permutation(NUM_BLOCKS)[:40], dst[:40], "ga"),
+                (sc, rng.permutation(NUM_BLOCKS)[:30], dst[40:], "gc")]
+        errors: list[BaseException] = []
+        started = [threading.Event(), threading.Event()]
+
+        def run(i: int) -> None:
+            sp, src, d, xid = jobs[i]
+            try:
+                sp.send(b.name, sb.info(), src, d, xid, timeout_s=60, idle=started[i].set)
+            except BaseException as e:  # noqa: BLE001 - re-raised below
+                errors.append(e)
+
+        threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(2)]
+        for t in threads:
+            t.start()
+        for e in started:
+            assert e.wait(30)
+        deadline = time.monotonic() + 120
+        shared = False
+        while any(t.is_alive() for t in threads):
+            sb.progress()
+            shared |= len({sb.grants.holder(s) for s in range(3)} - {None}) == 2
+            assert time.monotonic() < deadline
+        if errors:
+            raise errors[0]
+        torch.cuda.synchronize()
+        for i, (_sp, src, d, xid) in enumerate(jobs):
+            assert sb.completed.pop(xid) == eps[i].name
+            s_t, d_t = torch.from_numpy(src).cuda(), torch.from_numpy(d).cuda()
+            for x, y in zip(views[i], views[2]):
+                assert torch.equal(x.index_select(0, s_t).view(torch.uint8),
+                                   y.index_select(0, d_t).view(torch.uint8))
+        rest = torch.from_numpy(np.setdiff1d(np.arange(NUM_BLOCKS), dst)).cuda()
+        assert all(int(v.index_select(0, rest).view(torch.uint8).sum()) == 0 for v in views[2])
+        assert shared and not sb.grants.busy and sb.dropped_chunks == 0
+    finally:
+        for p in peers:
+            p.close()
+        for e in eps:
+            e.close()

@@ -25,12 +25,16 @@ def test_prefix_matches_staging_protocol() -> None:
 
 def test_settings_parse_and_defaults() -> None:
     s = KvbatonSettings.from_vllm(_cfg())
-    assert s.staging == "never"  # opt-in: one packing sender per receiver at a time
+    assert s.staging == "auto"  # the default: the receiver grants slots, any number of senders
     assert KvbatonSettings.from_vllm(_cfg(staging="auto")).staging == "auto"
-    assert s.staging_pool("cpu") == (2 << 20, 4)  # small on host memory
-    assert s.staging_pool("cuda") == (32 << 20, 4)
-    s = KvbatonSettings.from_vllm(_cfg(staging="ALWAYS", staging_slot_bytes=262144, staging_slots=2))
-    assert (s.staging, s.staging_pool("cpu"), s.staging_pool("cuda")) == ("always", (262144, 2), (262144, 2))
+    host, gpu = staging.default_pool("cpu"), staging.default_pool("cuda")
+    assert s.staging_pool("cpu") == (host.slot_bytes, host.slots, host.send_slots, host.target_chunks)
+    assert s.staging_pool("cuda") == (gpu.slot_bytes, gpu.slots, gpu.send_slots, gpu.target_chunks)
+    assert gpu.total_bytes <= 256 << 20 and host.total_bytes <= 16 << 20  # documented memory cost
+    s = KvbatonSettings.from_vllm(_cfg(staging="ALWAYS", staging_slot_bytes=262144, staging_slots=2,
+                                       staging_send_slots=3, staging_target_chunks=5))
+    assert (s.staging, s.staging_pool("cpu"), s.staging_pool("cuda")) == \
+        ("always", (262144, 2, 3, 5), (262144, 2, 3, 5))
     assert KvbatonSettings.from_vllm(_cfg(staging="never")).staging == "never"
     with pytest.raises(ValueError, match="staging"):
         KvbatonSettings.from_vllm(_cfg(staging="sometimes"))

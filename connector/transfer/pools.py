@@ -1,0 +1,33 @@
+"""The staging pools an engine allocates by default (no torch: the settings table reads them)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolDefaults:
+    """Staging pools an engine allocates when the settings leave them at 0."""
+
+    slot_bytes: int
+    slots: int          # receive slots (granted to senders)
+    send_slots: int     # send slots (a slot is free again once its WRITE is done)
+    target_chunks: int  # chunks a transfer aims to be cut into (at most a slot each)
+
+    @property
+    def total_bytes(self) -> int:
+        """Staging memory per engine (both pools)."""
+        return self.slot_bytes * (self.slots + self.send_slots)
+
+
+# Chosen from measurement (benchmarks/results/datapath_gpu_sweep.md, one H200): the
+# fastest shape within 256 MiB per engine at 1k, 4k and 16k tokens. Few, large chunks:
+# each chunk's round trip (gather, WRITE, notification, scatter, ack) costs ~0.5-0.8 ms
+# there, so slots in flight, not bytes, bound the rate.
+GPU_POOL = PoolDefaults(slot_bytes=64 << 20, slots=2, send_slots=2, target_chunks=4)
+HOST_POOL = PoolDefaults(slot_bytes=2 << 20, slots=4, send_slots=4, target_chunks=16)
+
+
+def default_pool(device: str) -> PoolDefaults:
+    """The shipped staging pools for ``device`` ("cuda" or "cpu")."""
+    return GPU_POOL if device == "cuda" else HOST_POOL
