@@ -194,10 +194,7 @@ class ReceiveFlow:
                                  reader=self.ctx.name, ttl_ms=int(self.ctx.settings.pin_ttl_s * 1000))
             md = grpc_metadata(ld.spec.traceparent)
             ld.pin_future = self.ctx.control.submit(lambda c: c.call(c.lease.Pin, req, retries=1, metadata=md))
-        if not ld.pin_future.done():
-            if now >= ld.deadline:
-                ld.pin_future.cancel()
-                raise TimeoutError("Lease.Pin did not answer")
+        if not _answered(ld.pin_future, now, ld.deadline, "Lease.Pin"):
             return False
         fut, ld.pin_future = ld.pin_future, None
         try:
@@ -227,10 +224,7 @@ class ReceiveFlow:
             md = grpc_metadata(ld.spec.traceparent)
             ld.begin_future = self.ctx.control.submit(
                 lambda c: c.call(c.rendezvous.BeginRead, req, retries=1, metadata=md))
-        if not ld.begin_future.done():
-            if now >= ld.deadline:
-                ld.begin_future.cancel()
-                raise TimeoutError("Rendezvous.BeginRead did not answer")
+        if not _answered(ld.begin_future, now, ld.deadline, "Rendezvous.BeginRead"):
             return False
         fut, ld.begin_future = ld.begin_future, None
         try:
@@ -357,3 +351,14 @@ def begin_read_request(spec: LoadSpec, engine_id: str, request_id: str) -> rpb.B
     return rpb.BeginReadRequest(transfer_id=spec.transfer_id, kind=rpb.TRANSFER_KIND_PULL,
                                 reader_engine_id=engine_id,
                                 block_ids=spec.ledger_block_ids or spec.local_block_ids, request_id=request_id)
+
+
+def _answered(fut: Any, now: float, deadline: float, what: str) -> bool:
+    """True once a control-plane call ``fut`` has answered; past ``deadline`` it is
+    abandoned and the load fails (TimeoutError -> recompute)."""
+    if fut.done():
+        return True
+    if now >= deadline:
+        fut.cancel()
+        raise TimeoutError(f"{what} did not answer")
+    return False
