@@ -332,9 +332,9 @@ class ReceiveFlow:
 
 def ledger_transfer_id(spec: LoadSpec, request_id: str) -> str:
     """The READ's transfer on the ledger: a pull's is the prefill's hold (its transfer id);
-    a reuse READ gets its own, derived from the turn's (which names this turn's push/pull)."""
+    a reuse READ's is the scheduler's fresh ``reuse-<hex>`` (the request id if it has none)."""
     if spec.mode == MODE_REUSE:
-        return f"{spec.transfer_id or request_id}.reuse"
+        return spec.transfer_id or f"reuse-{request_id}"
     return spec.transfer_id
 
 

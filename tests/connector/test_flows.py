@@ -266,13 +266,13 @@ def test_reuse_begins_on_the_ledger_naming_the_retention_and_a_stale_one_is_fenc
     r.recv.progress(T0 + 0.1)
     (begin,) = r.control.requests("BeginReadRequest")
     assert (begin.transfer_id, begin.kind, begin.generation, begin.conversation_id, list(begin.block_ids),
-            list(begin.source_block_ids)) == ("reuse-x.reuse", rendezvous_pb2.TRANSFER_KIND_REUSE, "ret-1", "conv",
+            list(begin.source_block_ids)) == ("reuse-x", rendezvous_pb2.TRANSFER_KIND_REUSE, "ret-1", "conv",
                                               [1, 2], [8, 9])
     (x,) = r.ep.xfers
     x.state = "DONE"
     r.recv.progress(T0 + 0.2)
     (rep,) = r.control.requests("ReportOutcomeRequest")
-    assert rep.transfer_id == "reuse-x.reuse" and rep.outcome.success and rep.outcome.bytes == x.nbytes
+    assert rep.transfer_id == "reuse-x" and rep.outcome.success and rep.outcome.bytes == x.nbytes
 
     stale = Rig()
     before = stale.recompute_count("fenced")

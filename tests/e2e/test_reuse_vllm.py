@@ -278,7 +278,7 @@ def test_the_ledger_lists_the_reuse_reads_with_bytes(rig: Rig) -> None:
         assert t.offer.engine_id == "d0" and t.generation and t.conversation_id.startswith("conv-3turns-"), t
         (o,) = t.outcomes
         assert o.success and o.engine_id == "p0" and o.bytes > 0, t
-        assert t.transfer_id.endswith(".reuse") and t.conversation_id in reads, (t.transfer_id, reads)
+        assert t.transfer_id.startswith("reuse-") and t.conversation_id in reads, (t.transfer_id, reads)
 
 
 def test_idle_conversation_expires_and_recomputes(rig: Rig) -> None:
