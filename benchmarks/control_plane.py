@@ -1,43 +1,59 @@
-"""Control-plane benchmark: rendezvous match latency/throughput and lease renewals/s.
+"""Control-plane benchmark, open loop: rendezvous matches under Poisson arrivals.
 
-Starts ``kvbaton serve`` in its own process (memory store, or etcd with ``--store``) and
-drives it from this process, so client and server don't share an event loop.
+Why open loop: a closed loop (each worker waits for its match before sending the next)
+slows down with the server and so never counts queueing delay; it cannot show what
+happens past capacity. Here every transfer has a scheduled send time drawn from a
+Poisson process; its offer (decode) and completion (prefill) are sent at that time
+without waiting for anything, and its latency is the MATCH event seen on the prefill
+engine's Subscribe stream minus that *scheduled* time (so a late sender counts too).
 
-    .venv/bin/python benchmarks/control_plane.py [--store memory:// --store etcd3] [--path unary --path session] [--out FILE]
+    .venv/bin/python benchmarks/control_plane.py [--store memory:// --store etcd1 --store etcd3] \
+        [--path unary --path session] [--rate 250 --rate 500 ...] [--seconds 4] [--out FILE]
 
-Server, client and (etcd3) etcd-member CPU per match are measured from /proc; on the
-session path ``calls_per_batch`` says how many calls shared a SessionRequest message.
+Per point (store × path × rate): achieved match rate, p50/p99/max latency, answers by
+status code (and the first reasons of each non-OK code), ``lost`` transfers (both sides
+answered OK, no MATCH within ``--grace`` seconds after the last send), ``half`` ones (one
+side refused: the other expires by its deadline), and CPU per match of the server, of
+this load generator and (etcd) of the etcd members, from /proc. Per store and path:
+``max_rate_p99_under_ms`` = the highest swept rate whose p99 stayed under ``--p99-ms``
+(10 ms by default) with every message answered OK and nothing lost, and, with
+``--overload``, one more point at that factor × the highest achieved rate (what past
+capacity looks like: only OK and RESOURCE_EXHAUSTED are healthy answers).
 
-Both paths are measured by default: ``unary`` (one Offer and one Complete call per
-transfer) and ``session`` (the decode and the prefill engine each send theirs over their
-own Rendezvous/Session stream, ``KvbatonClient.session``).
-
-Rendezvous: ``--concurrency`` workers each run transfers back to back, paced so that all
-together aim at ``--rate`` matches/s. A transfer sends the offer and the completion at
-once; latency is from sending the second message to the MATCH arriving on the prefill
-subscriber's stream. Lease renewals: ``--leases`` conversations renewed over ONE KeepAlive
-stream in batches of ``--batch``, with a few batches in flight.
+Paths: ``unary`` sends Offer and Complete as unary RPCs spread over ``--channels``
+connections; ``session`` sends them over the two engines' Rendezvous/Session streams
+(``KvbatonClient.session``, batched). ``kvbaton serve`` runs in its own process, so the
+server's CPU is its own; ``etcd1``/``etcd3`` start a 1- or 3-member etcd on loopback with
+``kvbaton/stack/etcd_cluster.py``. The results JSON records the configuration, the git
+commit and the load average when each store's runs started.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
 import os
 import pathlib
+import random
 import signal
-import statistics
 import subprocess
 import sys
 import time
+
+import grpc
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from kvbaton.client import KvbatonClient
+from kvbaton.stack.pd_stack import stop_group
 from kvbaton.stack.ports import free_port
-from kvbaton.v1 import common_pb2, lease_pb2, registrar_pb2, rendezvous_pb2
+from kvbaton.v1 import common_pb2, registrar_pb2, rendezvous_pb2, rendezvous_pb2_grpc
+
+MATCH = rendezvous_pb2.RendezvousEvent.TYPE_MATCH
+HEARTBEAT = rendezvous_pb2.RendezvousEvent.TYPE_HEARTBEAT
 
 
 def cpu_seconds(pid: int | None = None) -> float:
@@ -46,11 +62,23 @@ def cpu_seconds(pid: int | None = None) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def pct(values: list[float], q: float) -> float:
+def pct(values: list[float], q: float) -> float | None:
     if not values:
-        return float("nan")
+        return None
     values = sorted(values)
     return values[min(len(values) - 1, int(q / 100 * len(values)))]
+
+
+def git_commit() -> str:
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
+        # Results files being written are no change to the code measured.
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
+                                ":(exclude)benchmarks/results"], cwd=ROOT, capture_output=True,
+                               text=True, timeout=10).stdout.strip()
+        return sha + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
 
 
 async def register(kv: KvbatonClient, engine_id: str, role) -> None:
@@ -61,239 +89,365 @@ async def register(kv: KvbatonClient, engine_id: str, role) -> None:
     await kv.call(kv.registrar.RegisterEngine, registrar_pb2.RegisterEngineRequest(rank=rank, ttl_ms=600_000))
 
 
-async def bench_rendezvous(kv: KvbatonClient, *, rate: float, concurrency: int, seconds: float, tag: str,
-                           path: str = "unary", peer: KvbatonClient | None = None) -> dict:
-    """``path``: "unary" sends Offer and Complete as unary calls (one client);
-    "session" sends them over the engines' sessions (``kv`` is the prefill engine's
-    client, ``peer`` the decode engine's, each with its own connection and stream)."""
+class Point:
+    """What one open-loop run saw: answers per message, MATCH times per transfer."""
+
+    def __init__(self) -> None:
+        self.scheduled: dict[str, float] = {}
+        self.answers: dict[str, list[int]] = {}  # transfer id -> status codes of its two messages
+        self.matched: dict[str, float] = {}
+        self.codes: collections.Counter[str] = collections.Counter()
+        self.reasons: dict[str, list[str]] = {}
+        self.send_lag: list[float] = []  # how late the generator sent (ms): its own saturation
+        self.refused_after: dict[str, list[float]] = {}  # code -> ms from the scheduled send to that answer
+
+    def answer(self, tid: str, code: grpc.StatusCode, reason: str = "") -> None:
+        self.answers.setdefault(tid, []).append(0 if code == grpc.StatusCode.OK else code.value[0])
+        self.codes[code.name] += 1
+        if code != grpc.StatusCode.OK:
+            self.refused_after.setdefault(code.name, []).append((time.perf_counter() - self.scheduled[tid]) * 1000)
+            seen = self.reasons.setdefault(code.name, [])
+            if len(seen) < 3 and reason not in seen:
+                seen.append(reason)
+
+
+async def open_loop(kv: KvbatonClient, peer: KvbatonClient, stubs: list, *, path: str, rate: float, seconds: float,
+                    grace_s: float, tag: str, call_timeout_s: float, transfer_timeout_ms: int, seed: int) -> dict:
     pre, dec = f"pre-{tag}", f"dec-{tag}"
-    dkv = peer or kv
-    if path == "session":
-        def offer(req, timeout):
-            return dkv.session.offer(req)
-
-        def complete(req, timeout):
-            return kv.session.complete(req)
-
-    else:
-        offer, complete = kv.rendezvous.Offer, kv.rendezvous.Complete
     await register(kv, pre, common_pb2.ENGINE_ROLE_PREFILL)
     await register(kv, dec, common_pb2.ENGINE_ROLE_DECODE)
-    waiting: dict[str, asyncio.Future] = {}
+    pt = Point()
     ready = asyncio.Event()
+    loop = asyncio.get_running_loop()
 
     async def consume() -> None:
         async for ev in kv.subscribe(pre, 0, heartbeats=True):
-            if ev.type == rendezvous_pb2.RendezvousEvent.TYPE_HEARTBEAT:
+            if ev.type == HEARTBEAT:
                 ready.set()
-                continue
-            fut = waiting.pop(ev.transfer.transfer_id, None)
-            if fut is not None and not fut.done():
-                fut.set_result(time.perf_counter())
+            elif ev.type == MATCH:
+                pt.matched.setdefault(ev.transfer.transfer_id, time.perf_counter())
 
-    consumer = asyncio.ensure_future(consume())
+    consumer = loop.create_task(consume())
     await asyncio.wait_for(ready.wait(), 10)
-    latencies: list[float] = []
-    errors = 0
     blocks = list(range(64))  # a 1k-token request in 16-token blocks
-    interval = concurrency / rate if rate else 0.0
-    deadline = time.perf_counter() + seconds
 
-    async def worker(w: int) -> None:
-        nonlocal errors
-        i = 0
-        next_at = time.perf_counter() + (interval * w / concurrency)
-        while time.perf_counter() < deadline:
-            if interval:
-                delay = next_at - time.perf_counter()
-                if delay > 0:
-                    await asyncio.sleep(delay)
-                next_at += interval
-            tid = f"{tag}-{w}-{i}"
-            i += 1
-            fut = asyncio.get_running_loop().create_future()
-            waiting[tid] = fut
-            t0 = time.perf_counter()
+    def messages(tid: str):
+        return (rendezvous_pb2.OfferRequest(transfer_id=tid, decode_engine_id=dec, block_ids=blocks,
+                                            timeout_ms=transfer_timeout_ms),
+                rendezvous_pb2.CompleteRequest(transfer_id=tid, prefill_engine_id=pre, block_ids=blocks,
+                                               timeout_ms=transfer_timeout_ms))
+
+    async def send_unary(tid: str, i: int) -> None:
+        stub = stubs[i % len(stubs)]
+        offer, complete = messages(tid)
+
+        async def one(method, req) -> None:
             try:
-                await asyncio.gather(
-                    offer(rendezvous_pb2.OfferRequest(transfer_id=tid, decode_engine_id=dec, block_ids=blocks), timeout=5),
-                    complete(rendezvous_pb2.CompleteRequest(transfer_id=tid, prefill_engine_id=pre, block_ids=blocks),
-                             timeout=5))
-                t_match = await asyncio.wait_for(fut, 5)
-                latencies.append((t_match - t0) * 1000)
-            except Exception:  # noqa: BLE001 - any failure counts as an error of the open-loop run
-                errors += 1
-                waiting.pop(tid, None)
+                await method(req, timeout=call_timeout_s)
+                pt.answer(tid, grpc.StatusCode.OK)
+            except grpc.aio.AioRpcError as exc:
+                pt.answer(tid, exc.code(), (exc.details() or "") + " | " + (exc.debug_error_string() or ""))
 
-    sessions = [dkv.session, kv.session] if path == "session" else []
+        await asyncio.gather(one(stub.Offer, offer), one(stub.Complete, complete))
+
+    async def send_session(tid: str, i: int) -> None:
+        offer, complete = messages(tid)
+
+        async def one(fn, req) -> None:
+            try:
+                await fn(req)
+                pt.answer(tid, grpc.StatusCode.OK)
+            except grpc.aio.AioRpcError as exc:
+                pt.answer(tid, exc.code(), exc.details() or "")
+
+        await asyncio.gather(one(peer.session.offer, offer), one(kv.session.complete, complete))
+
+    send = send_session if path == "session" else send_unary
+    rng = random.Random(seed)
+    schedule, t = [], 0.0
+    while True:
+        t += rng.expovariate(rate)
+        if t >= seconds:
+            break
+        schedule.append(t)
+    sessions = [peer.session, kv.session] if path == "session" else []
     before = [dict(x.stats) for x in sessions]
-    t_start = time.perf_counter()
-    await asyncio.gather(*(worker(w) for w in range(concurrency)))
-    elapsed = time.perf_counter() - t_start
-    sent = [(x.stats["sent_calls"] - b["sent_calls"], x.stats["sent_batches"] - b["sent_batches"])
-            for x, b in zip(sessions, before)]
+    inflight: set[asyncio.Task] = set()
+    t0 = time.perf_counter() + 0.05
+    for i, at in enumerate(schedule):
+        due = t0 + at
+        delay = due - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        pt.send_lag.append(max(time.perf_counter() - due, 0.0) * 1000)
+        tid = f"{tag}-{i}"
+        pt.scheduled[tid] = due
+        task = loop.create_task(send(tid, i))
+        inflight.add(task)
+        task.add_done_callback(inflight.discard)
+    last_send = time.perf_counter()
+    # Answers first (bounded by the call timeout), then the grace period for MATCH events.
+    if inflight:
+        await asyncio.wait(set(inflight), timeout=call_timeout_s * 2 + 5)
+    accepted = [tid for tid, codes in pt.answers.items() if len(codes) == 2 and codes == [0, 0]]
+    deadline = max(last_send + grace_s, time.perf_counter() + 0.5)
+    while time.perf_counter() < deadline and any(tid not in pt.matched for tid in accepted):
+        await asyncio.sleep(0.05)
     consumer.cancel()
     await asyncio.gather(consumer, return_exceptions=True)
-    return {
-        "path": path, "target_rate": rate, "concurrency": concurrency, "matches": len(latencies), "errors": errors,
-        "matches_per_s": len(latencies) / elapsed,
-        "p50_ms": pct(latencies, 50), "p90_ms": pct(latencies, 90), "p99_ms": pct(latencies, 99),
-        "mean_ms": statistics.fmean(latencies) if latencies else float("nan"),
-        # Session path: calls per SessionRequest message (how much batching the load made).
-        **({"calls_per_batch": sum(c for c, _ in sent) / max(sum(b for _, b in sent), 1)} if sent else {}),
+    lat = [(pt.matched[tid] - pt.scheduled[tid]) * 1000 for tid in accepted if tid in pt.matched]
+    span = (max(pt.matched.values()) - t0) if pt.matched else seconds
+    sent = [(x.stats["sent_calls"] - b["sent_calls"], x.stats["sent_batches"] - b["sent_batches"])
+            for x, b in zip(sessions, before)]
+    result = {
+        "path": path, "target_rate": rate, "seconds": seconds, "transfers": len(schedule),
+        "accepted": len(accepted), "matches": len(lat),
+        "achieved_rate": len(lat) / max(span, seconds),
+        "p50_ms": pct(lat, 50), "p99_ms": pct(lat, 99), "max_ms": max(lat) if lat else None,
+        "answers": dict(pt.codes), "reasons": pt.reasons,
+        "lost": sum(1 for tid in accepted if tid not in pt.matched),
+        "half": sum(1 for codes in pt.answers.values() if sorted(codes)[0] == 0 and any(codes)),
+        "unanswered": sum(1 for tid in pt.scheduled if len(pt.answers.get(tid, ())) < 2),
+        "send_lag_p99_ms": pct(pt.send_lag, 99),
+        # When refusals came: at once (shed) or after queueing (what a client waited for nothing).
+        "refused_after_ms": {code: {"p50": pct(v, 50), "max": max(v)} for code, v in pt.refused_after.items()},
     }
+    if sent:
+        result["calls_per_batch"] = sum(c for c, _ in sent) / max(sum(b for _, b in sent), 1)
+    return result
 
 
-async def bench_renewals(kv: KvbatonClient, *, leases: int, batch: int, seconds: float, in_flight: int = 4) -> dict:
-    convs = [f"bench-conv-{i}" for i in range(leases)]
-    for i in range(0, leases, 200):
-        await asyncio.gather(*(kv.call(kv.lease.Grant, lease_pb2.GrantRequest(
-            conversation_id=c, engine_id="bench-dec", ttl_ms=30_000)) for c in convs[i:i + 200]))
-    sent = asyncio.Semaphore(in_flight)
-    stop_at = time.perf_counter() + seconds
-    ok = 0
-    bad = 0
-
-    async def requests():
-        seq = 0
-        while time.perf_counter() < stop_at:
-            await sent.acquire()
-            start = (seq * batch) % leases
-            chunk = [convs[(start + j) % leases] for j in range(batch)]
-            yield lease_pb2.KeepAliveRequest(seq=seq, renewals=[lease_pb2.RenewRequest(conversation_id=c) for c in chunk])
-            seq += 1
-
-    t0 = time.perf_counter()
-    async for resp in kv.lease.KeepAlive(requests()):
-        sent.release()
-        for r in resp.results:
-            if r.status == lease_pb2.RENEW_STATUS_OK:
-                ok += 1
-            else:
-                bad += 1
-    elapsed = time.perf_counter() - t0
-    return {"leases": leases, "batch": batch, "renewals": ok, "failed": bad, "renewals_per_s": ok / elapsed,
-            "seconds": elapsed}
+def profile_shares(path: pathlib.Path) -> dict:
+    """From py-spy's raw (folded) stacks of the server: how many samples were busy (not
+    waiting in the selector) and what share of those had kvbaton's own code on the stack
+    (services/ or kvbaton/, beyond the ``serve`` entry points that are always there); the
+    rest is gRPC's and the event loop's."""
+    total = idle = ours = 0
+    entry = ("(kvbaton/cli.py:", "serve (services/server.py:")
+    if not path.exists():
+        return {"error": "no profile written"}
+    for line in path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        n = int(count)
+        frames = stack.split(";")
+        total += n
+        if "(selectors.py:" in frames[-1] or frames[-1].startswith("LoopLag._wrap_selector"):
+            idle += n
+            continue
+        mine = [f for f in frames if ("(services/" in f or "(kvbaton/" in f) and not any(e in f for e in entry)]
+        ours += bool(mine)
+    busy = total - idle
+    return {"samples": total, "busy_samples": busy, "kvbaton_share_of_busy": ours / busy if busy else None}
 
 
-async def store_revision(url: str) -> int | None:
-    """The etcd revision (one per write transaction), to count the writes renewals cost."""
-    if not url.startswith("etcd://"):
-        return None
-    from kvbaton.services.store.etcd import EtcdStore
-
-    s = await EtcdStore.connect(url[len("etcd://"):].split(","))
-    try:
-        return await s.current_revision()
-    finally:
-        await s.close()
+def healthy(r: dict, p99_ms: float) -> bool:
+    ok_only = set(r["answers"]) <= {"OK"}
+    return (ok_only and r["lost"] == 0 and r["p99_ms"] is not None and r["p99_ms"] < p99_ms
+            and r["achieved_rate"] >= 0.9 * r["target_rate"])
 
 
-async def run(args) -> dict:
+def export_baseline(commit: str) -> pathlib.Path:
+    """The tree of ``commit`` in a temp dir, importable as ``kvbaton`` (with its
+    ``kvbaton.services`` and ``kvbaton.connector``) ahead of this checkout's editable install."""
+    import tempfile
+
+    dest = pathlib.Path(tempfile.mkdtemp(prefix="kvbaton-baseline-"))
+    archive = subprocess.run(["git", "archive", commit], cwd=ROOT, capture_output=True, check=True, timeout=60).stdout
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True, timeout=60)
+    for name in ("services", "connector"):
+        link = dest / "kvbaton" / name
+        if not link.exists():
+            link.symlink_to(dest / name, target_is_directory=True)
+    return dest
+
+
+async def run_store(args, store_url: str, store_pids: list[int], variant: str = "current",
+                    serve_args: tuple[str, ...] = ()) -> dict:
     port = free_port()
     env = dict(os.environ, KVBATON_LOG_LEVEL="WARNING")
+    cwd = None
+    if variant == "baseline":
+        cwd = str(args.baseline_dir)
+        env["PYTHONPATH"] = cwd
     server = subprocess.Popen([sys.executable, "-m", "kvbaton.cli", "serve", "--insecure", "--listen", f"127.0.0.1:{port}",
-                               "--store", args.store], env=env, start_new_session=True)
-    results: dict = {"store": args.store, "machine": f"{os.cpu_count()} cores", "rendezvous": [], "renewals": None}
+                               "--store", store_url, *serve_args],
+                              env=env, start_new_session=True, cwd=cwd)
+    profiler = None
+    if args.profile:  # py-spy on the server for this store's whole run (its own CPU is not the server's)
+        profile_path = f"{args.profile}.{len(args.profiled)}.txt"
+        profiler = subprocess.Popen([str(ROOT / ".venv" / "bin" / "py-spy"), "record", "-p", str(server.pid), "-r", "200",
+                                     "-f", "raw", "-o", profile_path, "--nonblocking"],
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        args.profiled.append(store_url)
+    out: dict = {"variant": variant, "serve_args": list(serve_args), "store_url": store_url, "loadavg_at_start": os.getloadavg(), "points": [], "summary": {}}
+    addr = f"127.0.0.1:{port}"
+    channels = [grpc.aio.insecure_channel(addr, options=[("grpc.use_local_subchannel_pool", 1)])
+                for _ in range(args.channels)]
+    stubs = [rendezvous_pb2_grpc.RendezvousStub(c) for c in channels]
     try:
-        async with KvbatonClient(f"127.0.0.1:{port}", timeout_s=5) as kv, \
-                KvbatonClient(f"127.0.0.1:{port}", timeout_s=5) as peer:
+        async with KvbatonClient(addr, timeout_s=args.call_timeout) as kv, \
+                KvbatonClient(addr, timeout_s=args.call_timeout) as peer:
             await kv.wait_ready(30)
-            store_pids = getattr(args, "store_pids", [])
-            for path, rate in [(path, rate) for path in args.path for rate in args.rate]:
-                s0, c0 = cpu_seconds(server.pid), cpu_seconds()
-                e0 = sum(cpu_seconds(p) for p in store_pids)
-                r = await bench_rendezvous(kv, rate=rate, concurrency=args.concurrency, seconds=args.seconds,
-                                           tag=f"{path[0]}{int(rate)}", path=path, peer=peer)
-                r["server_cpu_us_per_match"] = (cpu_seconds(server.pid) - s0) / max(r["matches"], 1) * 1e6
-                r["client_cpu_us_per_match"] = (cpu_seconds() - c0) / max(r["matches"], 1) * 1e6
-                if store_pids:  # the etcd members started here, all together
-                    r["store_cpu_us_per_match"] = (sum(cpu_seconds(p) for p in store_pids) - e0) / max(r["matches"], 1) * 1e6
-                results["rendezvous"].append(r)
-                print(f"[{args.store}] {path:7s} rendezvous target {rate:>6.0f}/s conc {args.concurrency}: "
-                      f"{r['matches_per_s']:7.0f} matches/s  p50 {r['p50_ms']:.2f} ms  p90 {r['p90_ms']:.2f} ms  "
-                      f"p99 {r['p99_ms']:.2f} ms  errors {r['errors']}  cpu/match server {r['server_cpu_us_per_match']:.0f} us "
-                      f"client {r['client_cpu_us_per_match']:.0f} us"
-                      + (f" etcd {r['store_cpu_us_per_match']:.0f} us" if "store_cpu_us_per_match" in r else ""), flush=True)
-            rev0 = await store_revision(args.store)
-            ren = await bench_renewals(kv, leases=args.leases, batch=args.batch, seconds=args.seconds)
-            rev1 = await store_revision(args.store)
-            if rev0 is not None and rev1 is not None:
-                ren["store_writes_per_lease_per_s"] = (rev1 - rev0) / ren["leases"] / ren["seconds"]
-            results["renewals"] = ren
-            print(f"[{args.store}] lease renewals over one KeepAlive stream: {ren['renewals_per_s']:,.0f}/s "
-                  f"({ren['leases']} leases, batches of {ren['batch']}, failed {ren['failed']}"
-                  + (f", {ren['store_writes_per_lease_per_s']:.2f} etcd writes/lease/s" if "store_writes_per_lease_per_s" in ren else "")
-                  + ")", flush=True)
+            for c in channels:
+                await asyncio.wait_for(c.channel_ready(), 10)
+            n = 0
+            # Transfer and engine ids unique per server: servers of one run may share an
+            # etcd cluster, where another's matched transfers would answer as duplicates.
+            prefix = f"{variant}-"
+            for path in args.path:
+                best, top = None, 0.0
+                for rate in args.rate:
+                    n += 1
+                    r = await measure(args, kv, peer, stubs, server.pid, store_pids, path=path, rate=rate,
+                                      tag=f"{prefix}{path[0]}{n}", seed=n)
+                    out["points"].append(r)
+                    top = max(top, r["achieved_rate"])
+                    if healthy(r, args.p99_ms):
+                        best = rate
+                    elif r["achieved_rate"] < 0.8 * rate and args.stop_when_saturated:
+                        break  # saturated: higher rates only take longer to say the same
+                summary = {f"max_rate_p99_under_{args.p99_ms:g}ms": best, "max_achieved_rate": top}
+                if args.overload:
+                    n += 1
+                    r = await measure(args, kv, peer, stubs, server.pid, store_pids, path=path,
+                                      rate=round(args.overload * top), tag=f"{prefix}{path[0]}{n}", seed=n)
+                    r["overload_of"] = top
+                    out["points"].append(r)
+                    summary["overload"] = {"rate": r["target_rate"], "answers": r["answers"], "lost": r["lost"]}
+                out["summary"][path] = summary
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(10)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait(5)
-    return results
+        for c in channels:
+            await c.close(grace=0)
+        if profiler is not None:
+            profiler.send_signal(signal.SIGINT)
+            try:
+                profiler.wait(30)
+            except subprocess.TimeoutExpired:
+                profiler.kill()
+                profiler.wait(5)
+            out["profile"] = {"file": profile_path, **profile_shares(pathlib.Path(profile_path))}
+        stop_group(server)
+    return out
 
 
-def side_by_side(runs: list[dict]) -> str:
-    rows = [["figure", *[r["store"] for r in runs]]]
-    for i, rr in enumerate(runs[0]["rendezvous"]):
-        rate = f"{rr['target_rate']:.0f}/s" if rr["target_rate"] else "unpaced"
-        name = f"{rr.get('path', 'unary')} {rate}"
-        rows.append([f"{name}: matches/s", *[f"{r['rendezvous'][i]['matches_per_s']:.0f}" for r in runs]])
-        for q in ("p50", "p99"):
-            rows.append([f"{name}: {q} ms", *[f"{r['rendezvous'][i][q + '_ms']:.2f}" for r in runs]])
-        rows.append([f"{name}: server CPU us/match",
-                     *[f"{r['rendezvous'][i]['server_cpu_us_per_match']:.0f}" for r in runs]])
-        rows.append([f"{name}: client CPU us/match",
-                     *[f"{r['rendezvous'][i]['client_cpu_us_per_match']:.0f}" for r in runs]])
-        rows.append([f"{name}: etcd CPU us/match",
-                     *[f"{r['rendezvous'][i].get('store_cpu_us_per_match', float('nan')):.0f}" for r in runs]])
-    rows.append(["renewals/s (one stream)", *[f"{r['renewals']['renewals_per_s']:,.0f}" for r in runs]])
-    rows.append(["store writes/lease/s", *[f"{r['renewals'].get('store_writes_per_lease_per_s', float('nan')):.2f}" for r in runs]])
-    widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
-    return "\n".join("  ".join(v.ljust(w) for v, w in zip(row, widths)) for row in rows)
+async def measure(args, kv, peer, stubs, server_pid: int, store_pids: list[int], *, path: str, rate: float, tag: str,
+                  seed: int) -> dict:
+    s0, c0 = cpu_seconds(server_pid), cpu_seconds()
+    e0 = sum(cpu_seconds(p) for p in store_pids)
+    r = await open_loop(kv, peer, stubs, path=path, rate=rate, seconds=args.seconds, grace_s=args.grace, tag=tag,
+                        call_timeout_s=args.call_timeout, transfer_timeout_ms=args.transfer_timeout_ms, seed=seed)
+    per = max(r["matches"], 1)
+    r["server_cpu_us_per_match"] = (cpu_seconds(server_pid) - s0) / per * 1e6
+    r["client_cpu_us_per_match"] = (cpu_seconds() - c0) / per * 1e6
+    if store_pids:
+        r["store_cpu_us_per_match"] = (sum(cpu_seconds(p) for p in store_pids) - e0) / per * 1e6
+    fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
+    print(f"  {path:7s} {rate:6.0f}/s: {r['achieved_rate']:6.0f}/s  p50 {fmt(r['p50_ms'])}  p99 {fmt(r['p99_ms'])}  "
+          f"max {fmt(r['max_ms'])} ms  answers {r['answers']}  lost {r['lost']}  half {r['half']}  "
+          f"cpu/match server {r['server_cpu_us_per_match']:.0f} us client {r['client_cpu_us_per_match']:.0f} us"
+          + (f" etcd {r['store_cpu_us_per_match']:.0f} us" if store_pids else "")
+          + (f"  batch {r['calls_per_batch']:.1f}" if "calls_per_batch" in r else ""), flush=True)
+    return r
+
+
+def markdown(results: dict) -> str:
+    """The tables the READMEs quote, from one results file (one run)."""
+    p99 = results["config"]["p99_ms"]
+    fmt = lambda v, nd=1: "–" if v is None else f"{v:,.{nd}f}"  # noqa: E731
+    lines = [f"`{results['script']}` {' '.join(results['argv'])} — commit `{results['commit'][:12]}{'-dirty' if results['commit'].endswith('-dirty') else ''}`, "
+             f"started {results['started_utc']}, {results['machine']}.", ""]
+    for st in results["stores"]:
+        lines += [f"**{st['store']}, {st.get('variant', 'current')}** (load average at start "
+                  f"{', '.join(f'{x:.1f}' for x in st['loadavg_at_start'])}):", "",
+                  "| path | offered /s | achieved /s | p50 ms | p99 ms | max ms | answers | lost | server CPU µs/match "
+                  "| generator CPU µs/match" + (" | etcd CPU µs/match" if "etcd" in st["store"] else "") + " |",
+                  "|---|---:|---:|---:|---:|---:|---|---:|---:|---:" + ("|---:" if "etcd" in st["store"] else "") + "|"]
+        for r in st["points"]:
+            answers = ", ".join(f"{k} {v:,}" for k, v in sorted(r["answers"].items()))
+            over = f" (2× {r['overload_of']:,.0f})" if "overload_of" in r else ""
+            lines.append(f"| {r['path']} | {r['target_rate']:,.0f}{over} | {r['achieved_rate']:,.0f} | {fmt(r['p50_ms'], 2)} "
+                         f"| {fmt(r['p99_ms'], 2)} | {fmt(r['max_ms'], 1)} | {answers} | {r['lost']} "
+                         f"| {r['server_cpu_us_per_match']:,.0f} | {r['client_cpu_us_per_match']:,.0f}"
+                         + (f" | {r.get('store_cpu_us_per_match', 0):,.0f}" if "etcd" in st["store"] else "") + " |")
+        for path, sm in st["summary"].items():
+            lines.append(f"\n{path}: highest swept rate with p99 < {p99:g} ms, only OK answers and nothing lost: "
+                         f"{fmt(sm.get(f'max_rate_p99_under_{p99:g}ms'), 0)} /s; highest achieved "
+                         f"{fmt(sm['max_achieved_rate'], 0)} /s.")
+        lines.append("")
+    return "\n".join(lines)
 
 
 def main() -> int:
+    if len(sys.argv) == 3 and sys.argv[1] == "--table":
+        print(markdown(json.loads(pathlib.Path(sys.argv[2]).read_text())))
+        return 0
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--store", action="append",
-                   help="memory://, etcd://h:p[,h:p], or etcd3 (a 3-member etcd on loopback started here); repeatable")
-    p.add_argument("--rate", type=float, action="append", help="target matches/s (repeatable; 0 = unpaced)")
-    p.add_argument("--path", action="append", choices=("unary", "session"),
-                   help="how engines send offers/completions: unary calls, or their Rendezvous/Session "
-                        "streams (repeatable; default both, side by side)")
-    p.add_argument("--concurrency", type=int, default=64)
-    p.add_argument("--seconds", type=float, default=5.0)
-    p.add_argument("--leases", type=int, default=2000)
-    p.add_argument("--batch", type=int, default=500)
+                   help="memory://, etcd://h:p[,h:p], etcd1 or etcd3 (a 1- or 3-member etcd on loopback started "
+                        "here); repeatable (default memory://)")
+    p.add_argument("--rate", type=float, action="append", help="offered transfers/s, swept in order (repeatable)")
+    p.add_argument("--path", action="append", choices=("unary", "session"), help="repeatable; default both")
+    p.add_argument("--seconds", type=float, default=4.0, help="Poisson arrivals per point")
+    p.add_argument("--grace", type=float, default=3.0, help="s after the last send to wait for MATCH events")
+    p.add_argument("--channels", type=int, default=4, help="connections the unary path spreads calls over")
+    p.add_argument("--call-timeout", type=float, default=5.0, help="deadline of each call (s)")
+    p.add_argument("--transfer-timeout-ms", type=int, default=10_000, help="timeout_ms of each side")
+    p.add_argument("--p99-ms", type=float, default=10.0)
+    p.add_argument("--overload", type=float, default=0.0,
+                   help="after the sweep, one point at this factor x the highest achieved rate (e.g. 2)")
+    p.add_argument("--stop-when-saturated", action=argparse.BooleanOptionalAction, default=True,
+                   help="skip a path's higher rates once achieved < 80%% of offered")
+    p.add_argument("--variant", action="append", default=[],
+                   help="NAME:SERVE-ARGS, a server of this tree run with these extra `kvbaton serve` arguments, e.g. "
+                        "'uvloop:--event-loop uvloop' (repeatable, in this order; default 'current:')")
+    p.add_argument("--baseline", default="",
+                   help="also run every store against `kvbaton serve` of this commit (after the current tree, same run)")
+    p.add_argument("--profile", default="", help="py-spy the server (raw folded stacks to PROFILE.<n>.txt)")
+    p.add_argument("--table", metavar="RESULTS", help="only print the markdown tables of a results file")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "control_plane.json"))
     args = p.parse_args()
-    args.rate = args.rate or [500.0, 1000.0, 0.0]
+    args.rate = args.rate or [250.0, 500.0, 750.0, 1000.0, 1500.0]
     args.path = args.path or ["unary", "session"]
-    runs = []
+    args.profiled = []
+    args.variant = args.variant or ["current:"]
+    args.baseline_dir = export_baseline(args.baseline) if args.baseline else None
+    if args.baseline:
+        args.baseline_commit = subprocess.run(["git", "rev-parse", args.baseline], cwd=ROOT, capture_output=True,
+                                              text=True, timeout=10).stdout.strip()
+    results = {"script": "benchmarks/control_plane.py", "argv": sys.argv[1:], "commit": git_commit(),
+               "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": f"{os.cpu_count()} cores",
+               "config": {k: (str(v) if isinstance(v, pathlib.Path) else v) for k, v in vars(args).items() if k != "out"},
+               "stores": []}
     for store in args.store or ["memory://"]:
         cluster = None
-        if store == "etcd3":
+        store_pids: list[int] = []
+        if store in ("etcd1", "etcd3"):
             from kvbaton.stack.etcd_cluster import EtcdCluster
 
-            cluster = EtcdCluster(3).start()
-            store = cluster.url
-            args.store_pids = [m.proc.pid for m in cluster.members]
+            cluster = EtcdCluster(int(store[-1])).start()
+            store_url, store_pids = cluster.url, [m.proc.pid for m in cluster.members if m.proc is not None]
+        else:
+            store_url = store
         try:
-            args.store = store
-            result = asyncio.run(run(args))
-            result["store"] = "etcd (3 members, loopback)" if cluster else store
-            runs.append(result)
+            variants = [(v.split(":", 1)[0], tuple(v.split(":", 1)[1].split())) for v in args.variant]
+            for variant, serve_args in [*variants, *([("baseline", ())] if args.baseline else [])]:
+                print(f"[{store}] {variant}", flush=True)
+                r = asyncio.run(run_store(args, store_url, store_pids, variant, serve_args))
+                r["store"] = f"etcd ({store[-1]} member{'s' if store == 'etcd3' else ''}, loopback)" if cluster else store
+                results["stores"].append(r)
         finally:
-            args.store_pids = []
             if cluster is not None:
                 cluster.stop()
-    print()
-    print(side_by_side(runs))
+    if args.baseline_dir is not None:
+        import shutil
+
+        shutil.rmtree(args.baseline_dir, ignore_errors=True)
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(runs, indent=2))
+    out.write_text(json.dumps(results, indent=2))
+    print(markdown(results))
     print(f"wrote {out}")
     return 0
 

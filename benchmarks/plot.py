@@ -155,41 +155,56 @@ def _g(v: float | None, nd: int = 1) -> str:
 
 
 def summary_markdown(docs: list[dict[str, Any]], reuse: Path) -> str:
-    """Tables (medians/p90/p99) and the headline ratios, as benchmarks/README.md quotes them.
+    """Tables (medians/p90/p99) and the push / pull ratios, as benchmarks/README.md quotes them.
 
-    Headline: per length, the highest offered rate at which *both* push and pull were
-    sustained (no failures, backlog drained: see sweep.summarize), push/pull of median
-    TTFT and TPOT there."""
-    lines = [f"Sweep {_sweep_ids(docs)}: {len(docs)} runs, {docs[0]['output_tokens']} output tokens.", "",
-             ("| mode | input tok | QPS | n ok/n | TTFT med | TTFT p90 | TTFT p99 | TPOT med | TPOT p90 | E2E med "
-              "| E2E p90 | req/s | out tok/s | coalesced | sustained |"),
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    Only runs of one sweep are set side by side: the kvbaton modes' sweep in the main
+    table and the ratios; a mode whose newest runs come from another sweep (the
+    NixlConnector baseline after ``--skip-nixl``) gets a table of its own, named by its
+    sweep id. The ratios cover every (length, rate) cell, not a chosen one."""
+    kv_sweep = next((d["sweep_id"] for d in docs if d["mode"] == "push"), docs[0]["sweep_id"])
+    same = [d for d in docs if d["sweep_id"] == kv_sweep]
+    other = [d for d in docs if d["sweep_id"] != kv_sweep]
+    header = [("| mode | input tok | QPS | n ok/n | TTFT med | TTFT p90 | TTFT p99 | TPOT med | TPOT p90 | E2E med "
+               "| E2E p90 | req/s | out tok/s | coalesced | sustained |"),
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     order = {m: i for i, m in enumerate(STYLE)}
-    for d in sorted(docs, key=lambda d: (d["length"], d["rate"], order.get(d["mode"], 9), d["iteration"])):
-        s = d["summary"]
-        note = "skipped" if d.get("skipped") else ("error" if d.get("error") else ("yes" if s["sustained"] else "no"))
-        lines.append(f"| {d['mode']} | {d['length']} | {d['rate']:g} | {s['n_ok']}/{s['n']} | {_g(s['ttft_ms_median'])} "
-                     f"| {_g(s['ttft_ms_p90'])} | {_g(s['ttft_ms_p99'])} | {_g(s['tpot_ms_median'], 2)} "
-                     f"| {_g(s['tpot_ms_p90'], 2)} | {_g(s['e2e_ms_median'])} | {_g(s['e2e_ms_p90'])} "
-                     f"| {_g(s['throughput_rps'], 2)} | {_g(s['throughput_output_tok_s'], 0)} | {s.get('n_coalesced', 0)} "
-                     f"| {note} |")
+
+    def rows(group: list[dict[str, Any]]) -> list[str]:
+        out = []
+        for d in sorted(group, key=lambda d: (d["length"], d["rate"], order.get(d["mode"], 9), d["iteration"])):
+            s = d["summary"]
+            note = "skipped" if d.get("skipped") else ("error" if d.get("error") else ("yes" if s["sustained"] else "no"))
+            out.append(f"| {d['mode']} | {d['length']} | {d['rate']:g} | {s['n_ok']}/{s['n']} | {_g(s['ttft_ms_median'])} "
+                       f"| {_g(s['ttft_ms_p90'])} | {_g(s['ttft_ms_p99'])} | {_g(s['tpot_ms_median'], 2)} "
+                       f"| {_g(s['tpot_ms_p90'], 2)} | {_g(s['e2e_ms_median'])} | {_g(s['e2e_ms_p90'])} "
+                       f"| {_g(s['throughput_rps'], 2)} | {_g(s['throughput_output_tok_s'], 0)} | {s.get('n_coalesced', 0)} "
+                       f"| {note} |")
+        return out
+
+    lines = [f"Sweep {kv_sweep}: {len(same)} runs, {same[0]['output_tokens']} output tokens.", "", *header, *rows(same)]
+    if other:
+        lines += ["", (f"Not the same run: {_sweep_ids(other)} ({len(other)} runs; another time, another machine load). "
+                       "Read it on its own, not cell by cell against the table above:"), "", *header, *rows(other)]
     lines += ["", ("Times in ms. TPOT excludes 'coalesced' streams (all tokens reached the client in one "
-                   "burst, TPOT < 0.5 ms: a starved hop, not decode speed). Headline, push / pull at the highest rate both sustained:"), "",
-              "| input tok | QPS | TTFT push / pull (median) | ratio | TPOT push / pull (median) | ratio |",
-              "|---:|---:|---:|---:|---:|---:|"]
-    idx = {(d["mode"], d["length"], d["rate"]): d["summary"] for d in docs if d["iteration"] == 0}
-    for length in sorted({d["length"] for d in docs}):
-        both = [r for r in sorted({d["rate"] for d in docs})
-                if idx.get(("push", length, r), {}).get("sustained") and idx.get(("pull", length, r), {}).get("sustained")]
-        if not both:
-            lines.append(f"| {length} | – | no rate sustained by both | | | |")
-            continue
-        r = both[-1]
-        a, b = idx[("push", length, r)], idx[("pull", length, r)]
-        rt = a["ttft_ms_median"] / b["ttft_ms_median"] if a["ttft_ms_median"] and b["ttft_ms_median"] else None
-        rp = a["tpot_ms_median"] / b["tpot_ms_median"] if a["tpot_ms_median"] and b["tpot_ms_median"] else None
-        lines.append(f"| {length} | {r:g} | {_g(a['ttft_ms_median'])} / {_g(b['ttft_ms_median'])} | {_g(rt, 2)} "
-                     f"| {_g(a['tpot_ms_median'], 2)} / {_g(b['tpot_ms_median'], 2)} | {_g(rp, 2)} |")
+                   "burst, TPOT < 0.5 ms: a starved hop, not decode speed). Push / pull in every cell "
+                   "(same prompts at the same times; one iteration each):"), "",
+              "| input tok | QPS | TTFT push / pull (median) | ratio | TPOT push / pull (median) | ratio | both sustained |",
+              "|---:|---:|---:|---:|---:|---:|---|"]
+    idx = {(d["mode"], d["length"], d["rate"]): d["summary"] for d in same if d["iteration"] == 0}
+    ahead = cells = 0
+    for length in sorted({d["length"] for d in same}):
+        for r in sorted({d["rate"] for d in same}):
+            a, b = idx.get(("push", length, r)), idx.get(("pull", length, r))
+            if a is None or b is None:
+                continue
+            rt = a["ttft_ms_median"] / b["ttft_ms_median"] if a["ttft_ms_median"] and b["ttft_ms_median"] else None
+            rp = a["tpot_ms_median"] / b["tpot_ms_median"] if a["tpot_ms_median"] and b["tpot_ms_median"] else None
+            cells += 1
+            ahead += rt is not None and rt < 1
+            lines.append(f"| {length} | {r:g} | {_g(a['ttft_ms_median'])} / {_g(b['ttft_ms_median'])} | {_g(rt, 2)} "
+                         f"| {_g(a['tpot_ms_median'], 2)} / {_g(b['tpot_ms_median'], 2)} | {_g(rp, 2)} "
+                         f"| {'yes' if a.get('sustained') and b.get('sustained') else 'no'} |")
+    lines += ["", f"Push has the lower median TTFT in {ahead} of {cells} cells."]
     lines += ["", ("Where the time goes (kvbaton; medians over requests, ms after the client sent it; "
                    "connector stats files joined by request id):"), "",
               ("| mode | input tok | QPS | P prefill done (hold starts) | KV ready on D | first token at client "
@@ -216,7 +231,9 @@ def summary_markdown(docs: list[dict[str, Any]], reuse: Path) -> str:
             f"| {_g(other / n, 3)} | {_g((d.get('cpu') or {}).get('machine_busy_frac'), 2)} |")
     if reuse.exists():
         rd = json.loads(reuse.read_text())
-        lines += ["", "Reuse (benchmarks/results/reuse_turns.json), longest turn:", ""]
+        lines += ["", ("Reuse (benchmarks/results/reuse_turns.json), longest turn; the prefill engine runs with "
+                       "prefix caching off (the benchmark's method: without reuse it recomputes the whole history; "
+                       "no results file has a prefix-caching-on figure):"), ""]
         for mode, rows in rd.get("modes", {}).items():
             if rows:
                 last = rows[-1]
@@ -274,13 +291,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sweep-dir", type=Path, default=ROOT / "benchmarks/results/sweep")
     ap.add_argument("--reuse", type=Path, default=ROOT / "benchmarks/results/reuse_turns.json")
     ap.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks/results")
+    ap.add_argument("--one-sweep", action=argparse.BooleanOptionalAction, default=True,
+                    help="figures draw only the kvbaton modes' sweep (default); --no-one-sweep adds modes "
+                         "whose newest runs are from another sweep")
     args = ap.parse_args(argv)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     docs = load_sweep(args.sweep_dir)
     if docs:
-        plot_metric(docs, "ttft_ms", "time to first token (ms, log scale)", "TTFT vs input length",
+        # The figures draw one run only: the kvbaton modes' sweep (a mode whose newest runs
+        # come from another sweep is in summary.md's separate table, not on these axes).
+        kv_sweep = next((d["sweep_id"] for d in docs if d["mode"] == "push"), docs[0]["sweep_id"])
+        same = [d for d in docs if d["sweep_id"] == kv_sweep] if args.one_sweep else docs
+        plot_metric(same, "ttft_ms", "time to first token (ms, log scale)", "TTFT vs input length",
                     args.out_dir / "ttft_vs_length.png")
-        plot_metric(docs, "tpot_ms", "time per output token (ms, log scale)", "TPOT vs input length",
+        plot_metric(same, "tpot_ms", "time per output token (ms, log scale)", "TPOT vs input length",
                     args.out_dir / "tpot_vs_length.png", note="\n(streams that reached the client in one burst excluded)")
         md = summary_markdown(docs, args.reuse)
         (args.sweep_dir / "summary.md").write_text(md)

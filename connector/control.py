@@ -18,8 +18,11 @@ from typing import Any, TypeVar
 import grpc
 
 from kvbaton.client import KvbatonClient
+from kvbaton.security import ClientSecurity
 from kvbaton.services.tracing import grpc_metadata
 from kvbaton.v1 import common_pb2, registrar_pb2, rendezvous_pb2
+
+from .settings import KvbatonSettings
 
 log = logging.getLogger("kvbaton.connector.control")
 T = TypeVar("T")
@@ -28,9 +31,13 @@ T = TypeVar("T")
 class ControlThread:
     """Owns an event loop on a named daemon thread; registers and refreshes the engine rank."""
 
-    def __init__(self, address: str, *, timeout_s: float = 5.0, name: str = "kvbaton-control") -> None:
+    def __init__(self, address: str, *, timeout_s: float = 5.0, name: str = "kvbaton-control",
+                 security: ClientSecurity | None = None) -> None:
         self.address = address
         self.timeout_s = timeout_s
+        # TLS + token (settings or $KVBATON_TLS_* / $KVBATON_TOKEN); resolved here so a
+        # half-configured engine fails at start, not on its first call.
+        self.security = security if security is not None else ClientSecurity.resolve()
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._client: KvbatonClient | None = None
@@ -43,7 +50,7 @@ class ControlThread:
 
     def _run(self) -> None:
         asyncio.set_event_loop(self._loop)
-        self._client = KvbatonClient(self.address, timeout_s=self.timeout_s)
+        self._client = self.security.client(self.address, timeout_s=self.timeout_s)
         self._ready.set()
         self._loop.run_forever()
 
@@ -171,13 +178,23 @@ def rendezvous_call(method: str, req: Any, traceparent: str | None = None,
     return lambda c: getattr(c.session, _SESSION_METHODS[method])(req)
 
 
+def security_of(settings: KvbatonSettings) -> ClientSecurity:
+    """The engine's TLS files and token: its ``control_tls_*`` / ``control_token*``
+    settings, each falling back to its ``$KVBATON_*`` variable (kvbaton/security.py)."""
+    return ClientSecurity.resolve(tls_ca=settings.control_tls_ca, tls_cert=settings.control_tls_cert,
+                                  tls_key=settings.control_tls_key, token=settings.control_token,
+                                  token_file=settings.control_token_file)
+
+
 def complete_request(engine_id: str, timeout_s: float, transfer_id: str, block_ids: tuple[int, ...],
-                     num_tokens: int, request_id: str) -> rendezvous_pb2.CompleteRequest:
+                     num_tokens: int, request_id: str, decode_engine_id: str = "") -> rendezvous_pb2.CompleteRequest:
     """Prefill's ``Rendezvous.Complete`` for a push (sent by the scheduler, or by the worker
-    with ``complete_from_worker``)."""
+    with ``complete_from_worker``). ``decode_engine_id``: the decode the router paired this
+    request with; the control plane then lets only that engine offer (README "Security")."""
     return rendezvous_pb2.CompleteRequest(transfer_id=transfer_id, prefill_engine_id=engine_id,
                                           block_ids=block_ids, num_tokens=num_tokens,
-                                          timeout_ms=int(timeout_s * 1000), request_id=request_id, writers=1)
+                                          timeout_ms=int(timeout_s * 1000), request_id=request_id, writers=1,
+                                          decode_engine_id=decode_engine_id)
 
 
 def role_of(kv_role: str) -> common_pb2.EngineRole:

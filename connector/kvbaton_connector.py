@@ -68,7 +68,8 @@ class KvbatonConnector(KVConnectorBase_V1):
             # Our background threads (gRPC, NIXL) need the GIL several times per call;
             # while the engine loop runs Python, each hand-off waits up to one switch
             # interval (5 ms by default). Measured with a busy main thread: a unary call
-            # from the control thread took 25.7 ms (median) at 5 ms, 2.3 ms at 0.5 ms.
+            # from the control thread took 13.3 ms (median) at 5 ms, 3.1 ms at 0.5 ms
+            # (benchmarks/results/gil_handoff.json).
             sys.setswitchinterval(self.settings.gil_switch_interval_ms / 1000.0)
         self._sched: KvbatonScheduler | None = None
         self._worker: KvbatonWorker | None = None
@@ -77,8 +78,11 @@ class KvbatonConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             self._sched = KvbatonScheduler(self.settings, self.block_size)
         else:
-            tp_rank = int(getattr(vllm_config.parallel_config, "rank", 0) or 0)
-            self._worker = KvbatonWorker(self.settings, str(ktc.kv_role), tp_rank)
+            pc = vllm_config.parallel_config
+            tp_rank = int(getattr(pc, "rank", 0) or 0)
+            self._worker = KvbatonWorker(self.settings, str(ktc.kv_role), tp_rank,
+                                         tp_size=int(getattr(pc, "tensor_parallel_size", 1) or 1),
+                                         total_kv_heads=_total_kv_heads(vllm_config))
 
     # ================================================================== worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -161,3 +165,18 @@ class KvbatonConnector(KVConnectorBase_V1):
         if self._sched is not None:
             self._sched.update_connector_output(connector_output.finished_sending,
                                                 connector_output.finished_recving)
+
+
+def _total_kv_heads(vllm_config: Any) -> int:
+    """The model's KV head count (1 for MLA: one latent per token on every rank), published
+    with each rank so the control plane can pair engines of different TP sizes; 0 if vLLM
+    cannot say (the control plane then judges the pair without heads)."""
+    mc = getattr(vllm_config, "model_config", None)
+    if mc is None:
+        return 0
+    try:
+        if getattr(mc, "use_mla", False):
+            return 1
+        return int(mc.get_total_num_kv_heads())
+    except Exception:  # noqa: BLE001 - a config vLLM cannot answer for: publish nothing
+        return 0

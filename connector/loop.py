@@ -54,13 +54,13 @@ class TransferLoop:
 
     def __init__(self, settings: KvbatonSettings, tp_rank: int, layout: KvLayout, control: ControlThread,
                  stats: StatsLog, fingerprinter: Fingerprinter | None = None,
-                 tensors: list[torch.Tensor] | None = None) -> None:
+                 tensors: list[torch.Tensor] | None = None, tp_size: int = 1) -> None:
         self.settings = settings
         self.name = agent_name(settings.engine_id, tp_rank)
         self.fp = fingerprinter
         self.inbox: queue.Queue[Command] = queue.Queue()
-        self.ctx = FlowContext(settings, layout, self.name, control, stats, PeerCache(control), fingerprinter,
-                               faults=Faults(settings.fault_file))
+        self.ctx = FlowContext(settings, layout, self.name, control, stats, PeerCache(control, tp_size=tp_size),
+                               fingerprinter, faults=Faults(settings.fault_file), tp_rank=tp_rank)
         self.results = self.ctx.results
         self.staged = StagedFlow(self.ctx, tensors or [])
         self.verifier = Verifier(self.ctx, self.inbox.put)
@@ -84,7 +84,7 @@ class TransferLoop:
         if not self._ready.wait(timeout_s):
             raise RuntimeError("kvbaton transfer thread did not become ready")
         if self._error is not None:
-            raise RuntimeError("kvbaton transfer thread failed to start") from self._error
+            raise RuntimeError(f"kvbaton transfer thread failed to start: {self._error}") from self._error
 
     def stop(self) -> None:
         self._stop.set()
@@ -93,7 +93,8 @@ class TransferLoop:
 
     # ------------------------------------------------------------------ thread body
     def _open(self) -> NixlEndpoint:
-        ep = NixlEndpoint(self.name, net_devices=self.settings.ucx_net_devices, ucx_tls=self.settings.ucx_tls)
+        ep = NixlEndpoint(self.name, net_devices=self.settings.ucx_net_devices, ucx_tls=self.settings.ucx_tls,
+                          backend=self.settings.nixl_backend.upper())
         ep.register_layout(self.ctx.layout)
         self.ctx.ep = self.ctx.peers.ep = ep
         s, r, v = self.sends, self.receives, self.verifier

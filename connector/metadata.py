@@ -80,6 +80,7 @@ class SendSpec:
     #: push: the worker (rank 0) sends Rendezvous.Complete for it (``complete_from_worker``)
     complete_here: bool = False
     request_id: str = ""  # push: the engine's request id, for the Complete message
+    peer_engine_id: str = ""  # push: the decode engine the router named (binds the transfer)
 
 
 @dataclasses.dataclass

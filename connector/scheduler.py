@@ -49,7 +49,7 @@ from kvbaton import params as P
 from kvbaton.services.metrics import connector_metrics
 from kvbaton.v1 import rendezvous_pb2 as rpb
 
-from .control import ControlThread, complete_request, rendezvous_call
+from .control import ControlThread, complete_request, rendezvous_call, security_of
 from .metadata import KvbatonMeta, LoadSpec, ReuseSource, SendSpec
 from .reuse import RetentionManager, reusable_blocks
 from .settings import MODE_PULL, MODE_PUSH, MODE_REUSE, KvbatonSettings
@@ -97,7 +97,8 @@ class KvbatonScheduler:
 
     def _control_thread(self) -> ControlThread:
         if self._control is None:
-            self._control = ControlThread(self.settings.control_plane, name="kvbaton-sched-control")
+            self._control = ControlThread(self.settings.control_plane, name="kvbaton-sched-control",
+                                          security=security_of(self.settings))
         return self._control
 
     def bind_block_pool(self, block_pool: Any) -> None:
@@ -249,7 +250,8 @@ class KvbatonScheduler:
         offer = rpb.OfferRequest(transfer_id=tid, decode_engine_id=self.settings.engine_id,
                                  block_ids=local_all[:last], num_tokens=num_external_tokens,
                                  timeout_ms=int(self.settings.timeout_s * 1000),
-                                 request_id=request.request_id)
+                                 request_id=request.request_id,
+                                 prefill_engine_id=str((request.kv_transfer_params or {}).get(P.PREFILL_ENGINE_ID) or ""))
         self._rpc("Offer", rendezvous_call("Offer", offer, tp), tid)
 
     # ------------------------------------------------------------------ prefill side
@@ -289,12 +291,13 @@ class KvbatonScheduler:
             n_tokens = min(int(request.num_computed_tokens), int(request.num_prompt_tokens))
             ids = tuple(int(b) for b in block_ids[: -(-n_tokens // self.block_size)])
             here = self.settings.complete_from_worker
+            peer = str(params.get(P.DECODE_ENGINE_ID) or "")
             self._sends[request.request_id] = SendSpec(tid, len(ids), self.settings.timeout_s, MODE_PUSH,
                                                        ids, n_tokens, traceparent=tp, complete_here=here,
-                                                       request_id=request.request_id)
+                                                       request_id=request.request_id, peer_engine_id=peer)
             if not here:
                 complete = complete_request(self.settings.engine_id, self.settings.timeout_s, tid, ids, n_tokens,
-                                            request.request_id)
+                                            request.request_id, peer)
                 self._rpc("Complete", rendezvous_call("Complete", complete, tp), tid)
             return True, P.push_handoff(self.settings.engine_id, tid)
         self._sends[request.request_id] = SendSpec(tid, len(block_ids), self.settings.timeout_s, traceparent=tp,

@@ -83,6 +83,10 @@ class KvbatonSettings:
     ucx_tls: str | None = setting(
         None, "`UCX_TLS` for the NIXL agent (e.g. `tcp,self,sm` for host memory).", shown="UCX's choice",
         optional=True)
+    nixl_backend: str = setting(
+        "ucx", "The NIXL backend plugin the agent moves KV with: `ucx`, or `libfabric` (EFA, as on the seeds' AWS "
+        "nodes). A backend this machine cannot load fails engine start-up with the plugins it has.",
+        choices=("ucx", "libfabric"))
     # Bidirectional reuse (D→P across turns of one conversation).
     lease_ttl_s: float = setting(
         30.0, "Decode: TTL of the lease taken on a finished turn's retained blocks (renewed by agents/the router).")
@@ -132,6 +136,19 @@ class KvbatonSettings:
     staging_target_chunks: int = setting(
         0, "How many chunks a packed transfer aims to be cut into (packing overlaps the WRITEs).",
         shown="0 (4 on GPUs, 16 on host memory)")
+    # How the engine reaches the control plane securely (connector/control.security_of and
+    # kvbaton/security.py); each falls back to its environment variable.
+    control_tls_ca: str = setting(
+        "", "CA that signed the control plane's certificate; set, the connector talks TLS (required off "
+        "loopback).", shown="`$KVBATON_TLS_CA`")
+    control_tls_cert: str = setting(
+        "", "This engine's client certificate for mutual TLS (with `control_tls_key`).", shown="`$KVBATON_TLS_CERT`")
+    control_tls_key: str = setting("", "This engine's client key for mutual TLS.", shown="`$KVBATON_TLS_KEY`")
+    control_token: str = setting(
+        "", "Bearer token (an `engine` token naming this `engine_id`); prefer `control_token_file` so it stays "
+        "out of command lines. **Per engine.**", shown="`$KVBATON_TOKEN`", secret=True)
+    control_token_file: str = setting(
+        "", "File holding the bearer token (e.g. a mounted Secret).", shown="`$KVBATON_TOKEN_FILE`")
 
     def staging_pool(self, device: str) -> tuple[int, int, int, int]:
         """(slot bytes, receive slots, send slots, target chunks) of this engine's pools on

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvbaton.v1 import common_pb2, registrar_pb2
 
-from .control import ControlThread, complete_request, rendezvous_call, role_of
+from .control import ControlThread, complete_request, rendezvous_call, role_of, security_of
 from .loop import TransferLoop
 from .metadata import KvbatonMeta, SendSpec
 from .settings import KvbatonSettings
@@ -35,10 +35,13 @@ log = logging.getLogger("kvbaton.connector.worker")
 class KvbatonWorker:
     """Worker-side facade state: hands specs to the transfer thread, reports results."""
 
-    def __init__(self, settings: KvbatonSettings, kv_role: str, tp_rank: int = 0) -> None:
+    def __init__(self, settings: KvbatonSettings, kv_role: str, tp_rank: int = 0, *, tp_size: int = 1,
+                 total_kv_heads: int = 0) -> None:
         self.settings = settings
         self.kv_role = kv_role
         self.tp_rank = tp_rank
+        self.tp_size = max(int(tp_size), 1)
+        self.total_kv_heads = int(total_kv_heads)  # the model's (0: unknown), published with the rank
         self.stats = StatsLog(settings.stats_dir, settings.engine_id)
         self._control: ControlThread | None = None
         self._xfer: TransferLoop | None = None
@@ -52,15 +55,15 @@ class KvbatonWorker:
         # into one NIXL registration.
         tensors = list(kv_caches.values())
         layout = KvLayout.from_tensors(tensors, block_size, block_dim=0)
-        self._control = ControlThread(self.settings.control_plane)
+        self._control = ControlThread(self.settings.control_plane, security=security_of(self.settings))
         fp = Fingerprinter(layout, tensors, self.settings.verify_kv_alg) if self.settings.verify_kv else None
         self._xfer = TransferLoop(self.settings, self.tp_rank, layout, self._control, self.stats, fp,
-                                    tensors=tensors)
+                                  tensors=tensors, tp_size=self.tp_size)
         self._xfer.start()
         rank = registrar_pb2.EngineRank(
-            engine_id=self.settings.engine_id, role=role_of(self.kv_role), tp_size=1,
+            engine_id=self.settings.engine_id, role=role_of(self.kv_role), tp_size=self.tp_size,
             tp_rank=self.tp_rank, agent_name=self._xfer.name, agent_metadata=self._xfer.metadata,
-            geometry=common_pb2.KvGeometry(**layout.to_proto_fields()),
+            geometry=common_pb2.KvGeometry(**layout.to_proto_fields(), **self._head_fields(tensors)),
             labels={"mode": self.settings.mode})
         si = self._xfer.staging_info
         if si is not None:  # where peers WRITE staged chunks into us (pack path)
@@ -74,6 +77,18 @@ class KvbatonWorker:
         log.info("kvbaton: worker ready: engine %s agent %s, %d regions x %d blocks x %d B",
                  self.settings.engine_id, self._xfer.name, layout.num_regions, layout.num_blocks,
                  layout.bytes_per_block)
+
+    def _head_fields(self, tensors: list[torch.Tensor]) -> dict[str, Any]:
+        """The model's KV head count and whether blocks are head-major, for the control
+        plane's pairing check (kvbaton/kvgeometry.py); nothing when the head count is unknown."""
+        if self.total_kv_heads <= 0 or not tensors:
+            return {}
+        from .transfer.tp_mapping import head_major_blocks
+
+        local = max(self.total_kv_heads // self.tp_size, 1)
+        t = tensors[0]
+        return {"total_kv_heads": self.total_kv_heads,
+                "head_major": head_major_blocks(tuple(t.shape), tuple(t.stride()), local)}
 
     def on_meta(self, meta: KvbatonMeta | None) -> None:
         """Hand this step's specs to the transfer thread (called from bind_connector_metadata,
@@ -97,7 +112,7 @@ class KvbatonWorker:
         Complete ends in the hold's timeout and decode's recompute."""
         assert self._control is not None
         req = complete_request(self.settings.engine_id, self.settings.timeout_s, sspec.transfer_id, sspec.block_ids,
-                               sspec.num_tokens, sspec.request_id)
+                               sspec.num_tokens, sspec.request_id, sspec.peer_engine_id)
         t0 = time.monotonic()
         fut = self._control.submit(rendezvous_call("Complete", req, sspec.traceparent))
 

@@ -18,6 +18,8 @@ from collections.abc import Sequence
 import grpc
 from google.protobuf import json_format
 
+from kvbaton import security
+
 DEFAULT_ADDR = "127.0.0.1:50051"
 
 
@@ -104,11 +106,27 @@ async def _engines(args) -> int:
             print(json.dumps(out, indent=2))
         else:
             rows = [[r.engine_id, _enum(common_pb2.EngineRole.Name(r.role), "ENGINE_ROLE_"), f"{r.tp_rank}/{r.tp_size}",
-                     r.agent_name, str(r.geometry.num_blocks), str(r.geometry.tokens_per_block),
+                     _kv_heads(r), r.agent_name, str(r.geometry.num_blocks), str(r.geometry.tokens_per_block),
                      f"{r.geometry.bytes_per_block * len(r.geometry.region_base_addrs) * r.geometry.num_blocks / 2**20:.1f}",
                      r.geometry.device or "?", r.geometry.fingerprint[:16]] for r in ranks]
-            print(_table(rows, ["ENGINE", "ROLE", "RANK", "AGENT", "BLOCKS", "TOK/BLK", "KV_MIB", "DEVICE", "FINGERPRINT"]))
+            print(_table(rows, ["ENGINE", "ROLE", "RANK", "KV_HEADS", "AGENT", "BLOCKS", "TOK/BLK", "KV_MIB", "DEVICE",
+                                "FINGERPRINT"]))
     return 0
+
+
+def _kv_heads(rank) -> str:
+    """The KV heads a rank holds, e.g. ``2-3/8`` (of the model's 8), ``?`` when unpublished."""
+    from kvbaton.kvgeometry import KvIncompatible, rank_heads
+
+    total = rank.geometry.total_kv_heads
+    if not total:
+        return "?"
+    try:
+        heads = rank_heads(rank.tp_size, total, rank.tp_rank)
+    except (KvIncompatible, ValueError):
+        return f"!/{total}"
+    first, last = heads.start, heads.stop - 1
+    return f"{first}/{total}" if first == last else f"{first}-{last}/{total}"
 
 
 async def _transfers(args) -> int:
@@ -134,14 +152,9 @@ async def _transfers(args) -> int:
 
 
 def _client(args):
-    """A client from the common flags: --addr, --timeout, --token (or $KVBATON_TOKEN), --tls-*."""
-    import os
-
-    from kvbaton.client import ClientTls, KvbatonClient
-
-    tls = ClientTls(args.tls_ca, args.tls_cert or "", args.tls_key or "") if getattr(args, "tls_ca", None) else None
-    token = getattr(args, "token", None) or os.environ.get("KVBATON_TOKEN") or None
-    return KvbatonClient(args.addr, timeout_s=args.timeout, tls=tls, token=token)
+    """A client from the common flags: --addr, --timeout, --tls-* and --token[-file]
+    (each falling back to its $KVBATON_* variable; kvbaton/security.py)."""
+    return security.from_args(args).client(args.addr, timeout_s=args.timeout)
 
 
 def _serve(args) -> int:
@@ -151,9 +164,11 @@ def _serve(args) -> int:
     logs.configure(args.log_level)
     services = args.services or list(ALL_SERVICES)
     config = ServerConfig(address=args.listen, store_url=args.store, services=services,
+                          etcd_ca=args.etcd_ca or "", etcd_cert=args.etcd_cert or "", etcd_key=args.etcd_key or "",
                           tls_cert=args.tls_cert or "", tls_key=args.tls_key or "", tls_client_ca=args.tls_client_ca or "",
                           insecure=args.insecure, tokens_file=args.tokens or "", rate_limit=args.rate_limit,
-                          max_streams_per_client=args.max_streams_per_client, otlp_endpoint=args.otlp_endpoint)
+                          max_streams_per_client=args.max_streams_per_client, otlp_endpoint=args.otlp_endpoint,
+                          shed_lag_ms=args.shed_lag_ms)
     config.lease.default_ttl_ms = args.default_lease_ttl_ms
     # /metrics and the status page listen on the gRPC address's host: loopback by
     # default, every interface when --listen is 0.0.0.0 (containers).
@@ -163,7 +178,15 @@ def _serve(args) -> int:
     if args.web_port is not None:
         config.web_address = f"{host}:{args.web_port}"
     try:
-        asyncio.run(serve(config))
+        if args.event_loop == "uvloop":
+            try:
+                import uvloop
+            except ImportError:
+                print("kvbaton serve: --event-loop uvloop needs the uvloop package (pip install uvloop)", file=sys.stderr)
+                return 2
+            uvloop.run(serve(config))
+        else:
+            asyncio.run(serve(config))
     except KeyboardInterrupt:
         pass
     except (ValueError, OSError) as exc:  # bad configuration: say what, not a traceback
@@ -180,7 +203,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("services", nargs="*", default=[],
                    help="which services (default: all three)")
     s.add_argument("--listen", default=DEFAULT_ADDR, help="host:port to listen on (default %(default)s)")
-    s.add_argument("--store", default="memory://", help="memory:// (default) or etcd://host:port[,host:port...]")
+    s.add_argument("--store", default="memory://",
+                   help="memory:// (default), etcd://host:port[,host:port...] or etcds://... (TLS)")
+    s.add_argument("--etcd-ca", help="CA that signed etcd's certificate: TLS to etcd (default $KVBATON_ETCD_CA)")
+    s.add_argument("--etcd-cert", help="client certificate for etcd --client-cert-auth (default $KVBATON_ETCD_CERT)")
+    s.add_argument("--etcd-key", help="client key for etcd (default $KVBATON_ETCD_KEY)")
     s.add_argument("--tls-cert", help="server certificate (PEM)")
     s.add_argument("--tls-key", help="server private key (PEM)")
     s.add_argument("--tls-client-ca", help="CA for client certificates: turns on mutual TLS")
@@ -189,6 +216,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--rate-limit", type=float, default=0.0, help="requests/s per client (0: off)")
     s.add_argument("--max-streams-per-client", type=int, default=256)
     s.add_argument("--default-lease-ttl-ms", type=int, default=30_000)
+    s.add_argument("--event-loop", choices=("asyncio", "uvloop"), default="asyncio",
+                   help="the server's event loop; uvloop costs less CPU per call (needs the uvloop package)")
+    s.add_argument("--shed-lag-ms", type=float, default=20.0,
+                   help="refuse new transfers (RESOURCE_EXHAUSTED) while the server's event loop runs more than "
+                        "this many ms behind; 0: never (default %(default)s)")
     s.add_argument("--log-level", default=None)
     s.add_argument("--metrics-port", type=int, default=None,
                    help="serve /metrics (and the status page, /api/state) on this port (default: off; 9464 is usual)")
@@ -203,10 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--addr", default=DEFAULT_ADDR, help="control plane address(es), comma separated")
         sp.add_argument("--json", action="store_true", help="JSON instead of a table")
         sp.add_argument("--timeout", type=float, default=5.0, help="seconds per call")
-        sp.add_argument("--token", help="bearer token (default: $KVBATON_TOKEN)")
-        sp.add_argument("--tls-ca", help="CA certificate that signed the server's (turns TLS on)")
-        sp.add_argument("--tls-cert", help="client certificate, for mutual TLS")
-        sp.add_argument("--tls-key", help="client key, for mutual TLS")
+        security.add_client_flags(sp)
 
     lp = sub.add_parser("leases", help="decode-side leases")
     lsub = lp.add_subparsers(dest="action", required=True)
@@ -249,10 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
     tp.add_argument("--interval", type=float, default=1.0, help="seconds between frames (default %(default)s)")
     tp.add_argument("--once", action="store_true", help="print one frame and exit (rates over one interval)")
     tp.add_argument("--timeout", type=float, default=5.0, help="seconds per call")
-    tp.add_argument("--token", help="bearer token (default: $KVBATON_TOKEN)")
-    tp.add_argument("--tls-ca", help="CA certificate that signed the server's (turns TLS on)")
-    tp.add_argument("--tls-cert", help="client certificate, for mutual TLS")
-    tp.add_argument("--tls-key", help="client key, for mutual TLS")
+    security.add_client_flags(tp)
     tp.set_defaults(func=_top)
     return p
 
@@ -275,6 +301,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.func(args) or 0
     except grpc.aio.AioRpcError as exc:
         print(f"kvbaton: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 2
+    except ValueError as exc:  # half-configured TLS / token flags: say what, not a traceback
+        print(f"kvbaton: {exc}", file=sys.stderr)
         return 2
 
 

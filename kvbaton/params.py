@@ -24,6 +24,10 @@ TRANSFER_MODE = "transfer_mode"  # "push" | "pull"; overrides the engine's defau
 CONVERSATION_ID = "conversation_id"  # decode: retain this turn's blocks for the next one
 REUSE = "reuse"  # prefill: where the conversation's retained KV lies (a :class:`ReuseOffer`)
 TRACEPARENT = "traceparent"  # W3C trace context, forwarded on the connector's gRPC calls
+# Push binding (README "Security"): the router names the pair; prefill's Complete names the
+# decode, decode's Offer names the prefill, and the control plane matches only that pair.
+DECODE_ENGINE_ID = "decode_engine_id"  # prefill: the decode engine that may offer
+PREFILL_ENGINE_ID = "prefill_engine_id"  # decode: the prefill engine that may complete
 # ---- pull hand-off (prefill's response → decode's request)
 REMOTE_ENGINE_ID = "remote_engine_id"
 REMOTE_BLOCK_IDS = "remote_block_ids"

@@ -141,10 +141,11 @@ async def run(addr: str, metrics: Sequence[str], *, interval_s: float = 1.0, onc
               timeout_s: float = 5.0, frames: int = 0, client: Any = None) -> int:
     """Redraws every ``interval_s`` until interrupted (or ``frames`` frames); ``once``:
     one frame (rates from two scrapes ``interval_s`` apart), no escapes. ``client``: a
-    ready KvbatonClient (TLS, token) to use instead of a plaintext one to ``addr``."""
-    from kvbaton.client import KvbatonClient
+    ready KvbatonClient to use; without one, TLS and token come from the environment
+    (``KVBATON_TLS_*``, ``KVBATON_TOKEN``; kvbaton/security.py)."""
+    from kvbaton.security import ClientSecurity
 
-    async with client or KvbatonClient(addr, timeout_s=timeout_s) as kv:
+    async with client or ClientSecurity.resolve().client(addr, timeout_s=timeout_s) as kv:
         prev = (time.monotonic(), s) if (s := await scrape(metrics)) is not None else None
         drawn = 0
         while True:

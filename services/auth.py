@@ -17,6 +17,15 @@ Roles and what they may do:
 The token file (JSON) is ``{"tokens": [{"token": "...", "name": "...", "role": "...",
 "engines": [...], "conversations": [...]}]}``; tokens are compared in constant time by
 their SHA-256.
+
+Identity: rate limits, stream caps and engine ownership (who registered an engine id)
+key on ``Principal.identity``: the token itself (a digest of it, so two tokens that share
+a name are two identities), else the client certificate (mutual TLS), else the peer
+host. Names are for people and logs only.
+
+What the rules here cannot see (they see only the request) is checked against the
+records by ``services/api/ownership.py``: a transfer's sides, a lease's engine, a
+retention's engine, the identity behind a live engine registration.
 """
 
 from __future__ import annotations
@@ -39,6 +48,9 @@ class Principal:
     role: str
     engines: frozenset[str] = frozenset()
     conversations: tuple[str, ...] = ()
+    # Who this is for rate limits and ownership: "token:<digest>", "cert:<digest>" or
+    # "peer:<host>" (see the module docstring); "" when nothing identifies the caller.
+    identity: str = ""
 
     def owns_conversation(self, conversation_id: str) -> bool:
         if self.role in ("operator", "router", "engine"):
@@ -67,9 +79,15 @@ class TokenBook:
                 raise ValueError(f"token #{i} ({item.get('name', '?')}): role must be one of {ROLES}")
             if not item.get("token") or len(item["token"]) < 16:
                 raise ValueError(f"token #{i} ({item.get('name', '?')}): token must be at least 16 characters")
+            engines = frozenset(item.get("engines", []))
+            reserved = sorted(e for e in engines if not is_engine_id(e))
+            if reserved:
+                raise ValueError(f"token #{i} ({item.get('name', '?')}): {reserved} cannot be engine ids "
+                                 "(reserved: '*' and ids with '*')")
             entries.append((item["token"], Principal(
-                name=item.get("name", f"token-{i}"), role=role, engines=frozenset(item.get("engines", [])),
-                conversations=tuple(item.get("conversations", [])))))
+                name=item.get("name", f"token-{i}"), role=role, engines=engines,
+                conversations=tuple(item.get("conversations", [])),
+                identity="token:" + hashlib.sha256(b"kvbaton-identity:" + item["token"].encode()).hexdigest()[:24])))
         return cls(entries)
 
     def lookup(self, token: str) -> Principal | None:
@@ -82,6 +100,23 @@ class TokenBook:
 
 
 Rule = Callable[[Principal, Any], str | None]
+
+
+def is_engine_id(engine_id: str) -> bool:
+    """``*`` routes events to every engine (operators' views): never an engine's own id."""
+    return bool(engine_id) and "*" not in engine_id
+
+
+def _own_engine_or(field: str, verb: str, roles: tuple[str, ...]) -> Rule:
+    """The listed roles for any engine; an engine only for one of its own (field set)."""
+    def rule(p: Principal, req: Any) -> str | None:
+        if p.role in roles:
+            return None
+        value = getattr(req, field)
+        if p.role == "engine" and value and value in p.engines:
+            return None
+        return f"{p.name} ({p.role}) may not {verb} for engine {value or '(any)'!r}"
+    return rule
 
 
 def _engine_field(field: str, verb: str) -> Rule:
@@ -129,6 +164,7 @@ RULES: dict[str, Rule] = {
     "/kvbaton.v1.Registrar/WatchEngines": _roles(*READERS, verb="watch engines"),
     "/kvbaton.v1.Registrar/RegisterRetained": _engine_field("retained.engine_id", "retain blocks"),
     "/kvbaton.v1.Registrar/LookupRetained": _roles(*READERS, verb="look up retained blocks"),
+    # (whose registration it is: services/api/ownership.py)
     "/kvbaton.v1.Registrar/ReleaseRetained": _roles("engine", "operator", verb="release retained blocks"),
     "/kvbaton.v1.Rendezvous/Offer": _engine_field("decode_engine_id", "offer"),
     "/kvbaton.v1.Rendezvous/Complete": _engine_field("prefill_engine_id", "complete"),
@@ -144,7 +180,8 @@ RULES: dict[str, Rule] = {
     "/kvbaton.v1.Lease/Unpin": _roles("engine", "operator", verb="unpin leases"),
     "/kvbaton.v1.Lease/Revoke": _conversation("revoke", roles=("agent", "engine", "operator")),
     "/kvbaton.v1.Lease/Get": _conversation("read", roles=("agent", "engine", "router", "operator")),
-    "/kvbaton.v1.Lease/List": _roles("operator", "router", verb="list leases"),
+    # The decode connector's retention loops list their own engine's leases.
+    "/kvbaton.v1.Lease/List": _own_engine_or("engine_id", "list leases", roles=("operator", "router")),
     "/kvbaton.v1.Lease/Watch": _engine_or_any("engine_id", "watch leases", roles=("operator",)),
 }
 # Per message of a client stream (KeepAlive): every renewal must be in scope.

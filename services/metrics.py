@@ -132,7 +132,8 @@ class ServiceMetrics:
         self.lease_pins = Counter("kvbaton_lease_pins_total", "Pins granted to readers.", registry=r)
         self.lease_pin_refusals = Counter(
             "kvbaton_lease_pin_refusals_total",
-            "Pins refused, by reason (ended, past_deadline, too_many): each is a read that did not happen.",
+            "Pins refused, by reason (ended, past_deadline, too_many, engine_gone, incompatible): each is a read "
+            "that did not happen.",
             ["reason"], registry=r)
         self.lease_ends = Counter(
             "kvbaton_lease_ends_total",
@@ -161,7 +162,7 @@ class ServiceMetrics:
             self.match_wait.labels(side)
             self.unmatched_expired.labels(side)
         for outcome, reason in (("succeeded", "reported"), ("failed", "reported"), ("failed", "match_timeout"),
-                                ("failed", "block_count_mismatch"), ("expired", "unmatched"),
+                                ("failed", "block_count_mismatch"), ("failed", "incompatible"), ("expired", "unmatched"),
                                 ("cancelled", "cancelled"), ("cancelled", "superseded")):
             self.transfers.labels(outcome, reason)
         for outcome in ("succeeded", "failed"):
@@ -169,7 +170,7 @@ class ServiceMetrics:
             self.transfer_bytes.labels("push", outcome)
         for status in ("ok", "not_found", "superseded", "ended", "invalid"):
             self.lease_renewals.labels(status)
-        for reason in ("ended", "past_deadline", "too_many"):
+        for reason in ("ended", "past_deadline", "too_many", "incompatible"):
             self.lease_pin_refusals.labels(reason)
         for reason in ("expired", "revoked", "replaced"):
             self.lease_ends.labels(reason)

@@ -24,6 +24,7 @@ from kvbaton.v1 import lease_pb2, lease_pb2_grpc, registrar_pb2, registrar_pb2_g
 
 from . import tracing
 from .api.lease import LeaseServicer
+from .api.overload import CORE_BACKLOG_OPTIONS, LoopLag
 from .api.registrar import RegistrarServicer
 from .api.rendezvous import RendezvousServicer
 from .domain.clock import Clock, WallClock
@@ -52,6 +53,10 @@ _NAMES = {
 class ServerConfig:
     address: str = "127.0.0.1:50051"
     store_url: str = "memory://"
+    # etcd over TLS (etcds://): CA, and client cert/key for --client-cert-auth; "" = env.
+    etcd_ca: str = ""
+    etcd_cert: str = ""
+    etcd_key: str = ""
     services: Sequence[str] = ALL_SERVICES
     lease: LeaseConfig = dataclasses.field(default_factory=LeaseConfig)
     rendezvous: RendezvousConfig = dataclasses.field(default_factory=RendezvousConfig)
@@ -71,6 +76,11 @@ class ServerConfig:
     metrics_address: str | None = None
     # A separate host:port for the status page and /api/state; None: served with /metrics.
     web_address: str | None = None
+    # Load shedding (services/api/overload.py): while the event loop is saturated or runs
+    # more than this many ms behind, messages that would open a new transfer are refused
+    # with RESOURCE_EXHAUSTED. 0: never. Off for planes built in-process (tests drive them
+    # from their own loop); `kvbaton serve` turns it on (--shed-lag-ms, default 20).
+    shed_lag_ms: float = 0.0
     # OpenTelemetry collector (OTLP/gRPC) for traces; None: $KVBATON_OTLP_ENDPOINT; "": off.
     # Tracing already configured in this process (tests: an in-memory exporter) is kept.
     otlp_endpoint: str | None = None
@@ -97,6 +107,7 @@ class ControlPlane:
         self.metrics = ServiceMetrics(CollectorRegistry())
         self._engine_counts: tuple[dict[tuple[str, ...], float], dict[tuple[str, ...], float]] = ({}, {})
         self.web: WebServer | None = None  # once started (metrics_address or web_address set)
+        self.load = LoopLag(max_lag_ms=config.shed_lag_ms)
 
     @property
     def address(self) -> str:
@@ -106,19 +117,28 @@ class ControlPlane:
     async def start(self) -> None:
         self._check_transport()
         if self.store is None:
-            self.store = await open_store(self.config.store_url)
+            self.store = await open_store(self.config.store_url, etcd_ca=self.config.etcd_ca,
+                                          etcd_cert=self.config.etcd_cert, etcd_key=self.config.etcd_key)
         # The domains see the store through a timing wrapper; ``self.store`` stays the
         # backend itself (tests and tools poke it directly).
         store = InstrumentedStore(self.store, self.metrics)
         opts = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES), ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.keepalive_time_ms", 20_000), ("grpc.http2.max_pings_without_data", 0),
-                ("grpc.keepalive_permit_without_calls", 1)]
+                ("grpc.keepalive_permit_without_calls", 1),
+                # Clients ping every 10 s (kvbaton/client.py); without this the server's
+                # default (5 min) answers their pings with GOAWAY "Too many pings".
+                ("grpc.http2.min_ping_interval_without_data_ms", 5_000), *CORE_BACKLOG_OPTIONS]
         from .api.guard import Guard, GuardConfig
         from .auth import TokenBook
 
         tokens = TokenBook.load(self.config.tokens_file) if self.config.tokens_file else None
         self.guard = Guard(GuardConfig(tokens=tokens, rate_limit=self.config.rate_limit,
-                                       max_streams_per_client=self.config.max_streams_per_client))
+                                       max_streams_per_client=self.config.max_streams_per_client,
+                                       mtls=bool(self.config.tls_client_ca)))
+        self.tokens = tokens  # the status page and /api/state ask for an operator token when set
+        if tokens is not None and self.config.rendezvous.require_binding is None:
+            # With tokens, a push transfer must name both engines (the router does).
+            self.config.rendezvous.require_binding = True
         if not tracing.enabled():
             tracing.configure(self.config.otlp_endpoint, service_name="kvbaton" if set(self.config.services) == set(ALL_SERVICES)
                               else "kvbaton-" + "-".join(self.config.services))
@@ -128,19 +148,30 @@ class ControlPlane:
         names = [reflection.SERVICE_NAME, health.SERVICE_NAME]
         # The registrar domain is also what rendezvous asks "is this engine known?".
         self.registrar = RegistrarService(store, clock=self.clock, metrics=self.metrics)
+        # Checks against the records (whose lease, whose retention): services/api/ownership.py.
+        # The lease domain, when this process runs it, is filled in below.
+        from .api.ownership import Ownership
+
+        self._ownership = Ownership(self.registrar, None)
         if "registrar" in self.config.services:
-            registrar_pb2_grpc.add_RegistrarServicer_to_server(RegistrarServicer(self.registrar), self.server)
+            registrar_pb2_grpc.add_RegistrarServicer_to_server(RegistrarServicer(self.registrar, self._ownership),
+                                                               self.server)
         if "rendezvous" in self.config.services:
             self.rendezvous = RendezvousService(store, clock=self.clock, config=self.config.rendezvous,
-                                                engine_exists=self.registrar.engine_exists, metrics=self.metrics,
+                                                engine_exists=self.registrar.engine_exists,
+                                                pair_check=self.registrar.pair_verdict, metrics=self.metrics,
                                                 retained_lookup=self.registrar.find_retained)
             await self.rendezvous.start(run_sweeper=True)
-            rendezvous_pb2_grpc.add_RendezvousServicer_to_server(RendezvousServicer(self.rendezvous), self.server)
+            self.load.start()
+            rendezvous_pb2_grpc.add_RendezvousServicer_to_server(RendezvousServicer(self.rendezvous, load=self.load),
+                                                                 self.server)
         if "lease" in self.config.services:
             self.lease = LeaseService(store, clock=self.clock, config=self.config.lease, metrics=self.metrics,
-                                      engine_alive=self.registrar.engine_exists)
+                                      engine_alive=self.registrar.engine_exists,
+                                      pair_check=self.registrar.pair_verdict, on_refused=self._record_refused)
             await self.lease.start(run_expiry=True)
-            lease_pb2_grpc.add_LeaseServicer_to_server(LeaseServicer(self.lease), self.server)
+            self._ownership.lease = self.lease
+            lease_pb2_grpc.add_LeaseServicer_to_server(LeaseServicer(self.lease, self._ownership), self.server)
         await self._elect(store)
         self._wire_state_gauges()
         for svc in self.config.services:
@@ -160,6 +191,14 @@ class ControlPlane:
             await self.web.start()
         log.info("kvbaton.serving", address=self.address, store=store.name, services=list(self.config.services),
                  metrics=self.web.metrics_url if self.web else None)
+
+    async def _record_refused(self, transfer_id: str, owner: str, reader: str, reason: str) -> None:
+        """A reuse READ refused at its pin (incompatible KV) becomes a failed transfer, seen
+        in ``kvbaton transfers list --phase failed`` next to refused push matches. Without
+        the rendezvous service in this process, the refusal is only in the pin's status."""
+        if self.rendezvous is not None:
+            await self.rendezvous.record_refused(transfer_id, owner_engine_id=owner, reader_engine_id=reader,
+                                                 reason=reason)
 
     def _wire_state_gauges(self) -> None:
         """Points the scrape-time gauges at this replica's caches. Each is exported only by
@@ -227,11 +266,13 @@ class ControlPlane:
         self._engine_counts = ({k: float(len(v)) for k, v in engines.items()}, rank_counts)
 
     def _check_transport(self) -> None:
-        """Refuse to start plaintext unless asked to, before anything is opened."""
+        """Plaintext only on loopback (a laptop), or where a person wrote ``--insecure``;
+        checked before anything is opened."""
         cfg = self.config
-        if not (cfg.tls_cert or cfg.tls_key) and not cfg.insecure:
-            raise ValueError("no TLS certificate configured: pass --tls-cert/--tls-key (and --tls-client-ca for "
-                             "mutual TLS), or --insecure to serve plaintext")
+        if not (cfg.tls_cert or cfg.tls_key) and not cfg.insecure and not is_loopback(cfg.address):
+            raise ValueError(f"no TLS certificate configured for {cfg.address}, which is not a loopback address: "
+                             "pass --tls-cert/--tls-key (and --tls-client-ca for mutual TLS), or --insecure to "
+                             "serve plaintext")
 
     def _bind(self) -> int:
         if self.server is None:
@@ -286,11 +327,25 @@ class ControlPlane:
             task.cancel()
             await bounded(asyncio.gather(task, return_exceptions=True), "campaign")
             await bounded(election.resign(), "resign")
+        await bounded(self.load.stop(), "loop-lag")
         for domain in (self.lease, self.rendezvous):
             if domain is not None:
                 await bounded(domain.stop(), type(domain).__name__)
         if self._owns_store and self.store is not None:
             await bounded(self.store.close(), "store")
+
+
+def is_loopback(address: str) -> bool:
+    """``host:port`` on 127.0.0.0/8, ::1 or ``localhost``: reachable from this host only."""
+    import ipaddress
+
+    host = address.rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name, "" or 0.0.0.0-like wildcards: not provably loopback
 
 
 async def _campaign_forever(election) -> None:

@@ -229,10 +229,33 @@ class WebServer:
         body = generate_latest(self.registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
+    def _refusal(self, request: web.Request) -> web.Response | None:
+        """With tokens configured, the page and /api/state (transfer and conversation ids)
+        need an operator token (``Authorization: Bearer <token>``): 401 without a known
+        token, 403 for another role. /metrics and /healthz stay open (counts only)."""
+        book = getattr(self.plane, "tokens", None)
+        if book is None:
+            return None
+        auth = request.headers.get("Authorization", "")
+        if not auth.startswith("Bearer "):
+            return web.json_response({"error": "an operator token is required: Authorization: Bearer <token>"},
+                                     status=401, headers={"WWW-Authenticate": "Bearer"})
+        who = book.lookup(auth[len("Bearer "):].strip())
+        if who is None:
+            return web.json_response({"error": "unknown token"}, status=401, headers={"WWW-Authenticate": "Bearer"})
+        if who.role != "operator":
+            return web.json_response({"error": f"{who.name} ({who.role}) may not read the control plane's state; "
+                                               "an operator token is required"}, status=403)
+        return None
+
     async def api_state(self, request: web.Request) -> web.Response:
+        if (refused := self._refusal(request)) is not None:
+            return refused
         return web.json_response(await asyncio.wait_for(self.state(), STATE_TIMEOUT_S * 2))
 
     async def page(self, request: web.Request) -> web.Response:
+        if (refused := self._refusal(request)) is not None:
+            return refused
         state = await asyncio.wait_for(self.state(), STATE_TIMEOUT_S * 2)
         return web.Response(text=render_page(state), content_type="text/html")
 

@@ -40,6 +40,7 @@ class FlowContext:
     results: queue.Queue[Result] = dataclasses.field(default_factory=queue.Queue)
     metrics: ConnectorMetrics = dataclasses.field(default_factory=connector_metrics)
     faults: Faults = dataclasses.field(default_factory=lambda: Faults(""))
+    tp_rank: int = 0  # our tensor-parallel rank (outcomes carry it)
 
     @property
     def endpoint(self) -> NixlEndpoint:

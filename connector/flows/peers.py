@@ -50,9 +50,10 @@ class Waiter(Protocol):
 class PeerCache:
     """engine id → (agent name, KV layout, staging pool) of peers whose metadata we hold."""
 
-    def __init__(self, control: ControlThread, endpoint: NixlEndpoint | None = None) -> None:
+    def __init__(self, control: ControlThread, endpoint: NixlEndpoint | None = None, *, tp_size: int = 1) -> None:
         self.control = control
         self.ep = endpoint
+        self.tp_size = tp_size  # ours
         self._peers: dict[str, tuple[str, KvLayout]] = {}
         self._staging: dict[str, StagingInfo | None] = {}
 
@@ -80,6 +81,13 @@ class PeerCache:
         if not resp.ranks:
             raise LookupError(f"engine {engine_id!r} has no registered ranks")
         rank = resp.ranks[0]
+        if rank.tp_size > 1 or self.tp_size > 1:
+            # Registered for real (the control plane pairs and counts ranks), but this data
+            # path moves whole blocks rank 0 to rank 0 only: fail now, before any byte moves,
+            # so the request recomputes at once instead of landing another rank's heads.
+            raise NotImplementedError(
+                f"tensor-parallel KV transfer (this engine TP {self.tp_size}, engine {engine_id!r} TP "
+                f"{rank.tp_size}) is not built in this data path yet: recomputing")
         layout = KvLayout.from_proto_fields(**geometry_fields(rank))
         self.ep.add_peer(rank.agent_name, rank.agent_metadata)
         self._peers[engine_id] = (rank.agent_name, layout)

@@ -78,10 +78,11 @@ class ReceiveFlow:
     def on_event(self, tid: str, ev: Any) -> None:
         """A rendezvous event for a transfer this engine offered (decode, push)."""
         T = rpb.RendezvousEvent
-        if ev.type in (T.TYPE_EXPIRED, T.TYPE_CANCELLED):
-            self._push_failed[tid] = (time.monotonic(), ev.transfer.reason or "expired/cancelled")
-        elif ev.type == T.TYPE_DONE and any(not o.success for o in ev.transfer.outcomes):
-            self._push_failed[tid] = (time.monotonic(), "prefill reported failure")
+        if ev.type in (T.TYPE_EXPIRED, T.TYPE_CANCELLED) or (
+                ev.type == T.TYPE_DONE and ev.transfer.phase == rpb.TRANSFER_PHASE_FAILED):
+            # Also a push refused at the match (incompatible KV) or failed by any rank:
+            # recompute now rather than wait out the timeout for a WRITE.
+            self._push_failed[tid] = (time.monotonic(), ev.transfer.reason or "expired/cancelled/failed")
 
     def expire(self, now: float, max_age_s: float) -> None:
         for box in (self._push_arrived, self._push_failed):
@@ -191,7 +192,8 @@ class ReceiveFlow:
         if ld.pin_future is None:
             ld.pin_sent = now
             req = lpb.PinRequest(conversation_id=src.conversation_id, lease_id=src.lease_id,
-                                 reader=self.ctx.name, ttl_ms=int(self.ctx.settings.pin_ttl_s * 1000))
+                                 reader=self.ctx.name, ttl_ms=int(self.ctx.settings.pin_ttl_s * 1000),
+                                 reader_engine_id=self.ctx.settings.engine_id)
             md = grpc_metadata(ld.spec.traceparent)
             ld.pin_future = self.ctx.control.submit(lambda c: c.call(c.lease.Pin, req, retries=1, metadata=md))
         if not _answered(ld.pin_future, now, ld.deadline, "Lease.Pin"):

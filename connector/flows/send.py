@@ -56,6 +56,7 @@ class SendFlow:
         self.held: dict[str, Held] = {}  # transfer_id -> held request
         self._early_done: dict[str, float] = {}  # Done messages that arrived before the SendSpec
         self._early_matches: dict[str, tuple[float, Any]] = {}  # MATCH before the SendSpec
+        self._early_ended: dict[str, tuple[float, str, str]] = {}  # FAILED before the SendSpec
 
     @property
     def busy(self) -> bool:
@@ -67,6 +68,10 @@ class SendFlow:
             self.verifier.expose(f"t:{tid}", spec.block_ids, mode=spec.mode, req_id=req_id)
         cap = spec.timeout_s + (PULL_HOLD_CAP_EXTRA_S if spec.mode == MODE_PULL else 0.0)
         held = Held(req_id, spec, now + cap, now)
+        ended = self._early_ended.pop(tid, None) if spec.mode == MODE_PUSH else None
+        if ended is not None:  # the rendezvous failed it already (refused at the match): free, never write
+            self._cancelled(tid, req_id, spec.mode, ended[1], ended[2])
+            return
         if spec.mode == MODE_PUSH:
             early = self._early_matches.pop(tid, None)
             if early is not None:
@@ -109,13 +114,24 @@ class SendFlow:
                                   read_nbytes=nbytes, held_s=round(time.monotonic() - held.t0, 6))
             self.ctx.metrics.transfers.labels(MODE_PULL, "prefill", "ok" if ok else "failed").inc()
             self.ctx.report("sent", held.req_id, ok)
-        elif ev.type in (T.TYPE_EXPIRED, T.TYPE_CANCELLED) and held is not None and not self._posted(held):
-            del self.held[tid]
-            self.ctx.stats.record("send_cancelled", transfer_id=tid, req_id=held.req_id,
-                                  reason=state.reason or rpb.TransferPhase.Name(state.phase))
-            self.ctx.metrics.transfers.labels(held.spec.mode, "prefill",
-                                              "timeout" if ev.type == T.TYPE_EXPIRED else "failed").inc()
-            self.ctx.report("sent", held.req_id, False)
+        elif ev.type in (T.TYPE_EXPIRED, T.TYPE_CANCELLED) or (
+                ev.type == T.TYPE_DONE and state.phase == rpb.TRANSFER_PHASE_FAILED):
+            # Expired, cancelled, or failed (refused at the match as incompatible, a rank
+            # failed, no outcome in time): free what we have not started writing.
+            reason = state.reason or rpb.TransferPhase.Name(state.phase)
+            label = "timeout" if ev.type == T.TYPE_EXPIRED else "failed"
+            if held is not None and not self._posted(held):
+                del self.held[tid]
+                self._cancelled(tid, held.req_id, held.spec.mode, reason, label)
+            elif held is None and state.phase == rpb.TRANSFER_PHASE_FAILED:
+                # Refused before our SendSpec arrived (Complete goes out from the scheduler
+                # process): drop the send when it comes.
+                self._early_ended[tid] = (time.monotonic(), reason, label)
+
+    def _cancelled(self, tid: str, req_id: str, mode: str, reason: str, label: str) -> None:
+        self.ctx.stats.record("send_cancelled", transfer_id=tid, req_id=req_id, reason=reason)
+        self.ctx.metrics.transfers.labels(mode, "prefill", label).inc()
+        self.ctx.report("sent", req_id, False)
 
     @staticmethod
     def _posted(held: Held) -> bool:
@@ -134,6 +150,9 @@ class SendFlow:
         for tid, (t, _) in list(self._early_matches.items()):
             if now - t > max_age_s:
                 del self._early_matches[tid]
+        for tid, (t, _, _) in list(self._early_ended.items()):
+            if now - t > max_age_s:
+                del self._early_ended[tid]
 
     # ------------------------------------------------------------------ push WRITEs
     def progress(self, now: float) -> None:
@@ -195,7 +214,7 @@ class SendFlow:
                 m.transfer_seconds.labels(MODE_PUSH, "write").observe(time.monotonic() - mv.t_post)
         req = rpb.ReportOutcomeRequest(
             transfer_id=held.spec.transfer_id, attempt=held.match.attempt,
-            outcome=rpb.Outcome(engine_id=self.ctx.settings.engine_id, tp_rank=0, success=ok,
+            outcome=rpb.Outcome(engine_id=self.ctx.settings.engine_id, tp_rank=self.ctx.tp_rank, success=ok,
                                 bytes=nbytes if ok else 0, error=error[:500], duration_us=int(dur * 1e6)))
         fut = self.ctx.control.submit(rendezvous_call("ReportOutcome", req, held.spec.traceparent))
         fire_and_forget(fut, "ReportOutcome", log)

@@ -42,6 +42,13 @@ POLL_MIN_S = 20e-6
 POLL_MAX_S = 2e-3
 
 
+def _plugins(agent: Any) -> list[str]:
+    try:
+        return sorted(str(p) for p in agent.get_plugin_list())
+    except Exception:  # noqa: BLE001 - only for the error message
+        return []
+
+
 def set_ucx_env(*, net_devices: str | None = None, tls: str | None = None) -> None:
     """Set UCX defaults in the environment unless already set. UCX reads them once, when
     the first agent's UCX context is made, so this must run before that."""
@@ -49,6 +56,12 @@ def set_ucx_env(*, net_devices: str | None = None, tls: str | None = None) -> No
         os.environ.setdefault("UCX_NET_DEVICES", net_devices)
     if tls is not None:
         os.environ.setdefault("UCX_TLS", tls)
+
+
+class NixlBackendUnavailable(RuntimeError):
+    """The configured NIXL backend cannot be created on this machine (plugin or its system
+    libraries missing, e.g. LIBFABRIC without libfabric/EFA). Raised at agent creation, so
+    an engine fails at start-up with this message instead of at its first transfer."""
 
 
 class Transfer:
@@ -98,7 +111,15 @@ class NixlEndpoint:
                                  backends=[])
         self._agent = nixl_agent(name, conf)
         params = dict(backend_params or {})
-        self._agent.create_backend(backend, params)
+        try:
+            self._agent.create_backend(backend, params)
+        except Exception as exc:  # nixl raises nixlNotFoundError / nixlBackendError
+            plugins = _plugins(self._agent)
+            raise NixlBackendUnavailable(
+                f"NIXL backend {backend!r} cannot be created on this machine ({type(exc).__name__}: {exc}); "
+                f"plugins NIXL found: {', '.join(plugins) or 'none'} (a listed plugin may still lack its "
+                "system libraries). Set kv_connector_extra_config.nixl_backend to one this machine "
+                "has (UCX is the default).") from exc
         self.name = name
         self.backend = backend
         self._peers: set[str] = set()

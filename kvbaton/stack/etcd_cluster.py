@@ -40,6 +40,19 @@ def find_etcd() -> str | None:
     return "/usr/bin/etcd" if os.access("/usr/bin/etcd", os.X_OK) else None
 
 
+@dataclasses.dataclass(frozen=True)
+class EtcdServerTls:
+    """Client-facing TLS for the test etcd: its certificate and key, and the CA it
+    requires client certificates from (``--client-cert-auth``); ``client_cert``/``key``
+    are what the harness's own health check presents."""
+
+    ca: str
+    cert: str
+    key: str
+    client_cert: str
+    client_key: str
+
+
 @dataclasses.dataclass
 class Member:
     name: str
@@ -73,7 +86,9 @@ class EtcdCluster:
         heartbeat_ms: int = 50,
         election_ms: int = 500,
         binary: str | None = None,
+        tls: EtcdServerTls | None = None,
     ) -> None:
+        self.tls = tls
         self.binary = binary or find_etcd()
         if self.binary is None:
             raise FileNotFoundError("etcd not found: run scripts/ensure_etcd.sh (Debian's etcd-server)")
@@ -95,7 +110,7 @@ class EtcdCluster:
 
     @property
     def url(self) -> str:
-        return "etcd://" + ",".join(self.endpoints)
+        return ("etcds://" if self.tls else "etcd://") + ",".join(self.endpoints)
 
     def index_of(self, endpoint: str) -> int:
         return self.endpoints.index(endpoint)
@@ -103,9 +118,11 @@ class EtcdCluster:
     # -- lifecycle ------------------------------------------------------------
     def _args(self, m: Member) -> list[str]:
         initial = ",".join(f"{x.name}={x.peer_url}" for x in self.members)
-        client = f"http://{m.endpoint}"
+        client = f"{'https' if self.tls else 'http'}://{m.endpoint}"
+        tls = ["--cert-file", self.tls.cert, "--key-file", self.tls.key, "--client-cert-auth",
+               "--trusted-ca-file", self.tls.ca] if self.tls else []
         return [
-            self.binary or "etcd",
+            self.binary or "etcd", *tls,
             "--name", m.name,
             "--data-dir", str(m.data_dir),
             "--listen-client-urls", client,
@@ -148,8 +165,15 @@ class EtcdCluster:
         m = self.members[i]
         if not m.alive:
             return False
+        ctx = None
+        if self.tls:
+            import ssl
+
+            ctx = ssl.create_default_context(cafile=self.tls.ca)
+            ctx.load_cert_chain(self.tls.client_cert, self.tls.client_key)
         try:
-            with urllib.request.urlopen(f"http://{m.endpoint}/health", timeout=1.0) as r:
+            scheme = "https" if self.tls else "http"
+            with urllib.request.urlopen(f"{scheme}://{m.endpoint}/health", timeout=1.0, context=ctx) as r:
                 return b'"health":"true"' in r.read()
         except OSError:
             return False

@@ -25,19 +25,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvbaton/v1/common.proto\x12\nkvbaton.v1\"\xe1\x01\n\nKvGeometry\x12\x19\n\x11region_base_addrs\x18\x01 \x03(\x04\x12\x17\n\x0f\x62ytes_per_block\x18\x02 \x01(\x04\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x18\n\x10tokens_per_block\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x0e\n\x06layout\x18\x06 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x07 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\x11\n\tdevice_id\x18\t \x01(\r\x12\x1a\n\x12\x62lock_stride_bytes\x18\n \x01(\x04\"j\n\tKvStaging\x12\x11\n\tbase_addr\x18\x01 \x01(\x04\x12\x12\n\nslot_bytes\x18\x02 \x01(\x04\x12\x11\n\tnum_slots\x18\x03 \x01(\r\x12\x10\n\x08mem_type\x18\x04 \x01(\t\x12\x11\n\tdevice_id\x18\x05 \x01(\r\"\x17\n\x08\x42lockIds\x12\x0b\n\x03ids\x18\x01 \x03(\r*p\n\nEngineRole\x12\x1b\n\x17\x45NGINE_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13\x45NGINE_ROLE_PREFILL\x10\x01\x12\x16\n\x12\x45NGINE_ROLE_DECODE\x10\x02\x12\x14\n\x10\x45NGINE_ROLE_BOTH\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvbaton/v1/common.proto\x12\nkvbaton.v1\"\x8d\x02\n\nKvGeometry\x12\x19\n\x11region_base_addrs\x18\x01 \x03(\x04\x12\x17\n\x0f\x62ytes_per_block\x18\x02 \x01(\x04\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x18\n\x10tokens_per_block\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x0e\n\x06layout\x18\x06 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x07 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\x11\n\tdevice_id\x18\t \x01(\r\x12\x1a\n\x12\x62lock_stride_bytes\x18\n \x01(\x04\x12\x16\n\x0etotal_kv_heads\x18\x0b \x01(\r\x12\x12\n\nhead_major\x18\x0c \x01(\x08\"j\n\tKvStaging\x12\x11\n\tbase_addr\x18\x01 \x01(\x04\x12\x12\n\nslot_bytes\x18\x02 \x01(\x04\x12\x11\n\tnum_slots\x18\x03 \x01(\r\x12\x10\n\x08mem_type\x18\x04 \x01(\t\x12\x11\n\tdevice_id\x18\x05 \x01(\r\"\x17\n\x08\x42lockIds\x12\x0b\n\x03ids\x18\x01 \x03(\r*p\n\nEngineRole\x12\x1b\n\x17\x45NGINE_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13\x45NGINE_ROLE_PREFILL\x10\x01\x12\x16\n\x12\x45NGINE_ROLE_DECODE\x10\x02\x12\x14\n\x10\x45NGINE_ROLE_BOTH\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvbaton.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ENGINEROLE']._serialized_start=400
-  _globals['_ENGINEROLE']._serialized_end=512
+  _globals['_ENGINEROLE']._serialized_start=444
+  _globals['_ENGINEROLE']._serialized_end=556
   _globals['_KVGEOMETRY']._serialized_start=40
-  _globals['_KVGEOMETRY']._serialized_end=265
-  _globals['_KVSTAGING']._serialized_start=267
-  _globals['_KVSTAGING']._serialized_end=373
-  _globals['_BLOCKIDS']._serialized_start=375
-  _globals['_BLOCKIDS']._serialized_end=398
+  _globals['_KVGEOMETRY']._serialized_end=309
+  _globals['_KVSTAGING']._serialized_start=311
+  _globals['_KVSTAGING']._serialized_end=417
+  _globals['_BLOCKIDS']._serialized_start=419
+  _globals['_BLOCKIDS']._serialized_end=442
 # @@protoc_insertion_point(module_scope)

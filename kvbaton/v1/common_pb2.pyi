@@ -20,7 +20,7 @@ ENGINE_ROLE_DECODE: EngineRole
 ENGINE_ROLE_BOTH: EngineRole
 
 class KvGeometry(_message.Message):
-    __slots__ = ("region_base_addrs", "bytes_per_block", "num_blocks", "tokens_per_block", "dtype", "layout", "fingerprint", "device", "device_id", "block_stride_bytes")
+    __slots__ = ("region_base_addrs", "bytes_per_block", "num_blocks", "tokens_per_block", "dtype", "layout", "fingerprint", "device", "device_id", "block_stride_bytes", "total_kv_heads", "head_major")
     REGION_BASE_ADDRS_FIELD_NUMBER: _ClassVar[int]
     BYTES_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -31,6 +31,8 @@ class KvGeometry(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_STRIDE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_MAJOR_FIELD_NUMBER: _ClassVar[int]
     region_base_addrs: _containers.RepeatedScalarFieldContainer[int]
     bytes_per_block: int
     num_blocks: int
@@ -41,7 +43,9 @@ class KvGeometry(_message.Message):
     device: str
     device_id: int
     block_stride_bytes: int
-    def __init__(self, region_base_addrs: _Optional[_Iterable[int]] = ..., bytes_per_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., tokens_per_block: _Optional[int] = ..., dtype: _Optional[str] = ..., layout: _Optional[str] = ..., fingerprint: _Optional[str] = ..., device: _Optional[str] = ..., device_id: _Optional[int] = ..., block_stride_bytes: _Optional[int] = ...) -> None: ...
+    total_kv_heads: int
+    head_major: bool
+    def __init__(self, region_base_addrs: _Optional[_Iterable[int]] = ..., bytes_per_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., tokens_per_block: _Optional[int] = ..., dtype: _Optional[str] = ..., layout: _Optional[str] = ..., fingerprint: _Optional[str] = ..., device: _Optional[str] = ..., device_id: _Optional[int] = ..., block_stride_bytes: _Optional[int] = ..., total_kv_heads: _Optional[int] = ..., head_major: _Optional[bool] = ...) -> None: ...
 
 class KvStaging(_message.Message):
     __slots__ = ("base_addr", "slot_bytes", "num_slots", "mem_type", "device_id")

@@ -157,16 +157,18 @@ class KeepAliveResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[RenewResult, _Mapping]]] = ..., seq: _Optional[int] = ...) -> None: ...
 
 class PinRequest(_message.Message):
-    __slots__ = ("conversation_id", "lease_id", "reader", "ttl_ms")
+    __slots__ = ("conversation_id", "lease_id", "reader", "ttl_ms", "reader_engine_id")
     CONVERSATION_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     READER_FIELD_NUMBER: _ClassVar[int]
     TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    READER_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     conversation_id: str
     lease_id: str
     reader: str
     ttl_ms: int
-    def __init__(self, conversation_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., reader: _Optional[str] = ..., ttl_ms: _Optional[int] = ...) -> None: ...
+    reader_engine_id: str
+    def __init__(self, conversation_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., reader: _Optional[str] = ..., ttl_ms: _Optional[int] = ..., reader_engine_id: _Optional[str] = ...) -> None: ...
 
 class PinResponse(_message.Message):
     __slots__ = ("pin", "lease")

@@ -39,20 +39,22 @@ TRANSFER_KIND_PULL: TransferKind
 TRANSFER_KIND_REUSE: TransferKind
 
 class TransferSide(_message.Message):
-    __slots__ = ("engine_id", "block_ids", "num_tokens", "deadline_ms", "received_at_ms", "request_id")
+    __slots__ = ("engine_id", "block_ids", "num_tokens", "deadline_ms", "received_at_ms", "request_id", "peer_engine_id")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
     RECEIVED_AT_MS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PEER_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     num_tokens: int
     deadline_ms: int
     received_at_ms: int
     request_id: str
-    def __init__(self, engine_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., deadline_ms: _Optional[int] = ..., received_at_ms: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
+    peer_engine_id: str
+    def __init__(self, engine_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., deadline_ms: _Optional[int] = ..., received_at_ms: _Optional[int] = ..., request_id: _Optional[str] = ..., peer_engine_id: _Optional[str] = ...) -> None: ...
 
 class Outcome(_message.Message):
     __slots__ = ("engine_id", "tp_rank", "success", "bytes", "error", "reported_at_ms", "duration_us")
@@ -73,7 +75,7 @@ class Outcome(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., success: _Optional[bool] = ..., bytes: _Optional[int] = ..., error: _Optional[str] = ..., reported_at_ms: _Optional[int] = ..., duration_us: _Optional[int] = ...) -> None: ...
 
 class TransferState(_message.Message):
-    __slots__ = ("transfer_id", "attempt", "phase", "offer", "completion", "matched_at_ms", "expected_outcomes", "outcomes", "reason", "updated_at_ms", "revision", "kind", "generation", "conversation_id")
+    __slots__ = ("transfer_id", "attempt", "phase", "offer", "completion", "matched_at_ms", "expected_outcomes", "outcomes", "reason", "updated_at_ms", "revision", "kind", "generation", "conversation_id", "writer_ranks")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
@@ -88,6 +90,7 @@ class TransferState(_message.Message):
     KIND_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     CONVERSATION_ID_FIELD_NUMBER: _ClassVar[int]
+    WRITER_RANKS_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     attempt: int
     phase: TransferPhase
@@ -102,7 +105,8 @@ class TransferState(_message.Message):
     kind: TransferKind
     generation: str
     conversation_id: str
-    def __init__(self, transfer_id: _Optional[str] = ..., attempt: _Optional[int] = ..., phase: _Optional[_Union[TransferPhase, str]] = ..., offer: _Optional[_Union[TransferSide, _Mapping]] = ..., completion: _Optional[_Union[TransferSide, _Mapping]] = ..., matched_at_ms: _Optional[int] = ..., expected_outcomes: _Optional[int] = ..., outcomes: _Optional[_Iterable[_Union[Outcome, _Mapping]]] = ..., reason: _Optional[str] = ..., updated_at_ms: _Optional[int] = ..., revision: _Optional[int] = ..., kind: _Optional[_Union[TransferKind, str]] = ..., generation: _Optional[str] = ..., conversation_id: _Optional[str] = ...) -> None: ...
+    writer_ranks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, transfer_id: _Optional[str] = ..., attempt: _Optional[int] = ..., phase: _Optional[_Union[TransferPhase, str]] = ..., offer: _Optional[_Union[TransferSide, _Mapping]] = ..., completion: _Optional[_Union[TransferSide, _Mapping]] = ..., matched_at_ms: _Optional[int] = ..., expected_outcomes: _Optional[int] = ..., outcomes: _Optional[_Iterable[_Union[Outcome, _Mapping]]] = ..., reason: _Optional[str] = ..., updated_at_ms: _Optional[int] = ..., revision: _Optional[int] = ..., kind: _Optional[_Union[TransferKind, str]] = ..., generation: _Optional[str] = ..., conversation_id: _Optional[str] = ..., writer_ranks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class BeginReadRequest(_message.Message):
     __slots__ = ("transfer_id", "attempt", "kind", "reader_engine_id", "block_ids", "readers", "generation", "conversation_id", "source_block_ids", "request_id")
@@ -129,7 +133,7 @@ class BeginReadRequest(_message.Message):
     def __init__(self, transfer_id: _Optional[str] = ..., attempt: _Optional[int] = ..., kind: _Optional[_Union[TransferKind, str]] = ..., reader_engine_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., readers: _Optional[int] = ..., generation: _Optional[str] = ..., conversation_id: _Optional[str] = ..., source_block_ids: _Optional[_Iterable[int]] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class OfferRequest(_message.Message):
-    __slots__ = ("transfer_id", "attempt", "decode_engine_id", "block_ids", "num_tokens", "timeout_ms", "request_id")
+    __slots__ = ("transfer_id", "attempt", "decode_engine_id", "block_ids", "num_tokens", "timeout_ms", "request_id", "prefill_engine_id")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     DECODE_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -137,6 +141,7 @@ class OfferRequest(_message.Message):
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     attempt: int
     decode_engine_id: str
@@ -144,10 +149,11 @@ class OfferRequest(_message.Message):
     num_tokens: int
     timeout_ms: int
     request_id: str
-    def __init__(self, transfer_id: _Optional[str] = ..., attempt: _Optional[int] = ..., decode_engine_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., timeout_ms: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
+    prefill_engine_id: str
+    def __init__(self, transfer_id: _Optional[str] = ..., attempt: _Optional[int] = ..., decode_engine_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., timeout_ms: _Optional[int] = ..., request_id: _Optional[str] = ..., prefill_engine_id: _Optional[str] = ...) -> None: ...
 
 class CompleteRequest(_message.Message):
-    __slots__ = ("transfer_id", "attempt", "prefill_engine_id", "block_ids", "num_tokens", "timeout_ms", "request_id", "writers")
+    __slots__ = ("transfer_id", "attempt", "prefill_engine_id", "block_ids", "num_tokens", "timeout_ms", "request_id", "writers", "decode_engine_id")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     PREFILL_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -156,6 +162,7 @@ class CompleteRequest(_message.Message):
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     WRITERS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     attempt: int
     prefill_engine_id: str
@@ -164,7 +171,8 @@ class CompleteRequest(_message.Message):
     timeout_ms: int
     request_id: str
     writers: int
-    def __init__(self, transfer_id: _Optional[str] = ..., attempt: _Optional[int] = ..., prefill_engine_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., timeout_ms: _Optional[int] = ..., request_id: _Optional[str] = ..., writers: _Optional[int] = ...) -> None: ...
+    decode_engine_id: str
+    def __init__(self, transfer_id: _Optional[str] = ..., attempt: _Optional[int] = ..., prefill_engine_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., timeout_ms: _Optional[int] = ..., request_id: _Optional[str] = ..., writers: _Optional[int] = ..., decode_engine_id: _Optional[str] = ...) -> None: ...
 
 class RendezvousResponse(_message.Message):
     __slots__ = ("state", "matched_now", "duplicate")

@@ -5,6 +5,11 @@ engine / conversation), per-client rate limits and a cap on concurrent streams.
 Refusals are statuses with a reason: UNAUTHENTICATED (no or unknown token),
 PERMISSION_DENIED (out of scope), RESOURCE_EXHAUSTED (rate or stream limit). A refused
 request reaches no servicer, so it changes nothing.
+
+Buckets and stream slots are per identity (``Principal.identity``: the token, else the
+client certificate, else the peer host), never per name: two clients share a bucket only
+when they are the same identity. An unknown token is refused before any bucket is
+touched. The caller is left in ``CALLER`` for the servicers' ownership checks.
 """
 
 from __future__ import annotations
@@ -12,12 +17,21 @@ from __future__ import annotations
 import collections
 import contextvars
 import dataclasses
+import hashlib
 from collections.abc import Callable
 
 import grpc
 import structlog
 
-from ..auth import PUBLIC_PREFIXES, SESSION_METHOD, Principal, RateLimiter, TokenBook, authorize, authorize_session_call
+from ..auth import (
+    PUBLIC_PREFIXES,
+    SESSION_METHOD,
+    Principal,
+    RateLimiter,
+    TokenBook,
+    authorize,
+    authorize_session_call,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -29,6 +43,21 @@ ANONYMOUS = Principal(name="anonymous", role="operator")
 # (no tokens, no rate limit): nothing to check.
 MessageGate = Callable[[object], "tuple[grpc.StatusCode, str] | None"]
 SESSION_GATE: contextvars.ContextVar[MessageGate | None] = contextvars.ContextVar("kvbaton_session_gate", default=None)
+# The authenticated caller of the RPC being served (set by the guard in the RPC's task);
+# None where nothing is checked (no tokens, no mutual TLS, no rate limit).
+CALLER: contextvars.ContextVar[Principal | None] = contextvars.ContextVar("kvbaton_caller", default=None)
+
+
+def identify(principal: Principal, context) -> Principal:
+    """``principal`` with its identity: a token's (already set), else the client
+    certificate's (mutual TLS), else the peer host's."""
+    if principal.identity:
+        return principal
+    auth = context.auth_context() if hasattr(context, "auth_context") else {}
+    pem = (auth.get("x509_pem_cert") or [b""])[0]
+    if pem:
+        return dataclasses.replace(principal, identity="cert:" + hashlib.sha256(pem).hexdigest()[:24])
+    return dataclasses.replace(principal, identity="peer:" + context.peer().rsplit(":", 1)[0])
 
 
 @dataclasses.dataclass
@@ -38,6 +67,8 @@ class GuardConfig:
     rate_limit: float = 0.0
     burst: float = 0.0
     max_streams_per_client: int = 256
+    # Mutual TLS on: the client certificate identifies a caller even without tokens.
+    mtls: bool = False
 
 
 class StreamRefused(Exception):
@@ -83,7 +114,7 @@ class Guard(grpc.aio.ServerInterceptor):
         method = details.method
         if handler is None or method.startswith(PUBLIC_PREFIXES):
             return handler
-        if self.config.tokens is None and self.limiter is None and handler.unary_unary:
+        if self.config.tokens is None and self.limiter is None and not self.config.mtls and handler.unary_unary:
             return handler  # nothing to check on a unary call: no per-call cost at all
         who = self._principal(details.invocation_metadata or ())
         make, inner = _handler_factory(handler)
@@ -103,23 +134,27 @@ class Guard(grpc.aio.ServerInterceptor):
                 return make(deny_stream, handler.request_deserializer, handler.response_serializer)
             return make(deny, handler.request_deserializer, handler.response_serializer)
 
-        principal: Principal = who
+        base: Principal = who
 
-        async def admit(context, request=None) -> None:
-            client = principal.name if self.config.tokens is not None else context.peer().rsplit(":", 1)[0]
+        async def admit(context, request=None) -> Principal:
+            principal = identify(base, context)
+            CALLER.set(principal)
+            client = principal.identity
             if guard.limiter is not None and not guard.limiter.allow(client):
                 guard.refused["rate_limited"] += 1
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                    f"rate limit {self.config.rate_limit:g} requests/s exceeded for {client}")
+                                    f"rate limit {self.config.rate_limit:g} requests/s exceeded for "
+                                    f"{principal.name} ({client})")
             if request is not None:
                 reason = authorize(principal, method, request)
                 if reason is not None:
                     guard.refused["permission_denied"] += 1
                     log.warning("auth.denied", principal=principal.name, method=method, reason=reason)
                     await context.abort(grpc.StatusCode.PERMISSION_DENIED, reason)
+            return principal
 
         def stream_slot(context) -> str:
-            return principal.name if self.config.tokens is not None else context.peer().rsplit(":", 1)[0]
+            return identify(base, context).identity
 
         if handler.unary_unary:
             async def unary(request, context):
@@ -145,13 +180,13 @@ class Guard(grpc.aio.ServerInterceptor):
             return make(server_stream, handler.request_deserializer, handler.response_serializer)
 
         if method == SESSION_METHOD:
-            return make(self._session(principal, inner, admit, stream_slot), handler.request_deserializer,
+            return make(self._session(inner, admit), handler.request_deserializer,
                         handler.response_serializer)
 
         # Client streams (KeepAlive): every message is authorized before it reaches the servicer.
         async def bidi(request_iterator, context):
-            await admit(context)
-            slot = stream_slot(context)
+            principal = await admit(context)
+            slot = principal.identity
             if guard.streams[slot] >= self.config.max_streams_per_client:
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                     f"{slot} already has {guard.streams[slot]} open streams")
@@ -185,7 +220,7 @@ class Guard(grpc.aio.ServerInterceptor):
                 guard.streams[slot] -= 1
         return make(bidi, handler.request_deserializer, handler.response_serializer)
 
-    def _session(self, principal: Principal, inner, admit, stream_slot):
+    def _session(self, inner, admit):
         """An engine session: opening it is admitted like any stream; then every message is
         rate-limited and authorized as the unary call it stands for, and a refusal answers
         that message only (through ``SESSION_GATE``) instead of ending the stream."""
@@ -193,8 +228,8 @@ class Guard(grpc.aio.ServerInterceptor):
         config = self.config
 
         async def session(request_iterator, context):
-            await admit(context)
-            slot = stream_slot(context)
+            principal = await admit(context)
+            slot = principal.identity
             if guard.streams[slot] >= config.max_streams_per_client:
                 guard.refused["too_many_streams"] += 1
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -209,7 +244,7 @@ class Guard(grpc.aio.ServerInterceptor):
                 if limiter is not None and not limiter.allow(client):
                     guard.refused["rate_limited"] += 1
                     return (grpc.StatusCode.RESOURCE_EXHAUSTED,
-                            f"rate limit {config.rate_limit:g} requests/s exceeded for {client}")
+                            f"rate limit {config.rate_limit:g} requests/s exceeded for {principal.name} ({client})")
                 if check_scope:
                     reason = authorize_session_call(principal, call)
                     if reason is not None:

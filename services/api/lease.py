@@ -14,6 +14,7 @@ from ..domain.lease import LeaseService
 from ..store import StoreError
 from . import incarnation
 from .budget import ByteBudget
+from .ownership import Ownership
 from .status import grpc_code, store_unavailable, streaming, unary, with_heartbeats
 
 HEARTBEAT_S = 5.0
@@ -22,11 +23,13 @@ RENEW_REPLY_BYTES = 160
 
 
 class LeaseServicer(pb_grpc.LeaseServicer):
-    def __init__(self, domain: LeaseService) -> None:
+    def __init__(self, domain: LeaseService, ownership: Ownership | None = None) -> None:
         self.domain = domain
+        self.ownership = ownership or Ownership(None, domain)
 
     @unary
     async def Grant(self, r: pb.GrantRequest, context):
+        await self.ownership.may_take(r.conversation_id, r.engine_id, "grant a lease")
         lease, replaced = await self.domain.grant(
             r.conversation_id, r.engine_id, ttl_ms=r.ttl_ms, num_blocks=r.num_blocks,
             retention_id=r.retention_id, labels=dict(r.labels))
@@ -81,7 +84,7 @@ class LeaseServicer(pb_grpc.LeaseServicer):
 
     @unary
     async def Pin(self, r: pb.PinRequest, context):
-        pin, lease = await self.domain.pin(r.conversation_id, r.lease_id, r.reader, r.ttl_ms)
+        pin, lease = await self.domain.pin(r.conversation_id, r.lease_id, r.reader, r.ttl_ms, r.reader_engine_id)
         return pb.PinResponse(pin=pin, lease=lease)
 
     @unary
@@ -90,7 +93,8 @@ class LeaseServicer(pb_grpc.LeaseServicer):
 
     @unary
     async def Revoke(self, r: pb.RevokeRequest, context):
-        return await self.domain.revoke(r.conversation_id, r.lease_id, r.reason)
+        lease_id = await self.ownership.may_revoke(r.conversation_id, r.lease_id)
+        return await self.domain.revoke(r.conversation_id, lease_id, r.reason)
 
     @unary
     async def Get(self, r: pb.GetLeaseRequest, context):

@@ -9,16 +9,18 @@ from kvbaton.v1 import registrar_pb2_grpc as pb_grpc
 
 from ..domain.registrar import RegistrarService
 from . import incarnation
+from .ownership import Ownership, owner_identity
 from .status import streaming, unary
 
 
 class RegistrarServicer(pb_grpc.RegistrarServicer):
-    def __init__(self, domain: RegistrarService) -> None:
+    def __init__(self, domain: RegistrarService, ownership: Ownership | None = None) -> None:
         self.domain = domain
+        self.ownership = ownership or Ownership(domain, None)
 
     @unary
     async def RegisterEngine(self, request: pb.RegisterEngineRequest, context: grpc.aio.ServicerContext):
-        rank, ttl = await self.domain.register_engine(request.rank, request.ttl_ms)
+        rank, ttl = await self.domain.register_engine(request.rank, request.ttl_ms, owner=owner_identity())
         return pb.RegisterEngineResponse(rank=rank, ttl_ms=ttl)
 
     @unary
@@ -29,7 +31,8 @@ class RegistrarServicer(pb_grpc.RegistrarServicer):
     @unary
     async def DeregisterEngine(self, request: pb.DeregisterEngineRequest, context):
         rank = request.tp_rank if request.HasField("tp_rank") else None
-        return pb.DeregisterEngineResponse(removed=await self.domain.deregister_engine(request.engine_id, rank))
+        return pb.DeregisterEngineResponse(removed=await self.domain.deregister_engine(
+            request.engine_id, rank, owner=owner_identity()))
 
     @unary
     async def GetEngine(self, request: pb.GetEngineRequest, context):
@@ -49,6 +52,7 @@ class RegistrarServicer(pb_grpc.RegistrarServicer):
 
     @unary
     async def RegisterRetained(self, request: pb.RegisterRetainedRequest, context):
+        await self.ownership.may_take(request.retained.conversation_id, request.retained.engine_id, "retain blocks")
         rec, replaced = await self.domain.register_retained(request.retained)
         resp = pb.RegisterRetainedResponse(retained=rec)
         if replaced is not None:
@@ -61,5 +65,6 @@ class RegistrarServicer(pb_grpc.RegistrarServicer):
 
     @unary
     async def ReleaseRetained(self, request: pb.ReleaseRetainedRequest, context):
-        released = await self.domain.release_retained(request.conversation_id, request.retention_id)
+        retention_id = await self.ownership.may_release(request.conversation_id, request.retention_id)
+        released = await self.domain.release_retained(request.conversation_id, retention_id)
         return pb.ReleaseRetainedResponse(released=released)

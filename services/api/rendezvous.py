@@ -10,12 +10,14 @@ import structlog
 from kvbaton.v1 import rendezvous_pb2 as pb
 from kvbaton.v1 import rendezvous_pb2_grpc as pb_grpc
 
-from ..domain.errors import DomainError
+from ..domain import limits
+from ..domain.errors import DomainError, exhausted
 from ..domain.rendezvous import RendezvousService
 from ..store import RequestTooLargeError, StoreError
 from . import incarnation
 from .budget import ByteBudget
 from .guard import SESSION_GATE
+from .overload import LoopLag
 from .status import grpc_code, store_unavailable, streaming, too_large, unary, with_heartbeats
 
 log = structlog.get_logger(__name__)
@@ -27,20 +29,35 @@ _INVALID = grpc.StatusCode.INVALID_ARGUMENT.value[0]
 
 
 class RendezvousServicer(pb_grpc.RendezvousServicer):
-    def __init__(self, domain: RendezvousService) -> None:
+    def __init__(self, domain: RendezvousService, *, load: LoopLag | None = None) -> None:
         self.domain = domain
+        # Past capacity, messages that would open a new transfer are refused (see overload.py).
+        self.load = load
+
+    def _admit(self, transfer_id: str) -> None:
+        """Refuses a message that would open a new transfer while the server is overloaded.
+        One for a transfer already known here (its other side arrived) finishes accepted
+        work and is always admitted."""
+        load = self.load
+        if load is not None and load.overloaded and self.domain.hub.records.get(self.domain._key(transfer_id)) is None:
+            reason = load.refuse()
+            if reason is not None:
+                raise exhausted(reason)
 
     async def _offer(self, r: pb.OfferRequest) -> pb.RendezvousResponse:
+        self._admit(r.transfer_id)
         msg = self.domain.validate(is_offer=True, transfer_id=r.transfer_id, attempt=r.attempt,
                                    engine_id=r.decode_engine_id, block_ids=r.block_ids, num_tokens=r.num_tokens,
-                                   timeout_ms=r.timeout_ms, request_id=r.request_id)
+                                   timeout_ms=r.timeout_ms, request_id=r.request_id, peer=r.prefill_engine_id)
         state, matched, dup = await self.domain.submit(msg)
         return pb.RendezvousResponse(state=state, matched_now=matched, duplicate=dup)
 
     async def _complete(self, r: pb.CompleteRequest) -> pb.RendezvousResponse:
+        self._admit(r.transfer_id)
         msg = self.domain.validate(is_offer=False, transfer_id=r.transfer_id, attempt=r.attempt,
                                    engine_id=r.prefill_engine_id, block_ids=r.block_ids, num_tokens=r.num_tokens,
-                                   timeout_ms=r.timeout_ms, request_id=r.request_id, writers=r.writers)
+                                   timeout_ms=r.timeout_ms, request_id=r.request_id, writers=r.writers,
+                                   peer=r.decode_engine_id)
         state, matched, dup = await self.domain.submit(msg)
         return pb.RendezvousResponse(state=state, matched_now=matched, duplicate=dup)
 
@@ -54,6 +71,7 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
 
     @streaming
     async def Subscribe(self, r: pb.SubscribeRequest, context):
+        limits.check_engine_id("engine_id", r.engine_id)  # "*" (every engine's events) is no engine's id
         after = await incarnation.resume_from(self.domain.store, r.after_revision, r.incarnation, "subscribe")
         await incarnation.announce(context, self.domain.store)
         # A heartbeat first: the subscriber knows it is registered before it offers. Its

@@ -22,6 +22,7 @@ _CODES = {
     Code.FAILED_PRECONDITION: grpc.StatusCode.FAILED_PRECONDITION,
     Code.RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
     Code.ABORTED: grpc.StatusCode.ABORTED,
+    Code.PERMISSION_DENIED: grpc.StatusCode.PERMISSION_DENIED,
     Code.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
 }
 

@@ -12,6 +12,7 @@ class Code(enum.Enum):
     NOT_FOUND = "NOT_FOUND"
     ALREADY_EXISTS = "ALREADY_EXISTS"
     FAILED_PRECONDITION = "FAILED_PRECONDITION"
+    PERMISSION_DENIED = "PERMISSION_DENIED"
     RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
     ABORTED = "ABORTED"
     UNAVAILABLE = "UNAVAILABLE"
@@ -43,3 +44,8 @@ def precondition(message: str) -> DomainError:
 
 def exhausted(message: str) -> DomainError:
     return DomainError(Code.RESOURCE_EXHAUSTED, message)
+
+
+def denied(message: str) -> DomainError:
+    """The caller is authenticated but the record belongs to someone else."""
+    return DomainError(Code.PERMISSION_DENIED, message)

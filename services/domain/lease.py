@@ -132,6 +132,8 @@ class LeaseService:
         prefix: bytes = b"kvb/lease/",
         metrics: ServiceMetrics | None = None,
         engine_alive=None,
+        pair_check=None,
+        on_refused=None,
     ) -> None:
         self.store = store
         self.metrics = metrics or ServiceMetrics()
@@ -140,6 +142,12 @@ class LeaseService:
         # Optional async predicate (the registrar's): pins are refused on a lease whose
         # decode engine's liveness lapsed, because that engine may free on its hard cap.
         self.engine_alive = engine_alive
+        # Optional async (owner_engine_id, reader_engine_id) -> verdict | None (the
+        # registrar's pair_verdict): a reuse READ whose KV cannot be mapped is refused at
+        # the pin, before any byte moves; on_refused(transfer_id, owner, reader, reason)
+        # records it where operators look (the rendezvous' transfers).
+        self.pair_check = pair_check
+        self.on_refused = on_refused
         self.prefix = prefix
         self.hub: PrefixHub[pb.LeaseInfo, pb.LeaseEvent] = PrefixHub(
             store, prefix + b"l/", parse=_parse, derive=derive_events, name="leases",
@@ -227,7 +235,7 @@ class LeaseService:
         labels: dict[str, str] | None = None,
     ) -> tuple[pb.LeaseInfo, pb.LeaseInfo | None]:
         limits.check_id("conversation_id", conversation_id)
-        limits.check_id("engine_id", engine_id)
+        limits.check_engine_id("engine_id", engine_id)
         limits.check_id("retention_id", retention_id, required=False)
         if num_blocks > limits.MAX_BLOCK_IDS:
             raise invalid(f"num_blocks is {num_blocks}; the limit is {limits.MAX_BLOCK_IDS}")
@@ -549,10 +557,12 @@ class LeaseService:
             raise invalid(f"lease {lease_id} belongs to another conversation")
         return kv, info
 
-    async def pin(self, conversation_id: str, lease_id: str, reader: str, ttl_ms: int = 0) -> tuple[pb.PinInfo, pb.LeaseInfo]:
+    async def pin(self, conversation_id: str, lease_id: str, reader: str, ttl_ms: int = 0,
+                  reader_engine_id: str = "") -> tuple[pb.PinInfo, pb.LeaseInfo]:
         limits.check_id("conversation_id", conversation_id)
         limits.check_id("lease_id", lease_id)
         limits.check_id("reader", reader)
+        limits.check_id("reader_engine_id", reader_engine_id, required=False)
         ttl = limits.check_range("ttl_ms", ttl_ms, 1, limits.MAX_PIN_TTL_MS, default=limits.DEFAULT_PIN_TTL_MS)
         key = self._lkey(lease_id)
         for _ in range(_CAS_RETRIES):
@@ -563,6 +573,8 @@ class LeaseService:
                 # local hard cap at any moment, so nobody may start a read now.
                 self.metrics.lease_pin_refusals.labels("engine_gone").inc()
                 raise precondition(f"lease {lease_id}: engine {info.engine_id} is not registered (liveness lapsed): not pinned")
+            if reader_engine_id and self.pair_check is not None:
+                await self._check_pair(info, reader_engine_id)
             if info.state != ACTIVE:
                 self.metrics.lease_pin_refusals.labels("ended").inc()
                 raise precondition(f"lease {lease_id} is {pb.LeaseState.Name(info.state)} ({info.reason}): not pinned")
@@ -585,6 +597,23 @@ class LeaseService:
                 log.info("lease.pinned", conversation_id=conversation_id, lease_id=lease_id, reader=reader, pin_id=pin.pin_id)
                 return pin, self._view(info, now)
         raise DomainError(Code.ABORTED, f"pin on {lease_id} kept conflicting; retry")
+
+    async def _check_pair(self, info: pb.LeaseInfo, reader_engine_id: str) -> None:
+        """Refuse the pin (FAILED_PRECONDITION) when the reader's KV cannot take the lease's
+        engine's blocks, and record the refusal as a failed transfer."""
+        verdict = await self.pair_check(info.engine_id, reader_engine_id)
+        if verdict is None or not verdict.reason:
+            return
+        self.metrics.lease_pin_refusals.labels("incompatible").inc()
+        reason = (f"incompatible KV: reuse READ of decode {info.engine_id} by prefill {reader_engine_id}: "
+                  f"{verdict.reason}")
+        if self.on_refused is not None:
+            try:
+                await self.on_refused(f"reuse-{info.lease_id}-{reader_engine_id}"[:limits.MAX_ID_BYTES], info.engine_id,
+                                      reader_engine_id, reason)
+            except Exception:  # the refusal stands even if recording it failed
+                log.warning("lease.refusal_not_recorded", lease_id=info.lease_id, exc_info=True)
+        raise precondition(f"lease {info.lease_id}: {reason}: not pinned")
 
     async def unpin(self, conversation_id: str, lease_id: str, pin_id: str) -> pb.LeaseInfo:
         limits.check_id("conversation_id", conversation_id)

@@ -33,6 +33,9 @@ DEFAULT_RENDEZVOUS_TIMEOUT_MS = 30_000
 MIN_ENGINE_TTL_MS = 1_000
 MAX_ENGINE_TTL_MS = 600_000
 DEFAULT_ENGINE_TTL_MS = 10_000
+# A transfer's attempt may grow by at most this much per message (a retry is +1), so no
+# message can pre-empt a transfer for good (attempt 2**32-1 could never be superseded).
+MAX_ATTEMPT_STEP = 16
 
 # Ids travel inside store keys: printable ASCII without '/' keeps keys unambiguous.
 _ID_RE = re.compile(r"^[\x21-\x2e\x30-\x7e]+$")
@@ -85,3 +88,12 @@ def check_labels(field: str, labels: dict[str, str]) -> dict[str, str]:
         if not k or len(k.encode()) > MAX_LABEL_BYTES or len(v.encode()) > MAX_LABEL_BYTES:
             raise invalid(f"{field} entry {k[:32]!r} is empty or longer than {MAX_LABEL_BYTES} bytes")
     return dict(labels)
+
+
+def check_engine_id(field: str, value: str, *, required: bool = True) -> str:
+    """An id an engine may have: a valid id that is not reserved (``*`` and anything with
+    ``*``: the route of events meant for every engine)."""
+    check_id(field, value, required=required)
+    if "*" in value:
+        raise invalid(f"{field} {value[:64]!r} is reserved ('*' routes to every engine); pick another engine id")
+    return value

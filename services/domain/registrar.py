@@ -2,18 +2,29 @@
 blocks decode engines retain per conversation.
 
 An engine rank lives at ``<prefix>e/<engine_id>/<rank>`` under a store TTL lease; if it
-stops refreshing, the store deletes the record and watchers see it go. A refresh for an
+stops refreshing, the store deletes the record and watchers see it go. The identity that
+registered it (a token's or client certificate's, never shown in answers) lives beside
+it at ``<prefix>o/<engine_id>/<rank>`` under the same lease: while any rank of an engine
+lives, only that identity may register or deregister the engine id again. A refresh for an
 incarnation the store no longer has answers NOT_FOUND, which tells the engine to
 register again rather than stay invisible.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 from collections.abc import AsyncIterator
 
 import structlog
 
+from kvbaton.kvgeometry import (
+    EngineKv,
+    basic_incompatibility,
+    incompatibility,
+    split_reason,
+    writer_ranks,
+)
 from kvbaton.v1 import common_pb2 as cpb
 from kvbaton.v1 import registrar_pb2 as pb
 
@@ -21,7 +32,7 @@ from ..metrics import ServiceMetrics
 from ..store.base import Compare, Delete, EventType, LeaseNotFoundError, Put, Store
 from . import limits, paging
 from .clock import Clock, WallClock
-from .errors import Code, DomainError, invalid, not_found, precondition
+from .errors import Code, DomainError, denied, invalid, not_found, precondition
 
 log = structlog.get_logger(__name__)
 
@@ -53,6 +64,22 @@ def validate_geometry(g: cpb.KvGeometry) -> None:
     limits.check_id("geometry.fingerprint", g.fingerprint)
 
 
+@dataclasses.dataclass(frozen=True)
+class PairVerdict:
+    """Whether KV held by one engine can move into another's, decided from what both
+    registered (``kvbaton.kvgeometry``): ``reason`` is empty when it can, and then
+    ``writer_ranks`` are the owner's ranks that move anything (one outcome each)."""
+
+    reason: str
+    writer_ranks: tuple[int, ...] = ()
+
+
+def _engine_shape(rank: pb.EngineRank) -> tuple:
+    """What every rank of one engine must agree on."""
+    return (rank.role, rank.tp_size, rank.geometry.fingerprint, rank.geometry.total_kv_heads,
+            rank.geometry.head_major)
+
+
 class RegistrarService:
     def __init__(self, store: Store, *, clock: Clock | None = None, prefix: bytes = b"kvb/reg/",
                  metrics: ServiceMetrics | None = None) -> None:
@@ -65,12 +92,26 @@ class RegistrarService:
         base = self.prefix + b"e/" + engine_id.encode() + b"/"
         return base if rank is None else base + b"%05d" % rank
 
+    def _okey(self, engine_id: str, rank: int | None = None) -> bytes:
+        base = self.prefix + b"o/" + engine_id.encode() + b"/"
+        return base if rank is None else base + b"%05d" % rank
+
+    async def _check_owner(self, engine_id: str, owner: str, verb: str) -> None:
+        """Refuses ``owner`` if a live rank of ``engine_id`` was registered by another identity."""
+        if not owner:
+            return
+        kvs, _ = await self.store.range(self._okey(engine_id))
+        if any(kv.value.decode() != owner for kv in kvs):
+            raise denied(f"engine {engine_id} is registered by another identity (token or client certificate); "
+                         f"it may {verb} only as that identity, or after its registration lapses")
+
     def _rkey(self, conversation_id: str) -> bytes:
         return self.prefix + b"r/" + conversation_id.encode()
 
     # -- engines -----------------------------------------------------------
-    async def register_engine(self, rank: pb.EngineRank, ttl_ms: int) -> tuple[pb.EngineRank, int]:
-        limits.check_id("engine_id", rank.engine_id)
+    async def register_engine(self, rank: pb.EngineRank, ttl_ms: int, *, owner: str = "") -> tuple[pb.EngineRank, int]:
+        """``owner``: the caller's identity ("" = unauthenticated: not recorded, not checked)."""
+        limits.check_engine_id("engine_id", rank.engine_id)
         if rank.role == cpb.ENGINE_ROLE_UNSPECIFIED:
             raise invalid("role is required (PREFILL, DECODE or BOTH)")
         if not 1 <= rank.tp_size <= limits.MAX_TP_SIZE:
@@ -83,6 +124,10 @@ class RegistrarService:
         if len(rank.agent_metadata) > limits.MAX_AGENT_METADATA_BYTES:
             raise invalid(f"agent_metadata is {len(rank.agent_metadata)} bytes; the limit is {limits.MAX_AGENT_METADATA_BYTES}")
         validate_geometry(rank.geometry)
+        if rank.geometry.total_kv_heads:
+            why = split_reason(rank.tp_size, rank.geometry.total_kv_heads)
+            if why:
+                raise invalid(f"geometry.total_kv_heads: {why}")
         limits.check_labels("labels", dict(rank.labels))
         ttl = limits.check_range("ttl_ms", ttl_ms, limits.MIN_ENGINE_TTL_MS, limits.MAX_ENGINE_TTL_MS,
                                  default=limits.DEFAULT_ENGINE_TTL_MS)
@@ -91,14 +136,15 @@ class RegistrarService:
             other = pb.EngineRank.FromString(kv.value)
             if other.tp_rank == rank.tp_rank:
                 continue
-            if (other.role, other.tp_size, other.geometry.fingerprint) != (rank.role, rank.tp_size, rank.geometry.fingerprint):
+            if _engine_shape(other) != _engine_shape(rank):
                 raise precondition(
-                    f"engine {rank.engine_id} rank {other.tp_rank} is registered with a different role, tp_size "
-                    "or fingerprint; deregister it first")
+                    f"engine {rank.engine_id} rank {other.tp_rank} is registered with a different role, tp_size, "
+                    "fingerprint or KV head count; deregister it first")
         rec = pb.EngineRank()
         rec.CopyFrom(rank)
         rec.registered_at_ms = self.clock.now_ms()
         rec.incarnation = secrets.token_hex(8)
+        await self._check_owner(rank.engine_id, owner, "be registered again")
         key = self._ekey(rank.engine_id, rank.tp_rank)
         limit = self.store.max_request_bytes
         if limit and rec.ByteSize() + len(key) + 64 > limit:
@@ -109,6 +155,8 @@ class RegistrarService:
                 f"takes at most {limit} bytes per write; shrink the NIXL metadata or raise the store's request limit")
         old = await self.store.get(key)
         store_lease = await self.store.grant_lease(ttl / 1000)
+        if owner:
+            await self.store.put(self._okey(rank.engine_id, rank.tp_rank), owner.encode(), lease=store_lease)
         await self.store.put(key, rec.SerializeToString(), lease=store_lease)
         if old is not None and old.lease and old.lease != store_lease:
             await self.store.revoke_lease(old.lease)  # the previous incarnation's liveness
@@ -131,8 +179,9 @@ class RegistrarService:
             raise not_found(f"engine {engine_id} rank {tp_rank}'s liveness lapsed: register again") from None
         return int(ttl_s * 1000)
 
-    async def deregister_engine(self, engine_id: str, tp_rank: int | None = None) -> int:
+    async def deregister_engine(self, engine_id: str, tp_rank: int | None = None, *, owner: str = "") -> int:
         limits.check_id("engine_id", engine_id)
+        await self._check_owner(engine_id, owner, "be deregistered")
         if tp_rank is None:
             kvs, _ = await self.store.range(self._ekey(engine_id))
         else:
@@ -140,6 +189,7 @@ class RegistrarService:
             kvs = [kv] if kv else []
         for kv in kvs:
             await self.store.delete(kv.key)
+            await self.store.delete(self._okey(engine_id) + kv.key.rsplit(b"/", 1)[-1])
             if kv.lease:
                 await self.store.revoke_lease(kv.lease)
         if kvs:
@@ -152,6 +202,27 @@ class RegistrarService:
         if not kvs:
             raise not_found(f"engine {engine_id} is not registered")
         return [pb.EngineRank.FromString(kv.value) for kv in kvs]
+
+    async def pair_verdict(self, owner_engine_id: str, receiver_engine_id: str) -> PairVerdict | None:
+        """Can KV held by ``owner_engine_id`` (prefill in push/pull, decode in reuse) land in
+        ``receiver_engine_id``'s ranks? None when either engine has no rank registered now
+        (nothing to judge: the transfer proceeds and fails or succeeds on its own).
+
+        Engines that did not publish their KV head count (``geometry.total_kv_heads``: older
+        connectors) are judged on dtype, layout, layer count and block size only, and get no
+        writer ranks (the completion's ``writers`` count, as before)."""
+        owner, _ = await self.store.range(self._ekey(owner_engine_id), limit=1)
+        receiver, _ = await self.store.range(self._ekey(receiver_engine_id), limit=1)
+        if not owner or not receiver:
+            return None
+        src = EngineKv.from_rank(pb.EngineRank.FromString(owner[0].value))
+        dst = EngineKv.from_rank(pb.EngineRank.FromString(receiver[0].value))
+        if not (src.heads_known and dst.heads_known):
+            return PairVerdict(basic_incompatibility(src, dst) or "")
+        why = incompatibility(src, dst)
+        if why:
+            return PairVerdict(why)
+        return PairVerdict("", writer_ranks(src, dst))
 
     async def engine_exists(self, engine_id: str) -> bool:
         kvs, _ = await self.store.range(self._ekey(engine_id), limit=1)
@@ -195,7 +266,7 @@ class RegistrarService:
     # -- retained blocks ---------------------------------------------------
     async def register_retained(self, retained: pb.RetainedBlocks) -> tuple[pb.RetainedBlocks, pb.RetainedBlocks | None]:
         limits.check_id("conversation_id", retained.conversation_id)
-        limits.check_id("engine_id", retained.engine_id)
+        limits.check_engine_id("engine_id", retained.engine_id)
         ids = limits.check_block_ids("block_ids", retained.block_ids)
         if retained.tokens_per_block == 0:
             raise invalid("tokens_per_block must be > 0")

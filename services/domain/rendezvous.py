@@ -8,9 +8,24 @@ EXPIRED, CANCELLED and DONE.
 
 Attempts: every message carries ``attempt``. A message for an older attempt than the
 record's is refused (FAILED_PRECONDITION); a newer attempt supersedes the record (the
-old sides' owners are told CANCELLED so they free their blocks). The same message twice
+old sides' owners are told CANCELLED so they free their blocks). Only a party of the
+record (an engine on a side, or named by one) may start a newer attempt, and by at most
+``limits.MAX_ATTEMPT_STEP`` (PERMISSION_DENIED / INVALID_ARGUMENT otherwise).
+
+Binding: a side may name the engine it expects on the other side (``peer_engine_id``,
+from the router). A message from an engine the existing side did not name is refused
+(PERMISSION_DENIED); an existing side from an engine the incoming message did not name
+is dropped (it was never the router's choice) and the incoming side recorded. So a
+transfer whose sides both name their peers is only ever matched between those two: an
+impostor can make it expire (if it knows the transfer id), never read or write its KV. The same message twice
 is a duplicate and answered with the current state; a different message for a side that
 is already there is a conflict (FAILED_PRECONDITION).
+
+Compatibility: when both sides are there, the two engines' registered KV (TP sizes, KV
+heads, dtype, layout, block size; ``kvbaton.kvgeometry``) is judged before the match is
+made. A pair that cannot be mapped never matches: the transfer FAILS at once with the
+reason (decode recomputes, prefill frees), and a pair that can records which prefill ranks
+write (``writer_ranks``), one outcome expected from each.
 
 A matched transfer ends when every writer reported (SUCCEEDED/FAILED) or when its match
 deadline passes without that (FAILED), so decode never waits forever. A decode engine
@@ -37,7 +52,7 @@ from ..store.base import Compare, EventType, Get, KeyValue, Put, Store, WatchEve
 from . import limits, paging
 from .background import Tombstones, cancel_all, leader_ticks
 from .clock import Clock, WallClock
-from .errors import Code, DomainError, exhausted, invalid, not_found, precondition
+from .errors import Code, DomainError, denied, exhausted, invalid, not_found, precondition
 from .hub import PrefixHub
 
 log = structlog.get_logger(__name__)
@@ -83,6 +98,10 @@ class RendezvousConfig:
     # message otherwise); an engine that deregisters may still be matched meanwhile, as it
     # may be anyway when it dies right after the check.
     engine_cache_s: float = 1.0
+    # Offers must name their prefill and completions their decode (peer_engine_id), so no
+    # transfer is matched with an engine the router did not choose. None: on when the
+    # server has tokens (services/server.py), off otherwise.
+    require_binding: bool | None = None
 
 
 def _parse(value: bytes) -> pb.TransferState:
@@ -127,6 +146,26 @@ def _owners(t: pb.TransferState) -> list[str]:
     return list(dict.fromkeys(e for e in (t.offer.engine_id, t.completion.engine_id) if e))
 
 
+def _parties(t: pb.TransferState) -> set[str]:
+    """Engines on a side of ``t`` or named by one: who may start its next attempt."""
+    return {e for e in (t.offer.engine_id, t.completion.engine_id, t.offer.peer_engine_id,
+                        t.completion.peer_engine_id) if e}
+
+
+def _check_binding(msg: SideMessage, cur: pb.TransferState) -> bool:
+    """Same attempt: may ``msg`` join ``cur``? Raises PERMISSION_DENIED if the other side
+    named another engine; returns True if the other side must be dropped (``msg`` named
+    another engine than the one there)."""
+    other = cur.completion if msg.is_offer else cur.offer
+    if not other.engine_id:
+        return False
+    if other.peer_engine_id and other.peer_engine_id != msg.engine_id:
+        role = "decode" if msg.is_offer else "prefill"
+        raise denied(f"transfer {msg.transfer_id} is bound to {role} engine {other.peer_engine_id} "
+                     f"(named by {other.engine_id}); engine {msg.engine_id} may not {'offer' if msg.is_offer else 'complete'} on it")
+    return bool(msg.peer) and msg.peer != other.engine_id
+
+
 @dataclasses.dataclass(frozen=True)
 class SideMessage:
     """An offer (decode) or a completion (prefill), validated."""
@@ -140,6 +179,7 @@ class SideMessage:
     timeout_ms: int
     request_id: str
     writers: int = 1
+    peer: str = ""  # the engine this side names for the other side ("" = any)
 
     @property
     def side_name(self) -> str:
@@ -155,6 +195,7 @@ class RendezvousService:
         config: RendezvousConfig | None = None,
         prefix: bytes = b"kvb/rdv/",
         engine_exists=None,
+        pair_check=None,
         metrics: ServiceMetrics | None = None,
         retained_lookup=None,
     ) -> None:
@@ -165,6 +206,10 @@ class RendezvousService:
         self.prefix = prefix
         # Optional async predicate: is this engine registered? (unknown engines are refused)
         self.engine_exists = engine_exists
+        # Optional async (prefill_engine_id, decode_engine_id) -> PairVerdict | None: may KV
+        # move between them, and which prefill ranks write (RegistrarService.pair_verdict).
+        self.pair_check = pair_check
+        self._pairs_seen: dict[tuple[str, str], tuple[float, Any]] = {}
         # Optional async (conversation_id) -> RetainedBlocks | None (the registrar's): what
         # a reuse read is fenced against.
         self.retained_lookup = retained_lookup
@@ -204,15 +249,19 @@ class RendezvousService:
 
     # -- validation --------------------------------------------------------
     def validate(self, *, is_offer: bool, transfer_id: str, attempt: int, engine_id: str, block_ids: Sequence[int],
-                 num_tokens: int, timeout_ms: int, request_id: str, writers: int = 1) -> SideMessage:
+                 num_tokens: int, timeout_ms: int, request_id: str, writers: int = 1, peer: str = "") -> SideMessage:
         limits.check_id("transfer_id", transfer_id)
-        limits.check_id("decode_engine_id" if is_offer else "prefill_engine_id", engine_id)
+        limits.check_engine_id("decode_engine_id" if is_offer else "prefill_engine_id", engine_id)
+        limits.check_engine_id("prefill_engine_id" if is_offer else "decode_engine_id", peer, required=False)
         limits.check_id("request_id", request_id, required=False)
         ids = limits.check_block_ids("block_ids", block_ids)
         timeout = limits.check_range("timeout_ms", timeout_ms, limits.MIN_RENDEZVOUS_TIMEOUT_MS,
                                      limits.MAX_RENDEZVOUS_TIMEOUT_MS, default=self.config.default_timeout_ms)
         writers = limits.check_range("writers", writers, 1, limits.MAX_TP_SIZE, default=1)
-        return SideMessage(is_offer, transfer_id, attempt, engine_id, ids, num_tokens, timeout, request_id, writers)
+        if self.config.require_binding and not peer:
+            raise invalid(f"transfer {transfer_id}: {'an offer must name its prefill_engine_id' if is_offer else 'a completion must name its decode_engine_id'} "
+                          "(the router passes it; this control plane requires bound transfers)")
+        return SideMessage(is_offer, transfer_id, attempt, engine_id, ids, num_tokens, timeout, request_id, writers, peer)
 
     # -- offer / complete --------------------------------------------------
     async def submit(self, msg: SideMessage) -> tuple[pb.TransferState, bool, bool]:
@@ -243,10 +292,18 @@ class RendezvousService:
             side = pb.TransferSide(
                 engine_id=msg.engine_id, block_ids=msg.block_ids, num_tokens=msg.num_tokens,
                 deadline_ms=now + msg.timeout_ms, received_at_ms=now, request_id=msg.request_id,
+                peer_engine_id=msg.peer,
             )
             if cur is not None and cur.attempt > msg.attempt:
                 raise precondition(
                     f"transfer {msg.transfer_id}: attempt {msg.attempt} is superseded by attempt {cur.attempt}")
+            if cur is not None and cur.attempt < msg.attempt and msg.engine_id not in _parties(cur):
+                raise denied(f"engine {msg.engine_id} is not a party of transfer {msg.transfer_id} "
+                             f"(attempt {cur.attempt}): only its parties start a new attempt")
+            base = cur.attempt if cur is not None else 0
+            if msg.attempt > base + limits.MAX_ATTEMPT_STEP:
+                raise invalid(f"transfer {msg.transfer_id}: attempt {msg.attempt} skips ahead of attempt {base} by more "
+                              f"than {limits.MAX_ATTEMPT_STEP}")
             superseded = cur is not None and cur.attempt < msg.attempt and cur.phase not in TERMINAL
             if cur is None and len(self.hub.records) >= self.config.max_pending:
                 raise exhausted(f"{len(self.hub.records)} transfers are pending (limit {self.config.max_pending}); "
@@ -265,20 +322,38 @@ class RendezvousService:
                     raise precondition(
                         f"transfer {msg.transfer_id} attempt {msg.attempt} is already "
                         f"{P.Name(cur.phase).removeprefix('TRANSFER_PHASE_').lower()}: {cur.reason}")
+                drop_other = _check_binding(msg, cur)
                 new = pb.TransferState()
                 new.CopyFrom(cur)
+                if drop_other:
+                    dropped = new.completion if msg.is_offer else new.offer
+                    log.warning("rendezvous.impostor_dropped", transfer_id=msg.transfer_id, engine_id=dropped.engine_id,
+                                named=msg.peer, by=msg.engine_id)
+                    self.metrics.transfers.labels("cancelled", "impostor").inc()
+                    dropped.Clear()
             (new.offer if msg.is_offer else new.completion).CopyFrom(side)
             if not msg.is_offer:
                 new.expected_outcomes = msg.writers
             matched = bool(new.offer.engine_id and new.completion.engine_id)
+            refused = ""
             if matched:
-                if len(new.offer.block_ids) != len(new.completion.block_ids):
+                # Incompatibility first: it explains a block count mismatch (different block sizes).
+                verdict = await self._pair(new.completion.engine_id, new.offer.engine_id)
+                if verdict is not None and verdict.reason:
+                    new.phase, refused = pb.TRANSFER_PHASE_FAILED, verdict.reason
+                    new.reason = (f"incompatible KV: prefill {new.completion.engine_id} -> decode "
+                                  f"{new.offer.engine_id}: {verdict.reason}")
+                elif len(new.offer.block_ids) != len(new.completion.block_ids):
                     new.phase = FAILED
                     new.reason = (f"block count mismatch: decode offered {len(new.offer.block_ids)}, "
                                   f"prefill completed {len(new.completion.block_ids)}")
                 else:
                     new.phase = MATCHED
                     new.matched_at_ms = now
+                    if verdict is not None and verdict.writer_ranks:
+                        del new.writer_ranks[:]
+                        new.writer_ranks.extend(verdict.writer_ranks)
+                        new.expected_outcomes = len(verdict.writer_ranks)
             else:
                 new.phase = OFFERED if msg.is_offer else COMPLETED
             new.updated_at_ms = now
@@ -302,7 +377,10 @@ class RendezvousService:
                         max(now - first.received_at_ms, 0) / 1000)
                     log.debug("rendezvous.matched", transfer_id=msg.transfer_id, attempt=msg.attempt)
                 elif matched:
-                    self.metrics.transfers.labels("failed", "block_count_mismatch").inc()
+                    self.metrics.transfers.labels("failed", "incompatible" if refused else "block_count_mismatch").inc()
+                    if refused:
+                        self.stats["refused"] = self.stats.get("refused", 0) + 1
+                        log.info("rendezvous.refused", transfer_id=msg.transfer_id, reason=new.reason)
                 return new, matched and new.phase == MATCHED, False
         raise DomainError(Code.ABORTED, f"transfer {msg.transfer_id} kept conflicting; retry")
 
@@ -317,6 +395,47 @@ class RendezvousService:
         if len(self._engines_seen) >= 10_000:
             self._engines_seen.clear()  # bounded memory
         self._engines_seen[engine_id] = mono
+
+    async def _pair(self, prefill_engine_id: str, decode_engine_id: str) -> Any:
+        """The pair check's verdict, cached like engine existence (a store read per match
+        otherwise); None without a pair check."""
+        if self.pair_check is None:
+            return None
+        key = (prefill_engine_id, decode_engine_id)
+        mono = time.monotonic()
+        seen = self._pairs_seen.get(key)
+        if seen is not None and mono - seen[0] < self.config.engine_cache_s:
+            return seen[1]
+        verdict = await self.pair_check(prefill_engine_id, decode_engine_id)
+        if len(self._pairs_seen) >= 10_000:
+            self._pairs_seen.clear()  # bounded memory
+        if verdict is not None:
+            self._pairs_seen[key] = (mono, verdict)
+        return verdict
+
+    async def record_refused(self, transfer_id: str, *, owner_engine_id: str, reader_engine_id: str,
+                             reason: str, request_id: str = "") -> pb.TransferState:
+        """Records a transfer refused before it was formed outside the rendezvous (a reuse
+        READ of ``owner_engine_id``'s retained blocks by ``reader_engine_id``) as FAILED with
+        the reason, so operators see it in ``transfers list`` like a refused push. The owner
+        (the engine the KV lives on, decode) is the offer side, the reader the completion
+        side. Written once per id; a repeat returns the record there."""
+        limits.check_id("transfer_id", transfer_id)
+        key = self._key(transfer_id)
+        now = self.clock.now_ms()
+        t = pb.TransferState(transfer_id=transfer_id, phase=pb.TRANSFER_PHASE_FAILED,
+                             reason=limits.check_text("reason", reason[:900]),
+                             updated_at_ms=now)
+        t.offer.engine_id, t.offer.received_at_ms = owner_engine_id, now
+        t.completion.engine_id, t.completion.received_at_ms, t.completion.request_id = reader_engine_id, now, request_id
+        t.kind = REUSE
+        result = await self.store.txn([Compare.absent(key)], await self._put_ops(t), [Get(key)])
+        if not result.succeeded:
+            return _parse(result.values[0].value) if result.values and result.values[0] else t
+        t.revision = result.revision
+        self.metrics.transfers.labels("failed", "incompatible").inc()
+        log.info("rendezvous.refused", transfer_id=transfer_id, reason=reason)
+        return t
 
     async def _update(self, transfer_id: str, attempt: int, change) -> pb.TransferState:
         """Read-modify-CAS on a transfer; ``change(state, now)`` mutates it or returns False."""
@@ -358,9 +477,14 @@ class RendezvousService:
                 return False  # late report after the end: nothing to change
             if t.phase in PENDING:
                 raise precondition(f"transfer {transfer_id} is not matched yet")
+            if t.phase == FAILED and not t.matched_at_ms:
+                raise precondition(f"transfer {transfer_id} was never matched (nothing to write): {t.reason}")
             if outcome.engine_id != _mover(t).engine_id:
                 raise invalid(f"engine {outcome.engine_id} is not the engine moving the blocks of transfer {transfer_id}")
-            if outcome.tp_rank >= max(t.expected_outcomes, 1):
+            if t.writer_ranks and outcome.tp_rank not in t.writer_ranks:
+                raise invalid(f"tp_rank {outcome.tp_rank} is not a writer of transfer {transfer_id} "
+                              f"(writer ranks {list(t.writer_ranks)})")
+            if not t.writer_ranks and outcome.tp_rank >= max(t.expected_outcomes, 1):
                 raise invalid(f"tp_rank {outcome.tp_rank} >= writers {t.expected_outcomes}")
             if any(o.tp_rank == outcome.tp_rank for o in t.outcomes):
                 return False  # duplicate
@@ -422,6 +546,22 @@ class RendezvousService:
         generation = generation or str(attempt)
         if generation != str(attempt):
             raise invalid(f"a pull hold's generation is its attempt: got {generation!r} for attempt {attempt}")
+        held = await self.store.get(self._key(transfer_id))
+        owner = _parse(held.value).completion.engine_id if held is not None else ""
+        verdict = await self._pair(owner, reader) if owner else None
+        if verdict is not None and verdict.reason:
+            # Never mappable: end the hold now (the prefill frees on DONE) and say why.
+            why = f"incompatible KV: pull READ of prefill {owner} by decode {reader}: {verdict.reason}"
+
+            def fail(t: pb.TransferState, now: int):
+                if t.phase != COMPLETED:
+                    return False
+                t.phase, t.reason, t.kind = FAILED, why, PULL
+                return None
+
+            await self._update(transfer_id, attempt, fail)
+            self.metrics.transfers.labels("failed", "incompatible").inc()
+            raise precondition(f"{why}: recompute")
 
         def change(t: pb.TransferState, now: int):
             if t.kind == PULL and t.phase != COMPLETED and t.offer.engine_id == reader and list(t.offer.block_ids) == ids:
@@ -466,6 +606,12 @@ class RendezvousService:
                                f"{retained.retention_id}; the read names {generation}): recompute")
         if not set(src) <= set(retained.block_ids):
             raise precondition(f"source_block_ids are not all retained for conversation {conversation_id}")
+        verdict = await self._pair(retained.engine_id, reader)
+        if verdict is not None and verdict.reason:
+            why = f"incompatible KV: reuse READ of decode {retained.engine_id} by prefill {reader}: {verdict.reason}"
+            await self.record_refused(transfer_id, owner_engine_id=retained.engine_id, reader_engine_id=reader,
+                                      reason=why, request_id=request_id)
+            raise precondition(f"{why}: recompute")
         key = self._key(transfer_id)
         for _ in range(_CAS_RETRIES):
             kv = await self.store.get(key)
@@ -553,7 +699,7 @@ class RendezvousService:
 
     async def subscribe(self, engine_id: str, tp_rank: int, after_revision: int = 0) -> AsyncIterator[pb.RendezvousEvent]:
         """Pending matches of this engine (when starting fresh), then live events."""
-        limits.check_id("engine_id", engine_id)
+        limits.check_engine_id("engine_id", engine_id)
         if not after_revision:
             after_revision = self.hub.revision
             for t, rev in list(self.hub.records.values()):

@@ -64,7 +64,8 @@ class Router:
 
     def __init__(self, prefill_url: str, decode_url: str, mode: str = "pull", *,
                  timeout_s: float = 300.0, control_plane: str = "", lookup_timeout_s: float = 1.0,
-                 metrics: RouterMetrics | None = None) -> None:
+                 metrics: RouterMetrics | None = None, security: Any = None,
+                 prefill_engine_id: str = "", decode_engine_id: str = "") -> None:
         if mode not in ("pull", "push"):
             raise ValueError(f"mode must be pull or push, got {mode!r}")
         self.prefill_url = prefill_url.rstrip("/")
@@ -75,6 +76,12 @@ class Router:
         self.control_plane = control_plane
         self.lookup_timeout_s = lookup_timeout_s
         self._kv: Any = None  # KvbatonClient, made on the app's loop
+        # kvbaton.security.ClientSecurity for the control plane (None: from the environment).
+        self.security = security
+        # Push transfers name both sides (kv_transfer_params), so the control plane matches
+        # them only between this pair; empty: unbound (refused where tokens require binding).
+        self.prefill_engine_id = prefill_engine_id
+        self.decode_engine_id = decode_engine_id
         self.stats: dict[str, int] = {"conversation_turns": 0, "reuse_offered": 0, "reuse_unavailable": 0}
         self.metrics = metrics or router_metrics()
         # Series that exist from the first scrape (rate() sees 0 rather than "no data").
@@ -86,9 +93,11 @@ class Router:
     async def start(self, app: web.Application) -> None:
         self._session = aiohttp.ClientSession(timeout=self.timeout)
         if self.control_plane:
-            from kvbaton.client import KvbatonClient
+            from kvbaton.security import ClientSecurity
 
-            self._kv = KvbatonClient(self.control_plane, timeout_s=self.lookup_timeout_s)
+            creds = self.security if self.security is not None else ClientSecurity.resolve()
+            self._kv = creds.client(self.control_plane, timeout_s=self.lookup_timeout_s)
+            log.info("control plane %s (%s)", self.control_plane, creds.describe())
 
     async def stop(self, app: web.Application) -> None:
         if self._session is not None:
@@ -282,6 +291,11 @@ class Router:
         pb = self._prefill_body(body, transfer_id, "push", reuse)
         db = copy.deepcopy(body)
         db["kv_transfer_params"] = params.decode_push_request(transfer_id)
+        # Bind the transfer to the pair (README "Security"): each side names the other.
+        if self.decode_engine_id:
+            pb["kv_transfer_params"][params.DECODE_ENGINE_ID] = self.decode_engine_id
+        if self.prefill_engine_id:
+            db["kv_transfer_params"][params.PREFILL_ENGINE_ID] = self.prefill_engine_id
         if conv:
             db["kv_transfer_params"][params.CONVERSATION_ID] = conv
 
@@ -351,11 +365,20 @@ class Router:
 
 
 def build_app(prefill_url: str, decode_url: str, mode: str = "pull", *,
-              control_plane: str | None = None) -> web.Application:
-    """``control_plane`` (default: ``$KVBATON_CONTROL_PLANE``) enables conversation reuse."""
+              control_plane: str | None = None, security: Any = None, prefill_engine_id: str | None = None,
+              decode_engine_id: str | None = None) -> web.Application:
+    """``control_plane`` (default: ``$KVBATON_CONTROL_PLANE``) enables conversation reuse;
+    ``security`` (a ``ClientSecurity``; default: from ``$KVBATON_TLS_*``/``$KVBATON_TOKEN``)
+    is how to reach it; the engine ids (default ``$KVBATON_PREFILL_ENGINE_ID`` /
+    ``$KVBATON_DECODE_ENGINE_ID``) bind push transfers to the pair."""
     if control_plane is None:
         control_plane = os.environ.get("KVBATON_CONTROL_PLANE", "")
-    router = Router(prefill_url, decode_url, mode, control_plane=control_plane)
+    if prefill_engine_id is None:
+        prefill_engine_id = os.environ.get("KVBATON_PREFILL_ENGINE_ID", "")
+    if decode_engine_id is None:
+        decode_engine_id = os.environ.get("KVBATON_DECODE_ENGINE_ID", "")
+    router = Router(prefill_url, decode_url, mode, control_plane=control_plane, security=security,
+                    prefill_engine_id=prefill_engine_id, decode_engine_id=decode_engine_id)
     app = web.Application(client_max_size=64 * 1024 * 1024)
     app.on_startup.append(router.start)
     app.on_cleanup.append(router.stop)

@@ -30,15 +30,32 @@ __all__ = [
 ]
 
 
-async def open_store(url: str) -> Store:
-    """``memory://`` (default) or ``etcd://host:port[,host:port...]``."""
+async def open_store(url: str, *, etcd_ca: str = "", etcd_cert: str = "", etcd_key: str = "") -> Store:
+    """``memory://`` (default), ``etcd://host:port[,host:port...]`` (plaintext) or
+    ``etcds://host:port[,...]`` (TLS: ``etcd_ca`` verifies etcd, ``etcd_cert``/``etcd_key``
+    are the client certificate for etcd's ``--client-cert-auth``; each defaults to
+    ``$KVBATON_ETCD_CA`` / ``_CERT`` / ``_KEY``). A CA given with ``etcd://`` also turns TLS on."""
+    import os
+
     if not url or url == "memory://" or url == "memory":
         return MemoryStore()
-    if url.startswith("etcd://"):
-        from .etcd import EtcdStore
+    scheme, sep, rest = url.partition("://")
+    if sep and scheme in ("etcd", "etcds"):
+        from .etcd import EtcdStore, EtcdTls
 
-        endpoints = [e for e in url[len("etcd://"):].split(",") if e]
+        endpoints = [e for e in rest.split(",") if e]
         if not endpoints:
             raise ValueError(f"no etcd endpoints in {url!r}")
-        return await EtcdStore.connect(endpoints)
-    raise ValueError(f"unknown store {url!r}: use memory:// or etcd://host:port[,host:port...]")
+        ca = etcd_ca or os.environ.get("KVBATON_ETCD_CA", "")
+        cert = etcd_cert or os.environ.get("KVBATON_ETCD_CERT", "")
+        key = etcd_key or os.environ.get("KVBATON_ETCD_KEY", "")
+        if scheme == "etcds" and not ca:
+            raise ValueError(f"{url!r} is TLS: pass --etcd-ca (or $KVBATON_ETCD_CA), the CA that signed etcd's certificate")
+        if bool(cert) != bool(key):
+            raise ValueError("an etcd client certificate needs its key (--etcd-cert/--etcd-key)")
+        for what, path in (("CA", ca), ("certificate", cert), ("key", key)):
+            if path and not os.path.isfile(path):
+                raise ValueError(f"etcd TLS {what} file {path!r} does not exist")
+        tls = EtcdTls(ca, cert, key) if ca else None
+        return await EtcdStore.connect(endpoints, tls=tls)
+    raise ValueError(f"unknown store {url!r}: use memory://, etcd://host:port[,host:port...] or etcds://...")

@@ -175,6 +175,21 @@ def _backoff(round_: int) -> float:
     return random.uniform(0.5, 1.0) * min(1.0, 0.05 * (2**round_))
 
 
+@dataclasses.dataclass(frozen=True)
+class EtcdTls:
+    """TLS to etcd (``etcds://``): the CA that signed etcd's certificate and, for etcd's
+    ``--client-cert-auth``, the control plane's client certificate and key."""
+
+    ca_file: str
+    cert_file: str = ""
+    key_file: str = ""
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        read = lambda p: open(p, "rb").read() if p else None  # noqa: E731
+        return grpc.ssl_channel_credentials(root_certificates=read(self.ca_file), private_key=read(self.key_file),
+                                            certificate_chain=read(self.cert_file))
+
+
 @dataclasses.dataclass(eq=False)
 class _Endpoint:
     target: str
@@ -185,8 +200,11 @@ class _Endpoint:
     maintenance: pb_grpc.MaintenanceStub
 
     @classmethod
-    def open(cls, target: str) -> _Endpoint:
-        ch = grpc.aio.insecure_channel(target, options=_CHANNEL_OPTIONS)
+    def open(cls, target: str, tls: EtcdTls | None = None) -> _Endpoint:
+        if tls is not None:
+            ch = grpc.aio.secure_channel(target, tls.credentials(), options=_CHANNEL_OPTIONS)
+        else:
+            ch = grpc.aio.insecure_channel(target, options=_CHANNEL_OPTIONS)
         return cls(
             target, ch, pb_grpc.KVStub(ch), pb_grpc.WatchStub(ch), pb_grpc.LeaseStub(ch),
             pb_grpc.MaintenanceStub(ch),
@@ -399,11 +417,13 @@ class EtcdStore(Store):
         timeout_s: float = 10.0,
         attempt_timeout_s: float = 3.0,
         watch_retry_s: float = 60.0,
+        tls: EtcdTls | None = None,
     ) -> None:
         if not endpoints:
             raise ValueError("no etcd endpoints")
         targets = [e.split("://", 1)[-1].rstrip("/") for e in endpoints]
-        self._endpoints = [_Endpoint.open(t) for t in targets]
+        self.tls = tls
+        self._endpoints = [_Endpoint.open(t, tls) for t in targets]
         self._idx = 0
         self._timeout_s = timeout_s
         self._attempt_timeout_s = attempt_timeout_s
@@ -425,6 +445,7 @@ class EtcdStore(Store):
         timeout_s: float = 10.0,
         attempt_timeout_s: float = 3.0,
         watch_retry_s: float = 60.0,
+        tls: EtcdTls | None = None,
     ) -> EtcdStore:
         """Opens channels and returns once one endpoint answers ``Status`` with a leader.
 
@@ -432,7 +453,8 @@ class EtcdStore(Store):
         ``attempt_timeout_s`` bounds each single RPC; ``watch_retry_s`` is how long a
         watch keeps trying to re-establish itself before it raises ``StoreError``.
         """
-        store = cls(endpoints, timeout_s=timeout_s, attempt_timeout_s=attempt_timeout_s, watch_retry_s=watch_retry_s)
+        store = cls(endpoints, timeout_s=timeout_s, attempt_timeout_s=attempt_timeout_s, watch_retry_s=watch_retry_s,
+                    tls=tls)
         try:
             status = await store.status()
         except BaseException:
@@ -720,7 +742,8 @@ class EtcdStore(Store):
             try:
                 await self._unary(
                     "kv", "Range",
-                    pb.RangeRequest(key=b"\x00__revision_probe__", revision=start_revision, count_only=True),
+                    # A key inside the watched prefix: with etcd auth, the watcher may read only there.
+                    pb.RangeRequest(key=prefix + b"\x00__revision_probe__", revision=start_revision, count_only=True),
                     mutation=False,
                 )
             except StoreError as e:

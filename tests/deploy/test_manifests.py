@@ -114,7 +114,10 @@ def test_probe_ports_exist_and_control_plane_uses_grpc_probes() -> None:
                         assert port_ok(probe[kind]["port"], c.get("ports", [])), \
                             f"{w['metadata']['name']}/{c['name']} {name} port {probe[kind]['port']!r}"
             if w["metadata"]["labels"].get("app.kubernetes.io/component") in ("registrar", "rendezvous", "lease"):
-                assert "grpc" in c["readinessProbe"] and "grpc" in c["livenessProbe"]
+                # The gRPC port is mutual TLS, which kubelet's gRPC probes cannot speak: the
+                # services are probed on /healthz of their metrics port.
+                for probe in (c["readinessProbe"], c["livenessProbe"]):
+                    assert probe["httpGet"]["path"] == "/healthz" and probe["httpGet"]["port"] == "metrics"
 
 
 def test_env_configmap_and_secret_references_exist() -> None:
@@ -161,7 +164,11 @@ def test_statefulset_etcd_is_three_members_behind_a_headless_service() -> None:
     svc = next(s for s in by_kind(objs, "Service") if s["metadata"]["name"] == etcd["spec"]["serviceName"])
     assert svc["spec"]["clusterIP"] == "None"
     store = next(c for c in by_kind(objs, "ConfigMap") if c["metadata"]["name"] == "kvbaton-settings")["data"]["KVBATON_STORE"]
-    assert store == "etcd://" + ",".join(f"etcd-{i}.etcd:2379" for i in range(3))
+    assert store == "etcds://" + ",".join(f"etcd-{i}.etcd:2379" for i in range(3))
+    args = containers(etcd)[0]["command"]
+    for flag in ("--client-cert-auth", "--peer-client-cert-auth"):
+        assert flag in args
+    assert all(not a.startswith(("--listen-client-urls=http:", "--listen-peer-urls=http:")) for a in args)
 
 
 def test_engines_load_the_kvbaton_connector() -> None:
@@ -202,7 +209,8 @@ def test_compose_services_and_dependencies() -> None:
                 assert src in compose.get("volumes", {}), f"{name}: volume {src}"
     for role in ("registrar", "rendezvous", "lease"):
         cmd = services[role]["command"]
-        assert cmd[:2] == ["serve", role] and "etcd://etcd:2379" in cmd
+        assert cmd[:2] == ["serve", role] and "etcds://etcd:2379" in cmd
+        assert {"--tls-cert", "--tls-client-ca", "--tokens", "--etcd-cert"} <= set(cmd)
     for role in ("prefill", "decode"):
         cmd = services[role]["command"]
         cfg = json.loads(cmd[cmd.index("--kv-transfer-config") + 1])
@@ -252,3 +260,65 @@ def test_grafana_queries_use_only_defined_metrics() -> None:
                  "kvbaton_lease_ends_total", "kvbaton_retained_blocks", "kvbaton_store_operation_seconds_bucket",
                  "kvbaton_engines", "kvbaton_engine_registrations_total"):
         assert core in families and core in used, core
+
+
+# -- security (issue 16) ------------------------------------------------------------
+
+def test_no_plaintext_anywhere_in_deploy() -> None:
+    """No --insecure, every control-plane client with TLS and a token, engine ids fixed
+    (tokens are scoped to them; the router binds push transfers to them)."""
+    for path in DEPLOY.rglob("*"):
+        if path.is_file() and path.suffix in (".yaml", ".yml", ".json", ".sh", "") and path.name != "Dockerfile":
+            assert "--insecure" not in path.read_text(errors="replace"), path
+    objs = k8s_objects()
+    for w in by_kind(objs, "Deployment"):
+        for c in containers(w):
+            text = json.dumps(c.get("args", []) + c.get("command", []))
+            comp = w["metadata"]["labels"].get("app.kubernetes.io/component")
+            if comp in ("registrar", "rendezvous", "lease"):
+                assert "--tls-client-ca" in text and "--tokens" in text, comp
+            if comp == "router":
+                assert all(f in text for f in ("--control-plane", "--tls-ca", "--tls-cert", "--token-file",
+                                               "--prefill-engine-id", "--decode-engine-id")), text
+            if w["metadata"]["labels"].get("app.kubernetes.io/name") == "vllm":
+                args = c["args"]
+                extra = json.loads(args[args.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]
+                assert {"control_tls_ca", "control_tls_cert", "control_tls_key", "control_token_file"} <= extra.keys()
+                assert "POD_NAME" not in extra["engine_id"]
+    envoy = yaml.safe_load(next(o for o in by_kind(objs, "ConfigMap") if o["metadata"]["name"] == "kvbaton-envoy")
+                           ["data"]["envoy.yaml"])
+    for res in (envoy, yaml.safe_load((DEPLOY / "envoy" / "envoy.yaml").read_text())):
+        chain = res["static_resources"]["listeners"][0]["filter_chains"][0]
+        assert chain["transport_socket"]["typed_config"]["require_client_certificate"] is True
+        assert all("transport_socket" in cl for cl in res["static_resources"]["clusters"])
+
+
+def test_network_policy_denies_by_default_and_guards_etcd() -> None:
+    policies = {o["metadata"]["name"]: o for o in by_kind(k8s_objects(), "NetworkPolicy")}
+    assert policies["default-deny-ingress"]["spec"]["podSelector"] == {}
+    etcd_rules = policies["etcd"]["spec"]["ingress"]
+    client = next(r for r in etcd_rules if r["ports"][0]["port"] == 2379)
+    assert client["from"][0]["podSelector"]["matchExpressions"][0]["values"] == ["registrar", "rendezvous", "lease"]
+
+
+def test_make_certs_script_makes_a_working_pki(tmp_path) -> None:
+    import shutil
+    import subprocess
+
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl not installed")
+    out = tmp_path / "pki"
+    subprocess.run(["bash", str(DEPLOY / "make-certs.sh"), str(out), "kvbaton"], check=True, timeout=120,
+                   capture_output=True)
+    for name in ("control-plane", "gateway", "etcd", "etcd-client", "prefill-0", "decode-0", "router", "operator"):
+        subprocess.run(["openssl", "verify", "-CAfile", str(out / "ca.crt"), str(out / f"{name}.crt")], check=True,
+                       capture_output=True, timeout=30)
+    from kvbaton.services.auth import TokenBook
+
+    book = TokenBook.load(out / "tokens.json")
+    dec = book.lookup((out / "decode-0.token").read_text().strip())
+    assert dec is not None and dec.role == "engine" and dec.engines == {"decode-0"}
+    secrets = {o["metadata"]["name"]: o for o in yaml.safe_load_all((out / "secrets.yaml").read_text()) if o}
+    base = {o["metadata"]["name"]: o for o in by_kind(k8s_objects(), "Secret")}
+    for name, sec in secrets.items():  # the generated Secrets carry every key the manifests mount
+        assert set(base[name]["stringData"]) <= set(sec["data"]), name

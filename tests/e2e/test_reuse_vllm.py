@@ -125,13 +125,18 @@ class Rig:
             return _post(f"{self.routers[mode]}/v1/completions", body, {"X-Conversation-Id": conv})
         return _post(f"{self.routers[mode]}/v1/completions", {**body, "conversation_id": conv})
 
+    def client(self) -> Any:
+        """A control-plane client for the checks (a secured rig adds credentials)."""
+        from kvbaton.client import KvbatonClient
+
+        return KvbatonClient(self.cp)
+
     def lease(self, conv: str) -> tuple[Any, Any]:
         """(lease info or None, retained registration or None) of a conversation."""
-        from kvbaton.client import KvbatonClient
         from kvbaton.v1 import lease_pb2, registrar_pb2
 
         async def go() -> tuple[Any, Any]:
-            async with KvbatonClient(self.cp) as kv:
+            async with self.client() as kv:
                 res: list[Any] = []
                 for coro in (kv.lease.Get(lease_pb2.GetLeaseRequest(conversation_id=conv), timeout=5),
                              kv.registrar.LookupRetained(registrar_pb2.LookupRetainedRequest(conversation_id=conv),

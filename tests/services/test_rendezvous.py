@@ -23,14 +23,15 @@ async def engines(kv):
     await register(kv, "pre", common_pb2.ENGINE_ROLE_PREFILL, tp_size=2, tp_rank=1)
 
 
-def offer(tid, blocks=(1, 2, 3), attempt=0, timeout_ms=0, engine="dec"):
+def offer(tid, blocks=(1, 2, 3), attempt=0, timeout_ms=0, engine="dec", peer=""):
     return pb.OfferRequest(transfer_id=tid, attempt=attempt, decode_engine_id=engine, block_ids=list(blocks),
-                           num_tokens=16 * len(blocks), timeout_ms=timeout_ms)
+                           num_tokens=16 * len(blocks), timeout_ms=timeout_ms, prefill_engine_id=peer)
 
 
-def complete(tid, blocks=(7, 8, 9), attempt=0, timeout_ms=0, writers=2, engine="pre"):
+def complete(tid, blocks=(7, 8, 9), attempt=0, timeout_ms=0, writers=2, engine="pre", peer=""):
     return pb.CompleteRequest(transfer_id=tid, attempt=attempt, prefill_engine_id=engine, block_ids=list(blocks),
-                              num_tokens=16 * len(blocks), timeout_ms=timeout_ms, writers=writers)
+                              num_tokens=16 * len(blocks), timeout_ms=timeout_ms, writers=writers,
+                              decode_engine_id=peer)
 
 
 class Collector:

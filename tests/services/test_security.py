@@ -90,9 +90,17 @@ async def test_mutual_tls_admits_only_clients_signed_by_the_ca(pki):
         await cp.stop()
 
 
-async def test_plaintext_only_when_asked_for():
-    with pytest.raises(ValueError, match="--insecure"):
-        await _plane(insecure=False)
+async def test_plaintext_only_on_loopback_or_when_asked_for():
+    # Off loopback, plaintext needs --insecure (a person wrote it) ...
+    for address in ("0.0.0.0:0", "[::]:0", "kvbaton.example:0"):
+        with pytest.raises(ValueError, match="--insecure"):
+            await _plane(insecure=False, address=address)
+    # ... on loopback (a laptop) it is the default, with its warning.
+    cp = await _plane(insecure=False, address="127.0.0.1:0")
+    try:
+        assert cp.port > 0
+    finally:
+        await cp.stop()
 
 
 TOKENS = {
@@ -142,7 +150,10 @@ async def test_tokens_authenticate_and_scope(secured):
     assert await _code(reg(c["pre"], "dec", common_pb2.ENGINE_ROLE_DECODE)) == grpc.StatusCode.PERMISSION_DENIED
     assert await _code(reg(c["dec"], "dec", common_pb2.ENGINE_ROLE_DECODE)) == grpc.StatusCode.OK
     assert await _code(reg(c["pre"], "pre", common_pb2.ENGINE_ROLE_PREFILL)) == grpc.StatusCode.OK
-    offer = rendezvous_pb2.OfferRequest(transfer_id="t1", decode_engine_id="dec", block_ids=[1])
+    # (With tokens a transfer must be bound: the offer names its prefill; ownership tests in
+    # tests/services/test_ownership.py.)
+    offer = rendezvous_pb2.OfferRequest(transfer_id="t1", decode_engine_id="dec", block_ids=[1],
+                                        prefill_engine_id="pre")
     assert await _code(c["pre"].rendezvous.Offer(offer, timeout=3)) == grpc.StatusCode.PERMISSION_DENIED
     assert await _code(c["dec"].rendezvous.Offer(offer, timeout=3)) == grpc.StatusCode.OK
     # The refused offer wrote nothing: the only offer is decode's own.

@@ -219,24 +219,25 @@ async def test_session_calls_are_authorized_one_by_one(tmp_path):
         await register(clients["pre"], "pre", common_pb2.ENGINE_ROLE_PREFILL)
         dec, pre = clients["dec"].session, clients["pre"].session
         # Out of scope: refused with the reason; in scope on the same stream: answered.
+        # (With tokens every transfer is bound: each side names its peer.)
         codes = await asyncio.gather(*(_code(c) for c in (
-            dec.offer(offer("a1")),
-            dec.complete(complete("a1")),                                   # decode acting as prefill
-            dec.offer(offer("a2", engine="pre")),                           # as another engine
+            dec.offer(offer("a1", peer="pre")),
+            dec.complete(complete("a1", peer="dec")),                                   # decode acting as prefill
+            dec.offer(offer("a2", engine="pre", peer="pre")),                           # as another engine
             pre.cancel(pb.CancelRequest(transfer_id="a1", engine_id="dec")),
         )))
         assert codes == [grpc.StatusCode.OK, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.PERMISSION_DENIED,
                          grpc.StatusCode.PERMISSION_DENIED]
         with pytest.raises(grpc.aio.AioRpcError) as err:
-            await dec.offer(offer("a2", engine="pre"))
+            await dec.offer(offer("a2", engine="pre", peer="pre"))
         assert "may not offer for engine 'pre'" in err.value.details()
-        r = await pre.complete(complete("a1", writers=1))
+        r = await pre.complete(complete("a1", writers=1, peer="dec"))
         assert r.matched_now  # the refused calls changed nothing
         assert dec.reconnects == 0 and pre.reconnects == 0  # refusals did not break the streams
         # An agent may open the stream but none of its calls pass.
-        assert await _code(clients["agent"].session.offer(offer("a3", engine="dec"))) == grpc.StatusCode.PERMISSION_DENIED
+        assert await _code(clients["agent"].session.offer(offer("a3", engine="dec", peer="pre"))) == grpc.StatusCode.PERMISSION_DENIED
         # No token: the stream itself is refused.
-        assert await _code(clients["none"].session.offer(offer("a4"))) == grpc.StatusCode.UNAUTHENTICATED
+        assert await _code(clients["none"].session.offer(offer("a4", peer="pre"))) == grpc.StatusCode.UNAUTHENTICATED
         state = await clients["dec"].call(clients["dec"].rendezvous.GetTransfer, pb.GetTransferRequest(transfer_id="a1"))
         assert state.phase == P.Value("TRANSFER_PHASE_MATCHED")
         assert await _code(clients["dec"].call(clients["dec"].rendezvous.GetTransfer,
