@@ -149,6 +149,14 @@ class KvbatonSettings:
         "out of command lines. **Per engine.**", shown="`$KVBATON_TOKEN`", secret=True)
     control_token_file: str = setting(
         "", "File holding the bearer token (e.g. a mounted Secret).", shown="`$KVBATON_TOKEN_FILE`")
+    serve_url: str = setting(
+        "", "The engine's own API base URL (`http://host:port`), published with its registration "
+        "(`EngineRank.serve_url`) so a router that follows the registrar routes to it (vLLM's config does not "
+        "carry the API server's address). Empty: not routable by discovery.", shown="none")
+    serve_role: str = setting(
+        "", "The role the engine registers with, i.e. what a router sends it: `prefill`, `decode` or `both`. "
+        "Empty: from vLLM's `kv_role` (`kv_both` registers as both).", shown="from `kv_role`",
+        choices=("", "prefill", "decode", "both"))
 
     def staging_pool(self, device: str) -> tuple[int, int, int, int]:
         """(slot bytes, receive slots, send slots, target chunks) of this engine's pools on

@@ -61,10 +61,12 @@ class KvbatonWorker:
                                   tensors=tensors, tp_size=self.tp_size)
         self._xfer.start()
         rank = registrar_pb2.EngineRank(
-            engine_id=self.settings.engine_id, role=role_of(self.kv_role), tp_size=self.tp_size,
+            engine_id=self.settings.engine_id, tp_size=self.tp_size,
+            role=role_of({"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}.get(
+                self.settings.serve_role, self.kv_role)),
             tp_rank=self.tp_rank, agent_name=self._xfer.name, agent_metadata=self._xfer.metadata,
             geometry=common_pb2.KvGeometry(**layout.to_proto_fields(), **self._head_fields(tensors)),
-            labels={"mode": self.settings.mode})
+            labels={"mode": self.settings.mode}, serve_url=self.settings.serve_url)
         si = self._xfer.staging_info
         if si is not None:  # where peers WRITE staged chunks into us (pack path)
             rank.staging.CopyFrom(common_pb2.KvStaging(base_addr=si.base_addr, slot_bytes=si.slot_bytes,

@@ -1,7 +1,7 @@
 """The ``kvbaton`` command: run the services, and look at / act on what they hold.
 
     kvbaton serve [registrar|rendezvous|lease ...] [--listen H:P] [--store URL]
-    kvbaton leases list|get|revoke|watch ...      kvbaton engines list
+    kvbaton leases list|get|revoke|watch ...      kvbaton engines list | drain ENGINE [--undo]
     kvbaton transfers list                         (human tables, or --json)
     kvbaton top [--metrics URL] [--once]           a live view (engines, transfers, leases, rates)
 """
@@ -91,9 +91,48 @@ async def _leases(args) -> int:
     return 0
 
 
+async def _drain(args) -> int:
+    """Stop new work to an engine, let its in-flight transfers finish (bounded by
+    ``--wait``), then end its retained conversations (their leases are revoked; a lease a
+    reader still pins ends when the read is done, and the engine frees the blocks)."""
+    from kvbaton.v1 import lease_pb2, registrar_pb2, rendezvous_pb2
+
+    async with _client(args) as kv:
+        resp = await kv.call(kv.registrar.DrainEngine, registrar_pb2.DrainEngineRequest(
+            engine_id=args.engine, undo=args.undo, reason=args.reason))
+        out: dict = {"engine_id": args.engine, "draining": not args.undo, "ranks": len(resp.ranks)}
+        if not args.undo:
+            pending = [rendezvous_pb2.TRANSFER_PHASE_OFFERED, rendezvous_pb2.TRANSFER_PHASE_COMPLETED,
+                       rendezvous_pb2.TRANSFER_PHASE_MATCHED]
+            deadline = time.monotonic() + args.wait
+            while True:
+                inflight = await kv.list_transfers(phases=pending, engine_id=args.engine)
+                if not inflight or time.monotonic() >= deadline:
+                    break
+                await asyncio.sleep(0.2)
+            out["in_flight_left"] = len(inflight)
+            leases = await kv.list_leases(engine_id=args.engine)
+            for info in leases:
+                await kv.call(kv.lease.Revoke, lease_pb2.RevokeRequest(
+                    conversation_id=info.conversation_id, lease_id=info.lease_id,
+                    reason=f"engine {args.engine} drained" + (f": {args.reason}" if args.reason else "")))
+            out["conversations_released"] = len(leases)
+        if args.json:
+            print(json.dumps(out))
+        else:
+            print(f"engine {args.engine}: " + ("draining" if not args.undo else "takes new work again")
+                  + f" ({out['ranks']} ranks registered)")
+            if not args.undo:
+                print(f"  in-flight transfers left after {args.wait:g}s: {out['in_flight_left']}; "
+                      f"conversations released: {out['conversations_released']}")
+    return 0
+
+
 async def _engines(args) -> int:
     from kvbaton.v1 import common_pb2
 
+    if args.action == "drain":
+        return await _drain(args)
     async with _client(args) as kv:
         ranks = await kv.list_engines()
         if args.json:
@@ -108,9 +147,10 @@ async def _engines(args) -> int:
             rows = [[r.engine_id, _enum(common_pb2.EngineRole.Name(r.role), "ENGINE_ROLE_"), f"{r.tp_rank}/{r.tp_size}",
                      _kv_heads(r), r.agent_name, str(r.geometry.num_blocks), str(r.geometry.tokens_per_block),
                      f"{r.geometry.bytes_per_block * len(r.geometry.region_base_addrs) * r.geometry.num_blocks / 2**20:.1f}",
-                     r.geometry.device or "?", r.geometry.fingerprint[:16]] for r in ranks]
+                     r.geometry.device or "?", r.geometry.fingerprint[:16], r.serve_url or "-",
+                     "draining" if r.draining else "serving"] for r in ranks]
             print(_table(rows, ["ENGINE", "ROLE", "RANK", "KV_HEADS", "AGENT", "BLOCKS", "TOK/BLK", "KV_MIB", "DEVICE",
-                                "FINGERPRINT"]))
+                                "FINGERPRINT", "URL", "STATE"]))
     return 0
 
 
@@ -260,6 +300,13 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("engines", help="registered engines")
     esub = e.add_subparsers(dest="action", required=True)
     client_args(esub.add_parser("list"))
+    ed = esub.add_parser("drain", help="stop new work to an engine, let in-flight finish, release its conversations")
+    client_args(ed)
+    ed.add_argument("engine")
+    ed.add_argument("--undo", action="store_true", help="end the drain: the engine takes new work again")
+    ed.add_argument("--reason", default="", help="shown with the drain")
+    ed.add_argument("--wait", type=float, default=30.0,
+                    help="seconds to wait for the engine's in-flight transfers before releasing (default 30)")
     e.set_defaults(func=lambda a: asyncio.run(_engines(a)))
 
     t = sub.add_parser("transfers", help="pending and recent transfers")

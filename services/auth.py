@@ -166,6 +166,7 @@ RULES: dict[str, Rule] = {
     "/kvbaton.v1.Registrar/LookupRetained": _roles(*READERS, verb="look up retained blocks"),
     # (whose registration it is: services/api/ownership.py)
     "/kvbaton.v1.Registrar/ReleaseRetained": _roles("engine", "operator", verb="release retained blocks"),
+    "/kvbaton.v1.Registrar/DrainEngine": _roles("operator", verb="drain engines"),
     "/kvbaton.v1.Rendezvous/Offer": _engine_field("decode_engine_id", "offer"),
     "/kvbaton.v1.Rendezvous/Complete": _engine_field("prefill_engine_id", "complete"),
     "/kvbaton.v1.Rendezvous/Subscribe": _engine_field("engine_id", "subscribe"),

@@ -290,6 +290,20 @@ class RouterMetrics:
             "kvbaton_router_missing_transfer_params_total",
             "Pull dispatches where prefill returned no kv_transfer_params (decode recomputes the prompt).",
             registry=registry)
+        self.decode_choices = Counter(
+            "kvbaton_router_decode_choices_total",
+            "Decode engine choices by reason (affinity: the engine holding the conversation's KV; "
+            "no_history, holder_overloaded, holder_unavailable: the least loaded).",
+            ["reason"], registry=registry)
+        self.retries = Counter(
+            "kvbaton_router_retries_total",
+            "Requests re-sent (new transfer attempt, another engine) after an engine failed before "
+            "any token was streamed, by the leg that failed.",
+            ["leg"], registry=registry)
+        self.decision_seconds = Histogram(
+            "kvbaton_router_decision_seconds",
+            "Time the router spends choosing a prefill and a decode engine (in-process, no I/O).",
+            buckets=(1e-6, 2e-6, 5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 5e-3), registry=registry)
 
 
 class ConnectorMetrics:

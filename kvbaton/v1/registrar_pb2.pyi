@@ -10,7 +10,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class EngineRank(_message.Message):
-    __slots__ = ("engine_id", "role", "tp_size", "tp_rank", "agent_name", "agent_metadata", "geometry", "labels", "registered_at_ms", "incarnation", "staging")
+    __slots__ = ("engine_id", "role", "tp_size", "tp_rank", "agent_name", "agent_metadata", "geometry", "labels", "registered_at_ms", "incarnation", "staging", "serve_url", "draining")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -29,6 +29,8 @@ class EngineRank(_message.Message):
     REGISTERED_AT_MS_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     STAGING_FIELD_NUMBER: _ClassVar[int]
+    SERVE_URL_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     role: _common_pb2.EngineRole
     tp_size: int
@@ -40,7 +42,9 @@ class EngineRank(_message.Message):
     registered_at_ms: int
     incarnation: str
     staging: _common_pb2.KvStaging
-    def __init__(self, engine_id: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.EngineRole, str]] = ..., tp_size: _Optional[int] = ..., tp_rank: _Optional[int] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., geometry: _Optional[_Union[_common_pb2.KvGeometry, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., registered_at_ms: _Optional[int] = ..., incarnation: _Optional[str] = ..., staging: _Optional[_Union[_common_pb2.KvStaging, _Mapping]] = ...) -> None: ...
+    serve_url: str
+    draining: bool
+    def __init__(self, engine_id: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.EngineRole, str]] = ..., tp_size: _Optional[int] = ..., tp_rank: _Optional[int] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., geometry: _Optional[_Union[_common_pb2.KvGeometry, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., registered_at_ms: _Optional[int] = ..., incarnation: _Optional[str] = ..., staging: _Optional[_Union[_common_pb2.KvStaging, _Mapping]] = ..., serve_url: _Optional[str] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class RegisterEngineRequest(_message.Message):
     __slots__ = ("rank", "ttl_ms")
@@ -201,3 +205,19 @@ class ReleaseRetainedResponse(_message.Message):
     RELEASED_FIELD_NUMBER: _ClassVar[int]
     released: bool
     def __init__(self, released: _Optional[bool] = ...) -> None: ...
+
+class DrainEngineRequest(_message.Message):
+    __slots__ = ("engine_id", "undo", "reason")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    UNDO_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    undo: bool
+    reason: str
+    def __init__(self, engine_id: _Optional[str] = ..., undo: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class DrainEngineResponse(_message.Message):
+    __slots__ = ("ranks",)
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    ranks: _containers.RepeatedCompositeFieldContainer[EngineRank]
+    def __init__(self, ranks: _Optional[_Iterable[_Union[EngineRank, _Mapping]]] = ...) -> None: ...

@@ -80,6 +80,11 @@ class RegistrarStub:
                 request_serializer=kvbaton_dot_v1_dot_registrar__pb2.ReleaseRetainedRequest.SerializeToString,
                 response_deserializer=kvbaton_dot_v1_dot_registrar__pb2.ReleaseRetainedResponse.FromString,
                 _registered_method=True)
+        self.DrainEngine = channel.unary_unary(
+                '/kvbaton.v1.Registrar/DrainEngine',
+                request_serializer=kvbaton_dot_v1_dot_registrar__pb2.DrainEngineRequest.SerializeToString,
+                response_deserializer=kvbaton_dot_v1_dot_registrar__pb2.DrainEngineResponse.FromString,
+                _registered_method=True)
 
 
 class RegistrarServicer:
@@ -145,6 +150,15 @@ class RegistrarServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DrainEngine(self, request, context):
+        """Operators: stop new work to an engine (routers skip a draining engine; a draining
+        decode engine may retain no new conversation). Kept across the engine's
+        re-registrations until undone.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RegistrarServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -192,6 +206,11 @@ def add_RegistrarServicer_to_server(servicer, server):
                     servicer.ReleaseRetained,
                     request_deserializer=kvbaton_dot_v1_dot_registrar__pb2.ReleaseRetainedRequest.FromString,
                     response_serializer=kvbaton_dot_v1_dot_registrar__pb2.ReleaseRetainedResponse.SerializeToString,
+            ),
+            'DrainEngine': grpc.unary_unary_rpc_method_handler(
+                    servicer.DrainEngine,
+                    request_deserializer=kvbaton_dot_v1_dot_registrar__pb2.DrainEngineRequest.FromString,
+                    response_serializer=kvbaton_dot_v1_dot_registrar__pb2.DrainEngineResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -437,6 +456,33 @@ class Registrar:
             '/kvbaton.v1.Registrar/ReleaseRetained',
             kvbaton_dot_v1_dot_registrar__pb2.ReleaseRetainedRequest.SerializeToString,
             kvbaton_dot_v1_dot_registrar__pb2.ReleaseRetainedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DrainEngine(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvbaton.v1.Registrar/DrainEngine',
+            kvbaton_dot_v1_dot_registrar__pb2.DrainEngineRequest.SerializeToString,
+            kvbaton_dot_v1_dot_registrar__pb2.DrainEngineResponse.FromString,
             options,
             channel_credentials,
             insecure,

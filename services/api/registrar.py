@@ -68,3 +68,8 @@ class RegistrarServicer(pb_grpc.RegistrarServicer):
         retention_id = await self.ownership.may_release(request.conversation_id, request.retention_id)
         released = await self.domain.release_retained(request.conversation_id, retention_id)
         return pb.ReleaseRetainedResponse(released=released)
+
+    @unary
+    async def DrainEngine(self, request: pb.DrainEngineRequest, context):
+        ranks = await self.domain.drain_engine(request.engine_id, undo=request.undo, reason=request.reason)
+        return pb.DrainEngineResponse(ranks=ranks)

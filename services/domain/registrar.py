@@ -29,7 +29,7 @@ from kvbaton.v1 import common_pb2 as cpb
 from kvbaton.v1 import registrar_pb2 as pb
 
 from ..metrics import ServiceMetrics
-from ..store.base import Compare, Delete, EventType, LeaseNotFoundError, Put, Store
+from ..store.base import Compare, Delete, EventType, KeyValue, LeaseNotFoundError, Put, Store
 from . import limits, paging
 from .clock import Clock, WallClock
 from .errors import Code, DomainError, denied, invalid, not_found, precondition
@@ -108,6 +108,11 @@ class RegistrarService:
     def _rkey(self, conversation_id: str) -> bytes:
         return self.prefix + b"r/" + conversation_id.encode()
 
+    def _dkey(self, engine_id: str) -> bytes:
+        """The drain marker: outlives the engine's rank records (no lease), so an engine
+        that re-registers while drained stays drained."""
+        return self.prefix + b"d/" + engine_id.encode()
+
     # -- engines -----------------------------------------------------------
     async def register_engine(self, rank: pb.EngineRank, ttl_ms: int, *, owner: str = "") -> tuple[pb.EngineRank, int]:
         """``owner``: the caller's identity ("" = unauthenticated: not recorded, not checked)."""
@@ -129,6 +134,10 @@ class RegistrarService:
             if why:
                 raise invalid(f"geometry.total_kv_heads: {why}")
         limits.check_labels("labels", dict(rank.labels))
+        if rank.serve_url and (not rank.serve_url.startswith(("http://", "https://"))
+                               or len(rank.serve_url) > limits.MAX_LABEL_BYTES):
+            raise invalid(f"serve_url {rank.serve_url[:80]!r} must be an http(s):// URL of at most "
+                          f"{limits.MAX_LABEL_BYTES} bytes")
         ttl = limits.check_range("ttl_ms", ttl_ms, limits.MIN_ENGINE_TTL_MS, limits.MAX_ENGINE_TTL_MS,
                                  default=limits.DEFAULT_ENGINE_TTL_MS)
         peers, _ = await self.store.range(self._ekey(rank.engine_id))
@@ -145,6 +154,7 @@ class RegistrarService:
         rec.registered_at_ms = self.clock.now_ms()
         rec.incarnation = secrets.token_hex(8)
         await self._check_owner(rank.engine_id, owner, "be registered again")
+        rec.draining = await self.store.get(self._dkey(rank.engine_id)) is not None
         key = self._ekey(rank.engine_id, rank.tp_rank)
         limit = self.store.max_request_bytes
         if limit and rec.ByteSize() + len(key) + 64 > limit:
@@ -195,6 +205,52 @@ class RegistrarService:
         if kvs:
             log.info("engine.deregistered", engine_id=engine_id, ranks=len(kvs))
         return len(kvs)
+
+    async def drain_engine(self, engine_id: str, *, undo: bool = False, reason: str = "") -> list[pb.EngineRank]:
+        """Mark (or unmark) every rank of ``engine_id`` draining.
+
+        The marker is written first, then each rank record is rewritten under its own
+        liveness lease (a record that changed meanwhile is read again), so a watcher sees
+        one PUT per rank with ``draining`` set. Draining an engine that is not registered
+        is allowed (it may be restarting) and returns no ranks.
+        """
+        limits.check_id("engine_id", engine_id)
+        if len(reason) > limits.MAX_REASON_BYTES:
+            raise invalid(f"reason is {len(reason)} bytes; the limit is {limits.MAX_REASON_BYTES}")
+        dkey = self._dkey(engine_id)
+        if undo:
+            await self.store.delete(dkey)
+        else:
+            await self.store.put(dkey, reason.encode())
+        out: list[pb.EngineRank] = []
+        kvs, _ = await self.store.range(self._ekey(engine_id))
+        for kv in kvs:
+            rec = await self._set_draining(engine_id, kv, not undo)
+            if rec is not None:
+                out.append(rec)
+        log.info("engine.drain", engine_id=engine_id, undo=undo, ranks=len(out), reason=reason)
+        return out
+
+    async def _set_draining(self, engine_id: str, kv: KeyValue, draining: bool) -> pb.EngineRank | None:
+        """Rewrite one rank record with ``draining`` (under its own liveness lease);
+        None when the rank went away meanwhile."""
+        for _ in range(16):
+            rec = pb.EngineRank.FromString(kv.value)
+            if rec.draining == draining:
+                return rec
+            rec.draining = draining
+            result = await self.store.txn([Compare.unchanged(kv, kv.key)],
+                                          [Put(kv.key, rec.SerializeToString(), lease=kv.lease)])
+            if result.succeeded:
+                return rec
+            fresh = await self.store.get(kv.key)
+            if fresh is None:
+                return None
+            kv = fresh
+        raise DomainError(Code.ABORTED, f"engine {engine_id} kept changing; retry the drain")
+
+    async def is_draining(self, engine_id: str) -> bool:
+        return await self.store.get(self._dkey(engine_id)) is not None
 
     async def get_engine(self, engine_id: str) -> list[pb.EngineRank]:
         limits.check_id("engine_id", engine_id)
@@ -279,9 +335,13 @@ class RegistrarService:
         ranks = await self.store.range(self._ekey(retained.engine_id), limit=1)
         if not ranks[0]:
             raise not_found(f"engine {retained.engine_id} is not registered")
-        role = pb.EngineRank.FromString(ranks[0][0].value).role
-        if role not in (cpb.ENGINE_ROLE_DECODE, cpb.ENGINE_ROLE_BOTH):
+        first = pb.EngineRank.FromString(ranks[0][0].value)
+        if first.role not in (cpb.ENGINE_ROLE_DECODE, cpb.ENGINE_ROLE_BOTH):
             raise precondition(f"engine {retained.engine_id} is not a decode engine")
+        if first.draining or await self.is_draining(retained.engine_id):
+            # The engine frees the blocks when this is refused: a drained engine ends up
+            # holding no conversation.
+            raise precondition(f"engine {retained.engine_id} is draining: it retains no new conversation")
         key = self._rkey(retained.conversation_id)
         for _ in range(16):
             old = await self.store.get(key)

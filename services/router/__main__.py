@@ -1,15 +1,21 @@
-"""``python -m kvbaton.services.router --prefill URL --decode URL --mode pull|push --port P [--control-plane H:P]
-[--otlp-endpoint URL] [--prefill-engine-id ID --decode-engine-id ID] [--tls-ca F --tls-cert F --tls-key F
+"""``python -m kvbaton.services.router [--prefill [ID=]URL ...] [--decode [ID=]URL ...] --mode pull|push --port P
+[--control-plane H:P [--no-discover]] [--slack N] [--otlp-endpoint URL] [--tls-ca F --tls-cert F --tls-key F
 --token T | --token-file F]``.
 
-The engine ids bind push transfers: the router names the decode to prefill and the
-prefill to decode, and the control plane matches a transfer only between the two
-(README "Security")."""
+Engines: every ``--prefill`` / ``--decode`` given (repeatable; ``ID=URL`` names the engine
+as it registers, so the router can tell which URL holds a conversation's KV) and, with a
+control plane, every engine registered there with a ``serve_url`` (followed live).
+
+Push transfers are bound to the chosen pair by the engines' registered ids (discovered, or
+``ID=URL``; ``--prefill-engine-id``/``--decode-engine-id`` name a one-pair router's engines):
+the control plane matches a transfer only between the two (README "Security").
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 
 from aiohttp import web
 
@@ -21,8 +27,19 @@ from .app import build_app
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="kvbaton-router", description=__doc__)
-    ap.add_argument("--prefill", required=True, help="prefill engine base URL")
-    ap.add_argument("--decode", required=True, help="decode engine base URL")
+    ap.add_argument("--prefill", action="append", default=[], metavar="[ID=]URL",
+                    help="a prefill engine's base URL (repeatable)")
+    ap.add_argument("--decode", action="append", default=[], metavar="[ID=]URL",
+                    help="a decode engine's base URL (repeatable)")
+    ap.add_argument("--no-discover", action="store_true",
+                    help="with a control plane: route over the static lists only (no registrar watch)")
+    ap.add_argument("--slack", type=int, default=4,
+                    help="keep a conversation on the decode holding its KV unless that engine has more than "
+                         "this many requests beyond the least loaded decode (default 4)")
+    ap.add_argument("--suspect-s", type=float, default=5.0,
+                    help="after a transport error, send an engine nothing new for this long (default 5)")
+    ap.add_argument("--no-retry", action="store_true",
+                    help="do not re-send a request whose engine failed before answering")
     ap.add_argument("--mode", choices=("pull", "push"), default="pull")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
@@ -47,9 +64,13 @@ def main(argv: list[str] | None = None) -> None:
         logging.getLogger("kvbaton.router").info("tracing: OTLP spans to %s",
                                                  args.otlp_endpoint or f"${tracing.ENV_ENDPOINT}")
     try:
+        discover = False if args.no_discover else None
+        if not (args.prefill and args.decode) and not (args.control_plane or os.environ.get("KVBATON_CONTROL_PLANE")):
+            ap.error("give --prefill and --decode engines, or --control-plane to discover them")
         web.run_app(build_app(args.prefill, args.decode, args.mode, control_plane=args.control_plane,
-                              security=creds, prefill_engine_id=args.prefill_engine_id,
-                              decode_engine_id=args.decode_engine_id),
+                              discover=discover, slack=args.slack, suspect_s=args.suspect_s,
+                              retry=not args.no_retry, security=creds,
+                              prefill_engine_id=args.prefill_engine_id, decode_engine_id=args.decode_engine_id),
                     host=args.host, port=args.port, print=None, access_log=None)
     finally:
         tracing.shutdown()  # flush the last spans

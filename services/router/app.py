@@ -1,39 +1,59 @@
-"""A small OpenAI-compatible P/D proxy (aiohttp).
+"""A small OpenAI-compatible P/D proxy (aiohttp) over a fleet of engines.
 
-Pull: the prompt goes to prefill with ``max_tokens=1`` and ``kv_transfer_params =
+Engines: static lists (``--prefill [ID=]URL`` any number of times, same for ``--decode``)
+and/or every engine the registrar lists with a ``serve_url`` (``WatchEngines``: an engine
+whose registration ends gets nothing new as soon as the event arrives; a draining one gets
+nothing new). Per request the router chooses a prefill and a decode engine with
+``choice.Fleet`` (least outstanding prefill tokens; the decode holding the conversation's KV
+unless it is overloaded beyond the slack, else the least loaded).
+
+Pull: the prompt goes to the chosen prefill with ``max_tokens=1`` and ``kv_transfer_params =
 {"do_remote_decode": true, "transfer_id": ...}``; prefill's response carries the
 ``kv_transfer_params`` (its engine id and held block ids) which the router forwards with
-the original request to decode, streaming or not. Upstream status codes and error bodies
-are relayed as they are, so a client sees vLLM's own errors.
+the original request to the chosen decode, streaming or not. Upstream status codes and
+error bodies are relayed as they are, so a client sees vLLM's own errors.
 
 Push: both legs are sent at once with one fresh ``transfer_id`` (the decode leg carries
 ``do_remote_prefill`` + ``transfer_mode=push``); the engines meet at the control plane.
 
-Conversations (bidirectional reuse): a request naming a conversation (``conversation_id``
-in the body, or the ``X-Conversation-Id`` header) has its decode leg carry the id, so
-decode keeps the turn's KV under a lease. On the next turn the router renews that lease
-and looks up the retained blocks (``Lease.Renew`` + ``Registrar.LookupRetained``, at once,
-bounded by ``lookup_timeout_s``); when the lease is live and protects that registration it
-hands them to prefill as ``kv_transfer_params.reuse`` (prefill decides whether to READ).
-A control plane that is slow or down only costs the reuse: the request goes on without it.
+Failures: an engine that fails at the transport level (connection refused or dropped,
+timeout) before any byte of the answer reached the client is marked suspect and the
+request is sent once more, as a new transfer (new ``transfer_id``), to other engines; the
+client sees one answer. The failed leg's partner is cancelled (push) so it frees its blocks.
+
+Conversations (bidirectional reuse): a request names a conversation with ``conversation_id``
+in the body or the ``X-Conversation-Id`` / ``X-Session-ID`` header (all the same thing; two
+that disagree are a 400). Its decode leg carries the id, so decode keeps the turn's KV
+under a lease. On the next turn the router renews that lease and looks up the retained
+blocks (``Lease.Renew`` + ``Registrar.LookupRetained``, at once, bounded by
+``lookup_timeout_s``); when the lease is live and protects that registration, the holding
+decode is preferred and the blocks go to the chosen prefill as ``kv_transfer_params.reuse``
+(prefill decides whether to READ). All of this lives in the control plane, so two router
+replicas serve one conversation alternately with reuse intact. A control plane that is slow
+or down only costs the reuse: the request goes on without it.
 
 Observability: ``/metrics`` (Prometheus text) exports ``kvbaton_router_*``
-(``kvbaton.services.metrics.RouterMetrics``): requests by mode and status returned, leg
-latencies, upstream errors, pull dispatches without ``kv_transfer_params``. With tracing
-on (``kvbaton.services.tracing``) each request is a ``kvbaton.router.request`` span with
-a child per engine leg, whose ``traceparent`` goes to the engine as an HTTP header and as
-``kv_transfer_params["traceparent"]`` (the connector forwards it on its gRPC calls).
+(``kvbaton.services.metrics.RouterMetrics``); ``/kvbaton/stats`` counts; ``/kvbaton/fleet``
+the engines (role, URL, draining, suspect, outstanding load) and the decision cost. Every
+answer carries ``X-Kvbaton-Prefill`` / ``X-Kvbaton-Decode`` (engine ids) and
+``X-Kvbaton-Reuse-Tokens`` (tokens offered to prefill from decode's retained KV). With
+tracing on (``kvbaton.services.tracing``) each request is a ``kvbaton.router.request`` span
+with a child per engine leg, whose ``traceparent`` goes to the engine as an HTTP header and
+as ``kv_transfer_params["traceparent"]`` (the connector forwards it on its gRPC calls).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import copy
+import dataclasses
 import json
 import logging
 import os
 import time
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 import aiohttp
@@ -44,6 +64,15 @@ from kvbaton import params
 from kvbaton.services import tracing
 from kvbaton.services.metrics import RouterMetrics, router_metrics
 
+from .choice import (
+    ROLE_DECODE,
+    ROLE_PREFILL,
+    Choice,
+    Engine,
+    Fleet,
+    estimate_prompt_tokens,
+)
+
 log = logging.getLogger("kvbaton.router")
 
 _HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "content-encoding", "keep-alive"}
@@ -52,6 +81,10 @@ _UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
 # saw the upstream's status, then a broken stream), and of a client that went away.
 STATUS_ABORTED = "aborted"
 STATUS_CLIENT_GONE = "499"
+#: Headers that name the conversation, besides the body's ``conversation_id``.
+CONVERSATION_HEADERS = ("X-Conversation-Id", "X-Session-ID")
+#: How many decision times ``/kvbaton/fleet`` summarises (p50/p99).
+_DECISIONS_KEPT = 4096
 
 
 class _StreamBroken(Exception):
@@ -59,18 +92,100 @@ class _StreamBroken(Exception):
     connection (what aiohttp does with a handler's exception) can tell the client."""
 
 
-class Router:
-    """Holds the upstream URLs and one shared HTTP session."""
+class _BadRequest(Exception):
+    pass
 
-    def __init__(self, prefill_url: str, decode_url: str, mode: str = "pull", *,
-                 timeout_s: float = 300.0, control_plane: str = "", lookup_timeout_s: float = 1.0,
-                 metrics: RouterMetrics | None = None, security: Any = None,
-                 prefill_engine_id: str = "", decode_engine_id: str = "") -> None:
+
+@dataclasses.dataclass
+class _Retry:
+    """An attempt that failed at an engine before anything reached the client."""
+
+    engine: Engine
+    leg: str
+    response: web.Response  # what the client gets if no retry is possible
+
+
+@dataclasses.dataclass
+class _Opened:
+    """A decode response whose first bytes (all of it, unless streaming) have arrived."""
+
+    r: aiohttp.ClientResponse
+    first: bytes
+    complete: bool
+    engine: Engine
+    t0: float  # perf_counter at the leg's start
+
+
+def parse_engine_spec(spec: str) -> tuple[str, str]:
+    """``ID=URL`` or ``URL`` (the URL is then also the id) → (id, url)."""
+    spec = spec.strip()
+    eid, sep, url = spec.partition("=")
+    if not sep or "://" in eid:
+        eid, url = spec.rstrip("/"), spec
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(f"engine {spec!r}: expected [ID=]http(s)://host:port")
+    return eid, url.rstrip("/")
+
+
+def named(engine: Engine) -> bool:
+    """Whether ``engine`` carries its registered engine id (a static engine given by URL
+    alone is known by its URL, which the control plane does not know)."""
+    return "://" not in engine.engine_id
+
+
+def bind_engine_ids(specs: Sequence[str], engine_id: str, flag: str) -> list[str]:
+    """``--prefill-engine-id ID`` with one ``--prefill URL``: the same as ``--prefill ID=URL``."""
+    if not engine_id:
+        return list(specs)
+    if len(specs) != 1 or "=" in specs[0].split("://", 1)[0]:
+        raise ValueError(f"--{flag}-engine-id names the one --{flag} URL given without an id; "
+                         f"with several engines write --{flag} ID=URL")
+    return [f"{engine_id}={specs[0]}"]
+
+
+def conversation_of(body: dict[str, Any], headers: Any) -> str:
+    """The conversation id from the body and the headers agent frameworks send; they
+    name one thing, so two different ids are a client error."""
+    named = {}
+    raw = body.pop("conversation_id", None)
+    if raw not in (None, ""):
+        named["body conversation_id"] = str(raw)
+    for h in CONVERSATION_HEADERS:
+        v = headers.get(h)
+        if v:
+            named[f"header {h}"] = v
+    if len(set(named.values())) > 1:
+        raise _BadRequest("conversation named differently by " + ", ".join(f"{k}={v!r}" for k, v in named.items()))
+    return next(iter(named.values()), "")
+
+
+def _error(status: int, message: str, kind: str) -> web.Response:
+    return web.json_response({"error": {"message": message, "type": kind, "code": status}}, status=status)
+
+
+class Router:
+    """The fleet, one shared HTTP session, and the control-plane client (when given)."""
+
+    def __init__(self, prefill_url: str | Sequence[str] = (), decode_url: str | Sequence[str] = (),
+                 mode: str = "pull", *, timeout_s: float = 300.0, control_plane: str = "",
+                 lookup_timeout_s: float = 1.0, metrics: RouterMetrics | None = None,
+                 discover: bool | None = None, slack: int = 4, suspect_s: float = 5.0,
+                 retry: bool = True, security: Any = None) -> None:
         if mode not in ("pull", "push"):
             raise ValueError(f"mode must be pull or push, got {mode!r}")
-        self.prefill_url = prefill_url.rstrip("/")
-        self.decode_url = decode_url.rstrip("/")
+        prefills = [prefill_url] if isinstance(prefill_url, str) else list(prefill_url)
+        decodes = [decode_url] if isinstance(decode_url, str) else list(decode_url)
+        self.discover = bool(control_plane) if discover is None else discover
+        if self.discover and not control_plane:
+            raise ValueError("discovery needs a control plane")
+        if not self.discover and not (prefills and decodes):
+            raise ValueError("no engines: give --prefill and --decode URLs, or a control plane to discover them")
+        self.fleet = Fleet(slack=slack, suspect_s=suspect_s, discovering=self.discover)
+        for role, specs in ((ROLE_PREFILL, prefills), (ROLE_DECODE, decodes)):
+            for spec in specs:
+                self.fleet.add_static(*parse_engine_spec(spec), role)
         self.mode = mode
+        self.retry = retry
         self.timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=10)
         self._session: aiohttp.ClientSession | None = None
         self.control_plane = control_plane
@@ -78,17 +193,33 @@ class Router:
         self._kv: Any = None  # KvbatonClient, made on the app's loop
         # kvbaton.security.ClientSecurity for the control plane (None: from the environment).
         self.security = security
-        # Push transfers name both sides (kv_transfer_params), so the control plane matches
-        # them only between this pair; empty: unbound (refused where tokens require binding).
-        self.prefill_engine_id = prefill_engine_id
-        self.decode_engine_id = decode_engine_id
-        self.stats: dict[str, int] = {"conversation_turns": 0, "reuse_offered": 0, "reuse_unavailable": 0}
+        self._watch: asyncio.Task[None] | None = None
+        self.discovered = asyncio.Event()
+        self.stats: dict[str, Any] = {
+            "conversation_turns": 0, "reuse_offered": 0, "reuse_unavailable": 0, "reuse_holder_unusable": 0,
+            "retries": 0, "no_engine": 0, "decode_affinity": 0, "decode_no_history": 0,
+            "decode_holder_overloaded": 0, "decode_holder_unavailable": 0,
+            "served": collections.Counter()}
+        # Wall time (what a request waits) and this thread's CPU time (the work itself: on a
+        # loaded machine the wall time also holds the moments the process was not running).
+        self.decisions_ns: collections.deque[int] = collections.deque(maxlen=_DECISIONS_KEPT)
+        self.decisions_cpu_ns: collections.deque[int] = collections.deque(maxlen=_DECISIONS_KEPT)
         self.metrics = metrics or router_metrics()
         # Series that exist from the first scrape (rate() sees 0 rather than "no data").
         for leg in ("prefill", "decode"):
             self.metrics.upstream_errors.labels(leg)
+            self.metrics.retries.labels(leg)
         for leg in ("prefill", "decode", "total"):
             self.metrics.request_seconds.labels(mode, leg)
+
+    # Backwards-compatible views: the single engine of a one-pair router.
+    @property
+    def prefill_url(self) -> str:
+        return next((e.url for e in self.fleet.routable(ROLE_PREFILL, time.monotonic())), "")
+
+    @property
+    def decode_url(self) -> str:
+        return next((e.url for e in self.fleet.routable(ROLE_DECODE, time.monotonic())), "")
 
     async def start(self, app: web.Application) -> None:
         self._session = aiohttp.ClientSession(timeout=self.timeout)
@@ -98,8 +229,19 @@ class Router:
             creds = self.security if self.security is not None else ClientSecurity.resolve()
             self._kv = creds.client(self.control_plane, timeout_s=self.lookup_timeout_s)
             log.info("control plane %s (%s)", self.control_plane, creds.describe())
+            if self.discover:
+                from .discovery import follow_registrar
+
+                self._watch = asyncio.create_task(follow_registrar(self._kv, self.fleet, ready=self.discovered))
+                try:  # the first listing, so that the first request has engines to go to
+                    await asyncio.wait_for(self.discovered.wait(), 5.0)
+                except TimeoutError:
+                    log.warning("no engine listing from the control plane yet; serving on static engines only")
 
     async def stop(self, app: web.Application) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            await asyncio.gather(self._watch, return_exceptions=True)
         if self._session is not None:
             await self._session.close()
         if self._kv is not None:
@@ -146,19 +288,47 @@ class Router:
 
     # ------------------------------------------------------------------ handlers
     async def health(self, request: web.Request) -> web.Response:
-        """200 only when both engines answer /health (a router in front of a dead engine is not healthy)."""
+        """200 when at least one prefill and one decode engine answer /health."""
         async def ok(url: str) -> bool:
             try:
                 async with self.session.get(f"{url}/health", timeout=aiohttp.ClientTimeout(total=5)) as r:
                     return r.status == 200
             except (TimeoutError, aiohttp.ClientError):
                 return False
-        p, d = await asyncio.gather(ok(self.prefill_url), ok(self.decode_url))
-        return web.json_response({"prefill": p, "decode": d}, status=200 if p and d else 503)
+        now = time.monotonic()
+        engines = {e.engine_id: e for role in (ROLE_PREFILL, ROLE_DECODE) for e in self.fleet.routable(role, now)}
+        answers = dict(zip(engines, await asyncio.gather(*(ok(e.url) for e in engines.values()))))
+        p = any(answers[i] for i, e in engines.items() if e.serves(ROLE_PREFILL))
+        d = any(answers[i] for i, e in engines.items() if e.serves(ROLE_DECODE))
+        return web.json_response({"prefill": p, "decode": d, "engines": answers}, status=200 if p and d else 503)
 
     async def models(self, request: web.Request) -> web.StreamResponse:
-        async with self.session.get(f"{self.decode_url}/v1/models") as r:
+        url = self.decode_url
+        if not url:
+            return _error(503, "no decode engine available", "ServiceUnavailable")
+        async with self.session.get(f"{url}/v1/models") as r:
             return web.Response(status=r.status, body=await r.read(), content_type="application/json")
+
+    async def fleet_endpoint(self, request: web.Request) -> web.Response:
+        """The engines this router routes over and its decision cost (µs, p50/p99; wall
+        time and CPU time)."""
+        def summary(xs: collections.deque[int]) -> dict[str, float | int | None]:
+            ds = sorted(xs)
+
+            def pct(q: float) -> float | None:
+                return ds[min(len(ds) - 1, int(q * len(ds)))] / 1000 if ds else None
+            return {"n": len(ds), "p50": pct(0.5), "p99": pct(0.99)}
+
+        return web.json_response({"mode": self.mode, "discover": self.discover,
+                                  "engines": self.fleet.snapshot(time.monotonic()),
+                                  "decision_us": summary(self.decisions_ns),
+                                  "decision_cpu_us": summary(self.decisions_cpu_ns)})
+
+    async def stats_endpoint(self, request: web.Request) -> web.Response:
+        return web.json_response(self.stats_json())
+
+    def stats_json(self) -> dict[str, Any]:
+        return {**self.stats, "served": {f"{p}>{d}": n for (p, d), n in self.stats["served"].items()}}
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._dispatch(request, "/v1/completions")
@@ -196,8 +366,7 @@ class Router:
         """A transport error or timeout talking to an engine: 502 with the reason."""
         self.metrics.upstream_errors.labels(leg).inc()
         log.warning("%s leg for %s failed: %r", leg, transfer_id, exc)
-        return web.json_response({"error": {"message": f"{leg} engine unreachable: {type(exc).__name__}: {exc}",
-                                            "type": "BadGateway", "code": 502}}, status=502)
+        return _error(502, f"{leg} engine unreachable: {type(exc).__name__}: {exc}", "BadGateway")
 
     @staticmethod
     def _trace_leg(body: dict[str, Any]) -> dict[str, str] | None:
@@ -210,28 +379,77 @@ class Router:
             body["kv_transfer_params"][params.TRACEPARENT] = tp
         return {tracing.TRACEPARENT: tp}
 
+    def _choose(self, holder: str, exclude: set[str]) -> Choice:
+        c0, t0 = time.thread_time_ns(), time.perf_counter_ns()
+        choice = self.fleet.choose(time.monotonic(), holder, exclude)
+        dt = time.perf_counter_ns() - t0
+        self.decisions_ns.append(dt)
+        self.decisions_cpu_ns.append(time.thread_time_ns() - c0)
+        self.metrics.decision_seconds.observe(dt / 1e9)
+        if choice.reason is not None:
+            self.metrics.decode_choices.labels(choice.reason.value).inc()
+        return choice
+
     async def _dispatch_body(self, request: web.Request, path: str, sp: Any) -> web.StreamResponse:
         try:
             body: dict[str, Any] = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError):
-            return web.json_response({"error": {"message": "body is not JSON", "type": "BadRequestError",
-                                                "code": 400}}, status=400)
+            return _error(400, "body is not JSON", "BadRequestError")
         if not isinstance(body, dict):
-            return web.json_response({"error": {"message": f"body must be a JSON object, not {type(body).__name__}",
-                                                "type": "BadRequestError", "code": 400}}, status=400)
-        transfer_id = uuid.uuid4().hex  # fresh per dispatch: a retry is a new transfer
-        conv = body.pop("conversation_id", None) or request.headers.get("X-Conversation-Id")
-        conv = str(conv) if conv else ""
-        tracing.set_attributes(sp, **{tracing.ATTR_TRANSFER_ID: transfer_id, tracing.ATTR_CONVERSATION_ID: conv})
+            return _error(400, f"body must be a JSON object, not {type(body).__name__}", "BadRequestError")
+        try:
+            conv = conversation_of(body, request.headers)
+        except _BadRequest as exc:
+            return _error(400, str(exc), "BadRequestError")
+        tracing.set_attributes(sp, **{tracing.ATTR_CONVERSATION_ID: conv})
         reuse = None
         if conv:
             self.stats["conversation_turns"] += 1
             reuse = await self._reuse_for(conv)
-            self.stats["reuse_offered" if reuse else "reuse_unavailable"] += 1
-            tracing.set_attributes(sp, **{"kvbaton.reuse_offered": bool(reuse)})
-        if self.mode == "pull":
-            return await self._pull(request, path, body, transfer_id, conv, reuse)
-        return await self._push(request, path, body, transfer_id, conv, reuse)
+        holder = str(reuse["engine_id"]) if reuse else ""
+        tokens = estimate_prompt_tokens(body)
+        exclude: set[str] = set()
+        attempts = 2 if self.retry else 1
+        for attempt in range(attempts):
+            if reuse and not self.fleet.holder_usable(holder, time.monotonic()):
+                # Its holder is gone, draining or failing: a READ would only fail and recompute.
+                self.stats["reuse_holder_unusable"] += 1
+                reuse = None
+            choice = self._choose(holder, exclude)
+            if choice.prefill is None or choice.decode is None:
+                self.stats["no_engine"] += 1
+                missing = "prefill" if choice.prefill is None else "decode"
+                return _error(503, f"no {missing} engine available", "ServiceUnavailable")
+            if attempt == 0:
+                if choice.reason is not None:
+                    self.stats[f"decode_{choice.reason.value}"] += 1
+                if conv:
+                    self.stats["reuse_offered" if reuse else "reuse_unavailable"] += 1
+            transfer_id = uuid.uuid4().hex  # fresh per dispatch: a retry is a new transfer
+            tracing.set_attributes(sp, **{tracing.ATTR_TRANSFER_ID: transfer_id,
+                                          "kvbaton.reuse_offered": bool(reuse),
+                                          "kvbaton.prefill_engine": choice.prefill.engine_id,
+                                          "kvbaton.decode_engine": choice.decode.engine_id})
+            headers = {"X-Kvbaton-Prefill": choice.prefill.engine_id, "X-Kvbaton-Decode": choice.decode.engine_id,
+                       "X-Kvbaton-Reuse-Tokens": str(reuse["num_tokens"] if reuse else 0),
+                       "X-Kvbaton-Attempts": str(attempt + 1)}
+            run = self._pull if self.mode == "pull" else self._push
+            out = await run(request, path, body, transfer_id, conv, reuse, choice, tokens, headers)
+            if isinstance(out, _Retry):
+                self.fleet.mark_suspect(out.engine.engine_id, time.monotonic())
+                exclude.add(out.engine.engine_id)
+                others = [e for e in self.fleet.routable(out.leg, time.monotonic()) if e.engine_id not in exclude]
+                if attempt + 1 >= attempts or not others:
+                    return out.response
+                self.stats["retries"] += 1
+                self.metrics.retries.labels(out.leg).inc()
+                log.warning("%s engine %s failed before answering %s; retrying on another engine",
+                            out.leg, out.engine.engine_id, transfer_id)
+                continue
+            if out.status == 200:
+                self.stats["served"][(choice.prefill.engine_id, choice.decode.engine_id)] += 1
+            return out
+        raise AssertionError("unreachable")
 
     def _prefill_body(self, body: dict[str, Any], transfer_id: str, mode: str,
                       reuse: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -247,27 +465,37 @@ class Router:
         return tracing.span(f"kvbaton.router.{leg}", kind="client", attributes={
             tracing.ATTR_TRANSFER_ID: transfer_id, tracing.ATTR_MODE: self.mode, "url.full": url})
 
-    async def _pull(self, request: web.Request, path: str, body: dict[str, Any],
-                    transfer_id: str, conv: str = "", reuse: dict[str, Any] | None = None) -> web.StreamResponse:
-        url = f"{self.prefill_url}{path}"
+    async def _post_prefill(self, engine: Engine, path: str, pb: dict[str, Any], transfer_id: str,
+                            tokens: int) -> tuple[int, bytes, str]:
+        """The prefill leg (raises the transport error); counted as outstanding work on ``engine``."""
+        url = f"{engine.url}{path}"
         t0 = time.perf_counter()
+        self.fleet.start_prefill(engine, tokens)
+        # A task copies the current context: this span is a child of the request's.
         with self._leg_span("prefill", transfer_id, url) as sp:
-            pb = self._prefill_body(body, transfer_id, "", reuse)
             try:
                 async with self.session.post(url, json=pb, headers=self._trace_leg(pb)) as r:
-                    raw = await r.read()
-            except _UPSTREAM_ERRORS as exc:
-                return self._upstream_failed("prefill", transfer_id, exc)
+                    tracing.set_attributes(sp, **{"http.response.status_code": r.status})
+                    return r.status, await r.read(), r.content_type or "application/json"
             finally:
+                self.fleet.end_prefill(engine, tokens)
                 self.metrics.request_seconds.labels(self.mode, "prefill").observe(time.perf_counter() - t0)
-            tracing.set_attributes(sp, **{"http.response.status_code": r.status})
-            if r.status != 200:
-                self.metrics.upstream_errors.labels("prefill").inc()
-                return web.Response(status=r.status, body=raw,
-                                    content_type=r.content_type or "application/json")
+
+    async def _pull(self, request: web.Request, path: str, body: dict[str, Any], transfer_id: str, conv: str,
+                    reuse: dict[str, Any] | None, choice: Choice, tokens: int,
+                    headers: dict[str, str]) -> web.StreamResponse | _Retry:
+        assert choice.prefill is not None and choice.decode is not None
+        pb = self._prefill_body(body, transfer_id, "", reuse)
+        try:
+            status, raw, ctype = await self._post_prefill(choice.prefill, path, pb, transfer_id, tokens)
+        except _UPSTREAM_ERRORS as exc:
+            return _Retry(choice.prefill, ROLE_PREFILL, self._upstream_failed("prefill", transfer_id, exc))
+        if status != 200:
+            self.metrics.upstream_errors.labels("prefill").inc()
+            return web.Response(status=status, body=raw, content_type=ctype, headers=headers)
         try:
             ktp = json.loads(raw).get("kv_transfer_params")
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, AttributeError):
             ktp = None
         if (refused := params.version_error(ktp)):
             log.error("prefill's kv_transfer_params refused for %s: %s", transfer_id, refused)
@@ -284,111 +512,150 @@ class Router:
             db.pop("kv_transfer_params", None)
         if conv:
             db["kv_transfer_params"] = {**(db.get("kv_transfer_params") or {}), params.CONVERSATION_ID: conv}
-        return await self._relay(request, f"{self.decode_url}{path}", db, transfer_id)
+        return await self._decode(request, choice.decode, path, db, transfer_id, headers)
 
-    async def _push(self, request: web.Request, path: str, body: dict[str, Any],
-                    transfer_id: str, conv: str = "", reuse: dict[str, Any] | None = None) -> web.StreamResponse:
+    async def _push(self, request: web.Request, path: str, body: dict[str, Any], transfer_id: str, conv: str,
+                    reuse: dict[str, Any] | None, choice: Choice, tokens: int,
+                    headers: dict[str, str]) -> web.StreamResponse | _Retry:
+        assert choice.prefill is not None and choice.decode is not None
         pb = self._prefill_body(body, transfer_id, "push", reuse)
         db = copy.deepcopy(body)
         db["kv_transfer_params"] = params.decode_push_request(transfer_id)
-        # Bind the transfer to the pair (README "Security"): each side names the other.
-        if self.decode_engine_id:
-            pb["kv_transfer_params"][params.DECODE_ENGINE_ID] = self.decode_engine_id
-        if self.prefill_engine_id:
-            db["kv_transfer_params"][params.PREFILL_ENGINE_ID] = self.prefill_engine_id
+        # Bind the transfer to the chosen pair (README "Security"): each side names the other,
+        # when the router knows the engines' registered ids (discovered, or static ``ID=URL``).
+        if named(choice.decode):
+            pb["kv_transfer_params"][params.DECODE_ENGINE_ID] = choice.decode.engine_id
+        if named(choice.prefill):
+            db["kv_transfer_params"][params.PREFILL_ENGINE_ID] = choice.prefill.engine_id
         if conv:
             db["kv_transfer_params"][params.CONVERSATION_ID] = conv
-
-        async def prefill() -> tuple[int, bytes]:
-            url = f"{self.prefill_url}{path}"
-            t0 = time.perf_counter()
-            # A task copies the current context: this span is a child of the request's.
-            with self._leg_span("prefill", transfer_id, url) as sp:
-                try:
-                    async with self.session.post(url, json=pb, headers=self._trace_leg(pb)) as r:
-                        tracing.set_attributes(sp, **{"http.response.status_code": r.status})
-                        return r.status, await r.read()
-                finally:
-                    self.metrics.request_seconds.labels(self.mode, "prefill").observe(time.perf_counter() - t0)
-
-        ptask = asyncio.create_task(prefill())
+        ptask = asyncio.create_task(self._post_prefill(choice.prefill, path, pb, transfer_id, tokens))
+        dtask = asyncio.create_task(self._open_decode(choice.decode, path, db, transfer_id))
+        prefill_counted = False
         try:
-            return await self._relay(request, f"{self.decode_url}{path}", db, transfer_id)
-        finally:
+            await asyncio.wait({ptask, dtask}, return_when=asyncio.FIRST_COMPLETED)
+            if not dtask.done() and isinstance(ptask.exception(), _UPSTREAM_ERRORS):
+                # Prefill died before decode answered: decode would only wait for KV that
+                # never comes. Drop the decode leg (vLLM aborts it, freeing its blocks).
+                dtask.cancel()
+                await asyncio.gather(dtask, return_exceptions=True)
+                exc = ptask.exception()
+                assert exc is not None
+                prefill_counted = True
+                return _Retry(choice.prefill, ROLE_PREFILL, self._upstream_failed("prefill", transfer_id, exc))
             try:
-                status, raw = await asyncio.wait_for(ptask, self.timeout.total or 300)
-                if status != 200:
-                    self.metrics.upstream_errors.labels("prefill").inc()
-                    log.warning("push prefill leg for %s failed: %d %s", transfer_id, status, raw[:500])
+                opened = await dtask
             except _UPSTREAM_ERRORS as exc:
-                self.metrics.upstream_errors.labels("prefill").inc()
-                log.warning("push prefill leg for %s failed: %r", transfer_id, exc)
+                return _Retry(choice.decode, ROLE_DECODE, self._upstream_failed("decode", transfer_id, exc))
+            return await self._relay(request, opened, body, transfer_id, headers)
+        finally:
+            if not dtask.done():
+                dtask.cancel()
+            await self._settle_prefill(ptask, transfer_id, counted=prefill_counted)
 
-    async def _relay(self, request: web.Request, url: str, body: dict[str, Any],
-                     transfer_id: str = "") -> web.StreamResponse:
-        """POST to ``url`` (the decode leg) and pass status, headers and body (streamed
-        chunk by chunk) back."""
+    async def _settle_prefill(self, ptask: asyncio.Task[tuple[int, bytes, str]], transfer_id: str, *,
+                              counted: bool) -> None:
+        try:
+            status, raw, _ = await asyncio.wait_for(ptask, self.timeout.total or 300)
+            if status != 200:
+                self.metrics.upstream_errors.labels("prefill").inc()
+                log.warning("push prefill leg for %s failed: %d %s", transfer_id, status, raw[:500])
+        except _UPSTREAM_ERRORS as exc:
+            if not counted:
+                self.metrics.upstream_errors.labels("prefill").inc()
+            log.warning("push prefill leg for %s failed: %r", transfer_id, exc)
+
+    async def _open_decode(self, engine: Engine, path: str, body: dict[str, Any], transfer_id: str) -> _Opened:
+        """POST the decode leg and wait for the answer's first bytes (all of it unless
+        streaming): a failure up to here is retryable, nothing reached the client yet."""
+        url = f"{engine.url}{path}"
         t0 = time.perf_counter()
-        resp: web.StreamResponse | None = None
-        with self._leg_span("decode", transfer_id, url) as sp:
-            try:
-                async with self.session.post(url, json=body, headers=self._trace_leg(body)) as r:
+        self.fleet.start_decode(engine)
+        ok = False
+        try:
+            with self._leg_span("decode", transfer_id, url) as sp:
+                r = await self.session.post(url, json=body, headers=self._trace_leg(body))
+                try:
                     tracing.set_attributes(sp, **{"http.response.status_code": r.status})
                     if r.status != 200:
                         self.metrics.upstream_errors.labels("decode").inc()
-                    if not body.get("stream"):
-                        return web.Response(status=r.status, body=await r.read(),
-                                            content_type=r.content_type or "application/json")
-                    resp = web.StreamResponse(status=r.status, headers={
-                        k: v for k, v in r.headers.items() if k.lower() not in _HOP_HEADERS})
-                    await resp.prepare(request)
-                    chunks = r.content.iter_any().__aiter__()
-                    while True:
-                        try:
-                            chunk = await chunks.__anext__()
-                        except StopAsyncIteration:
-                            break
-                        except _UPSTREAM_ERRORS as exc:
-                            # Headers are out: only a dropped connection tells the client.
-                            self.metrics.upstream_errors.labels("decode").inc()
-                            log.warning("decode leg for %s broke mid-stream: %r", transfer_id, exc)
-                            raise _StreamBroken(f"decode stream for {transfer_id} broke: {exc!r}") from exc
-                        await resp.write(chunk)  # a client that went away raises here: not upstream's fault
-                    await resp.write_eof()
-                    return resp
-            except _UPSTREAM_ERRORS as exc:
-                if resp is not None:
-                    raise  # writing to the client failed after the headers: nothing to answer
-                return self._upstream_failed("decode", transfer_id, exc)
-            finally:
+                    if not body.get("stream") or r.status != 200:
+                        opened = _Opened(r, await r.read(), True, engine, t0)
+                    else:
+                        opened = _Opened(r, await r.content.readany(), False, engine, t0)
+                    ok = True
+                    return opened
+                finally:
+                    if not ok:
+                        r.release()
+        finally:
+            if not ok:
+                self.fleet.end_decode(engine)
                 self.metrics.request_seconds.labels(self.mode, "decode").observe(time.perf_counter() - t0)
 
+    async def _decode(self, request: web.Request, engine: Engine, path: str, body: dict[str, Any],
+                      transfer_id: str, headers: dict[str, str]) -> web.StreamResponse | _Retry:
+        try:
+            opened = await self._open_decode(engine, path, body, transfer_id)
+        except _UPSTREAM_ERRORS as exc:
+            return _Retry(engine, ROLE_DECODE, self._upstream_failed("decode", transfer_id, exc))
+        return await self._relay(request, opened, body, transfer_id, headers)
 
-def build_app(prefill_url: str, decode_url: str, mode: str = "pull", *,
-              control_plane: str | None = None, security: Any = None, prefill_engine_id: str | None = None,
-              decode_engine_id: str | None = None) -> web.Application:
-    """``control_plane`` (default: ``$KVBATON_CONTROL_PLANE``) enables conversation reuse;
-    ``security`` (a ``ClientSecurity``; default: from ``$KVBATON_TLS_*``/``$KVBATON_TOKEN``)
-    is how to reach it; the engine ids (default ``$KVBATON_PREFILL_ENGINE_ID`` /
-    ``$KVBATON_DECODE_ENGINE_ID``) bind push transfers to the pair."""
+    async def _relay(self, request: web.Request, opened: _Opened, body: dict[str, Any], transfer_id: str,
+                     headers: dict[str, str]) -> web.StreamResponse:
+        """Pass the decode answer's status, headers and body (streamed chunk by chunk) back."""
+        r, engine = opened.r, opened.engine
+        resp: web.StreamResponse | None = None
+        try:
+            if opened.complete:
+                return web.Response(status=r.status, body=opened.first,
+                                    content_type=r.content_type or "application/json", headers=headers)
+            resp = web.StreamResponse(status=r.status, headers={
+                **{k: v for k, v in r.headers.items() if k.lower() not in _HOP_HEADERS}, **headers})
+            await resp.prepare(request)
+            if opened.first:
+                await resp.write(opened.first)
+            chunks = r.content.iter_any().__aiter__()
+            while True:
+                try:
+                    chunk = await chunks.__anext__()
+                except StopAsyncIteration:
+                    break
+                except _UPSTREAM_ERRORS as exc:
+                    # Tokens are out: only a dropped connection tells the client.
+                    self.metrics.upstream_errors.labels("decode").inc()
+                    self.fleet.mark_suspect(engine.engine_id, time.monotonic())
+                    log.warning("decode leg for %s broke mid-stream: %r", transfer_id, exc)
+                    raise _StreamBroken(f"decode stream for {transfer_id} broke: {exc!r}") from exc
+                await resp.write(chunk)  # a client that went away raises here: not upstream's fault
+            await resp.write_eof()
+            return resp
+        finally:
+            r.release()
+            self.fleet.end_decode(engine)
+            self.metrics.request_seconds.labels(self.mode, "decode").observe(time.perf_counter() - opened.t0)
+
+
+def build_app(prefill_url: str | Sequence[str] = (), decode_url: str | Sequence[str] = (), mode: str = "pull", *,
+              control_plane: str | None = None, **router_kw: Any) -> web.Application:
+    """``control_plane`` (default: ``$KVBATON_CONTROL_PLANE``) enables conversation reuse
+    and, unless ``discover=False``, discovery of engines from the registrar."""
     if control_plane is None:
         control_plane = os.environ.get("KVBATON_CONTROL_PLANE", "")
-    if prefill_engine_id is None:
-        prefill_engine_id = os.environ.get("KVBATON_PREFILL_ENGINE_ID", "")
-    if decode_engine_id is None:
-        decode_engine_id = os.environ.get("KVBATON_DECODE_ENGINE_ID", "")
-    router = Router(prefill_url, decode_url, mode, control_plane=control_plane, security=security,
-                    prefill_engine_id=prefill_engine_id, decode_engine_id=decode_engine_id)
+    prefills = [prefill_url] if isinstance(prefill_url, str) else list(prefill_url)
+    decodes = [decode_url] if isinstance(decode_url, str) else list(decode_url)
+    prefills = bind_engine_ids(prefills, router_kw.pop("prefill_engine_id", None)
+                               or os.environ.get("KVBATON_PREFILL_ENGINE_ID", ""), "prefill")
+    decodes = bind_engine_ids(decodes, router_kw.pop("decode_engine_id", None)
+                              or os.environ.get("KVBATON_DECODE_ENGINE_ID", ""), "decode")
+    router = Router(prefills, decodes, mode, control_plane=control_plane, **router_kw)
     app = web.Application(client_max_size=64 * 1024 * 1024)
     app.on_startup.append(router.start)
     app.on_cleanup.append(router.stop)
     app.router.add_get("/health", router.health)
     app.router.add_get("/v1/models", router.models)
-
-    async def stats(request: web.Request) -> web.Response:
-        return web.json_response(router.stats)
-
-    app.router.add_get("/kvbaton/stats", stats)
+    app.router.add_get("/kvbaton/stats", router.stats_endpoint)
+    app.router.add_get("/kvbaton/fleet", router.fleet_endpoint)
     app.router.add_get("/metrics", router.metrics_endpoint)
     app.router.add_post("/v1/completions", router.completions)
     app.router.add_post("/v1/chat/completions", router.chat)

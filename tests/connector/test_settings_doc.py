@@ -29,6 +29,8 @@ def _other_value(f: dataclasses.Field) -> object:
         return "push"
     if f.name == "staging":
         return "always"
+    if f.name == "serve_role":
+        return "decode"
     if f.name == "nixl_backend":
         return "libfabric"
     if isinstance(d, bool):

@@ -1,0 +1,376 @@
+"""A fleet under agent conversations: 2 prefill + 2 decode vLLM engines behind a router
+that discovers them, reuse on vs off in the same run (issue 13).
+
+    flock /tmp/kvbaton-heavy.lock .venv/bin/python benchmarks/fleet.py [--convs 3] [--turns 6]
+        [--first-tokens 400] [--new-tokens 300] [--output-tokens 16] [--think-s 0.5] [--mode pull]
+
+Three parts, one results file (``benchmarks/results/fleet.json``, with the configuration and
+the commit) and a plot (``benchmarks/results/fleet_ttft_per_turn.png``):
+
+1. **Decision cost, in-process:** ``choice.Fleet.choose`` on a 2P+2D fleet and on a
+   32P+32D one, with load on the engines and a conversation holder, timed per call
+   (``perf_counter_ns``): p50/p99 in µs. The routers' own running numbers over the real
+   run (``/kvbaton/fleet``) are reported beside them.
+2. **Latency the router adds:** stand-in engines that answer at once (another process) and
+   the router (its own process, pull, static 1P+1D); the client sends ``--overhead-requests``
+   requests, one at a time, straight to prefill then straight to decode, and the same
+   through the router; added = median(router) − median(prefill + decode). Sequential on
+   purpose: this is a per-request cost, not a throughput test.
+3. **The fleet:** control plane, ``p0 p1`` (core 0) and ``d0 d1`` (core 1), prefix caching on
+   everywhere, one router following the registrar. ``--convs`` conversations **with** a
+   conversation id (reuse on: decode retains each turn under a lease, the router keeps the
+   conversation on that decode and offers its blocks to whichever prefill it chooses) and
+   ``--convs`` **without** one (reuse off: each prefill has only its own prefix cache) run
+   at the same time, each as an agent: a turn, ``--think-s`` of thinking, the next turn =
+   previous prompt + answer + ``--new-tokens`` fresh tokens (a tool result). Closed loop
+   per conversation (an agent waits for its answer), all conversations concurrent. Per
+   turn: TTFT at the client (streamed), which engines served it, the tokens offered and
+   the tokens prefill READ back from decode (the connectors' stats). Affinity hit rate =
+   later reuse-on turns served by the decode that served (and retained) the turn before.
+   The last turn of every conversation is checked against a single engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import json
+import os
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+
+from kvbaton.services.router.choice import ROLE_DECODE, ROLE_PREFILL, Fleet
+from kvbaton.stack.fleet_stack import FleetStack, stream_tokens, wait_leased
+from kvbaton.stack.pd_stack import stop_group, wait_port
+from kvbaton.stack.ports import free_port
+from kvbaton.tinymodel import ensure_tiny_model
+
+PY = sys.executable
+BLOCK = 128
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def _pct(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(q * len(s)))] if s else float("nan")
+
+
+# ---------------------------------------------------------------------- 1. decision cost
+def decision_cost(n_prefill: int, n_decode: int, calls: int = 20000) -> dict[str, float]:
+    fleet = Fleet(slack=4, discovering=True)
+    rnd = random.Random(1)
+    for i in range(n_prefill):
+        e = fleet.put_rank(f"p{i}", 0, 1, ROLE_PREFILL, f"http://p{i}", False)
+        fleet.start_prefill(e, rnd.randrange(0, 4000))
+    for i in range(n_decode):
+        e = fleet.put_rank(f"d{i}", 0, 1, ROLE_DECODE, f"http://d{i}", False)
+        for _ in range(rnd.randrange(0, 6)):
+            fleet.start_decode(e)
+    times = []
+    for k in range(calls):
+        holder = f"d{rnd.randrange(n_decode)}" if k % 2 else ""
+        now = time.monotonic()
+        t0 = time.perf_counter_ns()
+        fleet.choose(now, holder)
+        times.append((time.perf_counter_ns() - t0) / 1000)
+    return {"engines": n_prefill + n_decode, "calls": calls, "p50_us": round(_pct(times, 0.5), 2),
+            "p99_us": round(_pct(times, 0.99), 2), "max_us": round(max(times), 2)}
+
+
+# ---------------------------------------------------------------------- 2. router overhead
+def _stand_in_engines(ports: list[int]) -> None:
+    """Run in a child process: engines that answer a completion at once."""
+    from aiohttp import web
+
+    async def handle(request: web.Request) -> web.Response:
+        await request.read()
+        return web.json_response({"id": "c", "object": "text_completion", "model": "m",
+                                  "choices": [{"index": 0, "text": "ok", "finish_reason": "length"}],
+                                  "kv_transfer_params": {"remote_engine_id": "p", "remote_block_ids": [1]}})
+
+    async def main() -> None:
+        for port in ports:
+            app = web.Application()
+            app.router.add_post("/v1/completions", handle)
+            runner = web.AppRunner(app, access_log=None)
+            await runner.setup()
+            await web.TCPSite(runner, "127.0.0.1", port).start()
+        await asyncio.Event().wait()
+
+    asyncio.run(main())
+
+
+def router_overhead(n: int, workdir: Path) -> dict[str, Any]:
+    ports = [free_port(), free_port()]
+    rport = free_port()
+    logs = [open(workdir / "standin.log", "wb"), open(workdir / "overhead-router.log", "wb")]
+    eng = subprocess.Popen([PY, __file__, "--stand-in-engines", *map(str, ports)], stdout=logs[0],
+                           stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
+    procs = [eng]
+    try:
+        for p in ports:
+            wait_port(p, eng)
+        router = subprocess.Popen([PY, "-m", "kvbaton.services.router", "--prefill", f"http://127.0.0.1:{ports[0]}",
+                                   "--decode", f"http://127.0.0.1:{ports[1]}", "--mode", "pull",
+                                   "--port", str(rport)], stdout=logs[1], stderr=subprocess.STDOUT,
+                                  start_new_session=True, cwd=ROOT, env={**os.environ, "KVBATON_CONTROL_PLANE": ""})
+        procs.append(router)
+        wait_port(rport, router)
+        body = json.dumps({"model": "m", "prompt": "hello " * 50, "max_tokens": 4}).encode()
+
+        def post(url: str) -> float:
+            req = urllib.request.Request(url, data=body, method="POST", headers={"Content-Type": "application/json"})
+            t0 = time.perf_counter()
+            with urllib.request.urlopen(req, timeout=10) as r:
+                r.read()
+            return time.perf_counter() - t0
+
+        for _ in range(20):  # warm connections and code paths
+            post(f"http://127.0.0.1:{rport}/v1/completions")
+        direct, via = [], []
+        for _ in range(n):
+            direct.append(post(f"http://127.0.0.1:{ports[0]}/v1/completions")
+                          + post(f"http://127.0.0.1:{ports[1]}/v1/completions"))
+            via.append(post(f"http://127.0.0.1:{rport}/v1/completions"))
+        def ms(xs: list[float], q: float) -> float:
+            return round(_pct(xs, q) * 1000, 3)
+
+        return {"requests": n, "direct_p50_ms": ms(direct, 0.5), "direct_p99_ms": ms(direct, 0.99),
+                "router_p50_ms": ms(via, 0.5), "router_p99_ms": ms(via, 0.99),
+                "added_p50_ms": round((statistics.median(via) - statistics.median(direct)) * 1000, 3),
+                "what": "pull, stand-in engines answering at once; direct = prefill call + decode call, "
+                        "sequential, same client"}
+    finally:
+        for p in reversed(procs):
+            stop_group(p)
+        for f in logs:
+            f.close()
+
+
+# ---------------------------------------------------------------------- 3. the fleet
+def conversation(stack: FleetStack, router: str, conv: str, reuse: bool, seed: int, args: argparse.Namespace,
+                 lock: threading.Lock) -> list[dict[str, Any]]:
+    rnd = random.Random(seed)
+    prompt = [rnd.randrange(10, 4000) for _ in range(args.first_tokens)]
+    out: list[dict[str, Any]] = []
+    for turn in range(1, args.turns + 1):
+        with lock:
+            marks = {p: stack.event_count(p) for p in stack.prefill_ids}
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": args.output_tokens, "temperature": 0.0,
+                "ignore_eos": True}
+        res = stream_tokens(f"{router}/v1/completions", body, {"X-Session-ID": conv} if reuse else {})
+        h = res["headers"]
+        rec = {"conv": conv, "reuse": reuse, "turn": turn, "prompt_tokens": len(prompt),
+               "ttft_ms": round(res["ttft_s"] * 1000, 1), "total_ms": round(res["total_s"] * 1000, 1),
+               "prefill": h.get("X-Kvbaton-Prefill"), "decode": h.get("X-Kvbaton-Decode"),
+               "attempts": int(h.get("X-Kvbaton-Attempts", 1)), "offered_tokens": int(h.get("X-Kvbaton-Reuse-Tokens", 0)),
+               "prompt": prompt, "output": res["token_ids"]}
+        time.sleep(args.think_s)  # the agent thinks; the connector's stats land meanwhile
+        reads = [e for p in stack.prefill_ids for e in stack.events(p, "reuse_read", since=marks[p])
+                 if e["conversation_id"] == conv] if reuse else []
+        rec["reads"] = len(reads)
+        rec["read_tokens"] = sum(int(e["num_blocks"]) for e in reads) * BLOCK
+        rec["read_ms"] = [round(float(e["duration_s"]) * 1000, 2) for e in reads]
+        if reuse and turn < args.turns:
+            full = (len(prompt) + args.output_tokens - 1) // BLOCK * BLOCK
+            t_lease = time.monotonic()
+            held = wait_leased(stack.cp_address, conv, full)
+            rec["lease_wait_s"] = round(time.monotonic() - t_lease, 3) if held else -1.0
+        out.append(rec)
+        prompt = prompt + res["token_ids"] + [rnd.randrange(10, 4000) for _ in range(args.new_tokens)]
+    return out
+
+
+def run_fleet(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    model = ensure_tiny_model(args.model_dir)
+    t0 = time.monotonic()
+    with FleetStack(model, workdir, n_prefill=2, n_decode=2, mode=args.mode,
+                    extra_config={"lease_ttl_s": 120, "kv_recompute_threshold": args.recompute_threshold},
+                    engine_args=["--max-num-seqs", "16", "--max-model-len", str(args.max_model_len)]) as stack:
+        stack.wait_routers_see(2, 2)
+        stack.warm_up()
+        started_s = time.monotonic() - t0
+        router = stack.routers[0]
+        lock = threading.Lock()
+        jobs = [(f"bench-on-{i}", True, 1000 + i) for i in range(args.convs)] + \
+               [(f"bench-off-{i}", False, 2000 + i) for i in range(args.convs)]
+        rnd = random.Random(7)
+        rnd.shuffle(jobs)
+        with concurrent.futures.ThreadPoolExecutor(len(jobs)) as ex:
+            futs = [ex.submit(conversation, stack, router, c, r, s, args, lock) for c, r, s in jobs]
+            turns = [t for f in futs for t in f.result(timeout=1800)]
+        with urllib.request.urlopen(f"{router}/kvbaton/fleet", timeout=10) as r:
+            fleet_view = json.loads(r.read())
+        in_run_cost = {**fleet_view["decision_us"], "cpu": fleet_view.get("decision_cpu_us")}
+        with urllib.request.urlopen(f"{router}/kvbaton/stats", timeout=10) as r:
+            router_stats = json.loads(r.read())
+        # The last turn of every conversation against p0 alone (greedy: identical).
+        equal = []
+        for t in turns:
+            if t["turn"] == args.turns:
+                single = stack.engines["p0"].post_json("/v1/completions", {
+                    "model": "tiny", "prompt": t["prompt"], "max_tokens": args.output_tokens, "temperature": 0.0,
+                    "ignore_eos": True, "return_token_ids": True}, timeout_s=300)["choices"][0]["token_ids"]
+                equal.append(single == t["output"])
+    for t in turns:
+        t.pop("prompt")
+        t.pop("output")
+    return {"turns": turns, "router_decision_us_in_run": in_run_cost, "router_stats": router_stats,
+            "last_turns_equal_single": equal, "startup_s": round(started_s, 1)}
+
+
+def summarise(fleet: dict[str, Any], turns_n: int) -> dict[str, Any]:
+    per_turn = []
+    turns = fleet["turns"]
+    for k in range(1, turns_n + 1):
+        on = [t for t in turns if t["reuse"] and t["turn"] == k]
+        off = [t for t in turns if not t["reuse"] and t["turn"] == k]
+        per_turn.append({
+            "turn": k, "prompt_tokens": round(statistics.mean(t["prompt_tokens"] for t in on)),
+            "ttft_on_ms": round(statistics.median(t["ttft_ms"] for t in on), 1),
+            "ttft_off_ms": round(statistics.median(t["ttft_ms"] for t in off), 1),
+            "reads_on": sum(t["reads"] for t in on), "read_tokens_on": sum(t["read_tokens"] for t in on),
+            "convs": len(on)})
+    on_later = sorted((t for t in turns if t["reuse"]), key=lambda t: (t["conv"], t["turn"]))
+    hits = total = 0
+    for a, b in zip(on_later, on_later[1:]):
+        if a["conv"] == b["conv"]:
+            total += 1
+            hits += a["decode"] == b["decode"]
+    last = per_turn[-1]
+    return {"per_turn": per_turn, "affinity_hits": hits, "affinity_later_turns": total,
+            "affinity_hit_rate": round(hits / total, 3) if total else None,
+            "longest_turn_on_over_off": round(last["ttft_on_ms"] / last["ttft_off_ms"], 3),
+            "retries": sum(t["attempts"] - 1 for t in turns)}
+
+
+def plot(summary: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pt = summary["per_turn"]
+    x = [p["turn"] for p in pt]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    a.plot(x, [p["ttft_off_ms"] for p in pt], "o-", label="reuse off (no conversation id)")
+    a.plot(x, [p["ttft_on_ms"] for p in pt], "s-", label="reuse on (conversation id)")
+    a.set_xlabel("turn")
+    a.set_ylabel("TTFT, median over conversations (ms)")
+    a.set_title("2P+2D fleet, prefix caching on, same run")
+    a.legend()
+    a.grid(alpha=0.3)
+    b.bar(x, [p["read_tokens_on"] / max(1, p["convs"]) for p in pt])
+    b.set_xlabel("turn")
+    b.set_ylabel("tokens READ back from decode per conversation")
+    b.set_title(f"reuse on; affinity hit rate {summary['affinity_hit_rate']}")
+    b.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def markdown(result: dict[str, Any]) -> str:
+    """The README's tables, from a results file (``--table results/fleet.json``)."""
+    s, cfg = result["summary"], result["config"]
+    lines = [f"{cfg['convs']} conversations with reuse + {cfg['convs']} without, concurrently, {cfg['turns']} turns "
+             f"(+{cfg['new_tokens']} tokens a turn, {cfg['output_tokens']} out), {cfg['mode']}; "
+             f"commit `{result['commit'][:7]}`",
+             "", "| turn | prompt tokens | TTFT reuse on (ms, median) | TTFT reuse off (ms, median) "
+                 "| reuse READs | tokens read back |", "|---|---|---|---|---|---|"]
+    for p in s["per_turn"]:
+        lines.append(f"| {p['turn']} | {p['prompt_tokens']} | {p['ttft_on_ms']:.0f} | {p['ttft_off_ms']:.0f} "
+                     f"| {p['reads_on']} | {p['read_tokens_on']} |")
+    lines += ["", f"Affinity: {s['affinity_hits']}/{s['affinity_later_turns']} later turns on the decode holding "
+                  f"their KV; longest turn TTFT on/off = {s['longest_turn_on_over_off']}; retries "
+                  f"{s['retries']}; last turns equal to a single engine: "
+                  f"{sum(result['fleet']['last_turns_equal_single'])}/{len(result['fleet']['last_turns_equal_single'])}.",
+              "", "| router cost | p50 | p99 |", "|---|---|---|"]
+    for d in result["decision_cost"]:
+        lines.append(f"| decision, {d['engines']} engines, in-process | {d['p50_us']} µs | {d['p99_us']} µs |")
+    run = result["fleet"]["router_decision_us_in_run"]
+    lines.append(f"| decision, in the router over the run ({run['n']}), wall | {run['p50']:.1f} µs | {run['p99']:.1f} µs |")
+    if run.get("cpu"):
+        lines.append(f"| decision, in the router over the run, CPU | {run['cpu']['p50']:.1f} µs "
+                     f"| {run['cpu']['p99']:.1f} µs |")
+    o = result["router_overhead"]
+    lines.append(f"| request straight to prefill + decode (stand-ins) | {o['direct_p50_ms']} ms | {o['direct_p99_ms']} ms |")
+    lines.append(f"| the same through the router | {o['router_p50_ms']} ms | {o['router_p99_ms']} ms |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "--stand-in-engines":
+        _stand_in_engines([int(p) for p in sys.argv[2:]])
+        return 0
+    if len(sys.argv) > 2 and sys.argv[1] == "--table":
+        print(markdown(json.loads(Path(sys.argv[2]).read_text())))
+        return 0
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--convs", type=int, default=3, help="conversations with reuse, and as many without")
+    ap.add_argument("--turns", type=int, default=6)
+    ap.add_argument("--first-tokens", type=int, default=400)
+    ap.add_argument("--new-tokens", type=int, default=400)
+    ap.add_argument("--output-tokens", type=int, default=16)
+    ap.add_argument("--think-s", type=float, default=0.5)
+    ap.add_argument("--max-model-len", type=int, default=4096,
+                    help="engines' context (the tiny model allows 8192 positions)")
+    ap.add_argument("--mode", choices=("pull", "push"), default="pull")
+    ap.add_argument("--recompute-threshold", type=int, default=64)
+    ap.add_argument("--overhead-requests", type=int, default=300)
+    ap.add_argument("--model-dir", type=Path,
+                    default=Path(os.environ.get("KVBATON_TINY_MODEL", ROOT / ".cache/tiny-model")))
+    ap.add_argument("--out", type=Path, default=RESULTS / "fleet.json")
+    ap.add_argument("--png", type=Path, default=RESULTS / "fleet_ttft_per_turn.png")
+    args = ap.parse_args()
+    if args.first_tokens + args.turns * (args.new_tokens + args.output_tokens) > args.max_model_len - 96:
+        ap.error(f"conversations would outgrow the engines' {args.max_model_len}-token context")
+    workdir = Path(tempfile.mkdtemp(prefix="kvbaton-fleet-bench-"))
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                                text=True, cwd=ROOT).stdout.strip())
+    result: dict[str, Any] = {"benchmark": "fleet", "commit": commit, "dirty": dirty,
+                              "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+                              "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                                          "loadavg_start": os.getloadavg()},
+                              "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    print("decision cost (in-process) ...", flush=True)
+    result["decision_cost"] = [decision_cost(2, 2), decision_cost(32, 32)]
+    print(json.dumps(result["decision_cost"]), flush=True)
+    print("router overhead (stand-in engines) ...", flush=True)
+    result["router_overhead"] = router_overhead(args.overhead_requests, workdir)
+    print(json.dumps(result["router_overhead"]), flush=True)
+    print(f"fleet: 2P+2D, {args.convs} conversations with reuse + {args.convs} without, {args.turns} turns ...",
+          flush=True)
+    result["fleet"] = run_fleet(args, workdir)
+    result["summary"] = summarise(result["fleet"], args.turns)
+    result["machine"]["loadavg_end"] = os.getloadavg()
+    result["targets"] = {
+        "longest_turn_ttft_on_le_half_off": result["summary"]["longest_turn_on_over_off"] <= 0.5,
+        "decision_p99_le_1ms": all(d["p99_us"] <= 1000 for d in result["decision_cost"])}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    plot(result["summary"], args.png)
+    s = result["summary"]
+    print(f"\n{'turn':>4} {'prompt':>6} {'TTFT on':>8} {'TTFT off':>8} {'READs':>5} {'read tok':>8}")
+    for p in s["per_turn"]:
+        print(f"{p['turn']:>4} {p['prompt_tokens']:>6} {p['ttft_on_ms']:>8.1f} {p['ttft_off_ms']:>8.1f} "
+              f"{p['reads_on']:>5} {p['read_tokens_on']:>8}")
+    print(f"affinity {s['affinity_hits']}/{s['affinity_later_turns']}; longest turn on/off "
+          f"{s['longest_turn_on_over_off']}; targets {result['targets']}; results {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

