@@ -19,6 +19,7 @@ import grpc
 
 from kvbaton.client import KvbatonClient
 from kvbaton.security import ClientSecurity
+from kvbaton.services.tracing import grpc_metadata
 from kvbaton.v1 import common_pb2, registrar_pb2, rendezvous_pb2
 
 from .settings import KvbatonSettings
@@ -153,6 +154,28 @@ class ControlThread:
             log.debug("kvbaton: control client close failed", exc_info=True)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=2.0)
+
+
+# Rendezvous RPC name -> the session method that sends the same request (kvbaton.client).
+_SESSION_METHODS = {"Offer": "offer", "Complete": "complete", "ReportOutcome": "report_outcome", "Cancel": "cancel"}
+
+
+def rendezvous_call(method: str, req: Any, traceparent: str | None = None,
+                    *, retries: int = 3) -> Callable[[KvbatonClient], Awaitable[Any]]:
+    """``fn`` for :meth:`ControlThread.submit` sending one offer/completion/outcome/cancel.
+
+    Untraced calls go over the client's ``Rendezvous/Session`` stream (one per engine
+    process, batched; the client falls back to unary calls where the server has no
+    sessions). A call that carries a request's ``traceparent`` is sent as its own unary
+    call instead, because session messages have no per-call metadata and the trace's span
+    for that RPC would otherwise be lost.
+    """
+    if method not in _SESSION_METHODS:
+        raise ValueError(f"not a session call: {method!r}")
+    md = grpc_metadata(traceparent)
+    if md:
+        return lambda c: c.call(getattr(c.rendezvous, method), req, retries=retries, metadata=md)
+    return lambda c: getattr(c.session, _SESSION_METHODS[method])(req)
 
 
 def security_of(settings: KvbatonSettings) -> ClientSecurity:

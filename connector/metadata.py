@@ -44,6 +44,9 @@ class LoadSpec:
     mode: str = MODE_PULL  # push: wait for prefill's WRITE notification instead of reading
     reuse: ReuseSource | None = None  # mode == reuse: the lease to pin while reading
     traceparent: str = ""  # the request's W3C trace context (router), sent on this load's gRPC calls
+    # Pull: decode's side of the READ as the ledger records it (BeginRead's block_ids: every
+    # destination block up to the last read, its own prefix-cache hits included).
+    ledger_block_ids: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

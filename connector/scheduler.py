@@ -47,10 +47,9 @@ from vllm.v1.request import RequestStatus
 
 from kvbaton import params as P
 from kvbaton.services.metrics import connector_metrics
-from kvbaton.services.tracing import grpc_metadata
 from kvbaton.v1 import rendezvous_pb2 as rpb
 
-from .control import ControlThread, complete_request, security_of
+from .control import ControlThread, complete_request, rendezvous_call, security_of
 from .metadata import KvbatonMeta, LoadSpec, ReuseSource, SendSpec
 from .reuse import RetentionManager, reusable_blocks
 from .settings import MODE_PULL, MODE_PUSH, MODE_REUSE, KvbatonSettings
@@ -78,6 +77,7 @@ class KvbatonScheduler:
         self._control: ControlThread | None = None  # started on first use
         self._retention: RetentionManager | None = None
         self._reuse_pending: dict[str, tuple[int, P.ReuseOffer]] = {}  # req -> (blocks, offer)
+        self.params_refused = 0  # requests whose kv_transfer_params had another version
         self.reuse_stats: dict[str, int] = {"reuse_claimed": 0, "reuse_below_threshold": 0,
                                             "reuse_no_match": 0, "reuse_claimed_tokens": 0}
         # Requests whose transfer the worker has not reported finished yet -> monotonic
@@ -135,6 +135,14 @@ class KvbatonScheduler:
         if self._retention is not None:
             self._retention.drain()  # ended leases give their blocks back before allocation
         params = request.kv_transfer_params
+        if params and (refused := P.version_error(params)):
+            # Another contract's params could mean anything: don't act on them at all.
+            # The request is computed here like one without kv_transfer_params.
+            log.error("kvbaton: request %s refused its kv_transfer_params: %s", request.request_id, refused)
+            self.params_refused += 1
+            self._stats.record("params_refused", request_id=request.request_id, error=refused)
+            request.kv_transfer_params = None
+            return 0, False
         if params and params.get(P.REUSE) and not params.get(P.DO_REMOTE_PREFILL):
             return self._claim_reuse(request, params, num_computed_tokens)
         if not params or not params.get(P.DO_REMOTE_PREFILL):
@@ -216,7 +224,8 @@ class KvbatonScheduler:
             local = tuple(int(b) for b in local_all[first:last])
             remote = tuple(remote_ids[first:last])
             self._loads[request.request_id] = LoadSpec(tid, remote_engine, remote, local, True,
-                                                       traceparent=self._tp(params))
+                                                       traceparent=self._tp(params),
+                                                       ledger_block_ids=tuple(int(b) for b in local_all[:last]))
         else:
             # Nothing to read (all cached locally): still let prefill free its blocks now.
             self._loads[request.request_id] = LoadSpec(tid, remote_engine, (), (), False,
@@ -228,12 +237,10 @@ class KvbatonScheduler:
             log.warning("kvbaton: push request %s has no transfer_id; computing locally", request.request_id)
             return
         tp = self._tp(request.kv_transfer_params)
-        md = grpc_metadata(tp)
         if num_external_tokens <= 0:
             # All of it is cached here: cancel so prefill frees its blocks.
-            self._rpc("Cancel", lambda c: c.call(c.rendezvous.Cancel, rpb.CancelRequest(
-                transfer_id=tid, engine_id=self.settings.engine_id, reason="decode has the prefix cached"),
-                metadata=md), tid)
+            self._rpc("Cancel", rendezvous_call("Cancel", rpb.CancelRequest(
+                transfer_id=tid, engine_id=self.settings.engine_id, reason="decode has the prefix cached"), tp), tid)
             return
         local_all = [int(b) for b in blocks.get_block_ids()[0]]
         last = min(-(-(hit + num_external_tokens) // self.block_size), len(local_all))
@@ -245,7 +252,7 @@ class KvbatonScheduler:
                                  timeout_ms=int(self.settings.timeout_s * 1000),
                                  request_id=request.request_id,
                                  prefill_engine_id=str((request.kv_transfer_params or {}).get(P.PREFILL_ENGINE_ID) or ""))
-        self._rpc("Offer", lambda c: c.call(c.rendezvous.Offer, offer, metadata=md), tid)
+        self._rpc("Offer", rendezvous_call("Offer", offer, tp), tid)
 
     # ------------------------------------------------------------------ prefill side
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -255,7 +262,6 @@ class KvbatonScheduler:
         self._local_hit.pop(request.request_id, None)
         self._reuse_pending.pop(request.request_id, None)
         tp = self._tp(params)
-        md = grpc_metadata(tp)
         if params.get(P.DO_REMOTE_PREFILL):
             # Decode request finished (aborted) before it was ever allocated: tell the
             # prefill engine to free its held blocks instead of waiting for its timeout.
@@ -263,7 +269,7 @@ class KvbatonScheduler:
             if self._mode(params) == MODE_PUSH and params.get(P.TRANSFER_ID):
                 cancel = rpb.CancelRequest(transfer_id=str(params[P.TRANSFER_ID]),
                                            engine_id=self.settings.engine_id, reason="decode request aborted")
-                self._rpc("Cancel", lambda c: c.call(c.rendezvous.Cancel, cancel, metadata=md), cancel.transfer_id)
+                self._rpc("Cancel", rendezvous_call("Cancel", cancel, tp), cancel.transfer_id)
             elif params.get(P.REMOTE_ENGINE_ID):
                 self._loads[request.request_id] = LoadSpec(
                     str(params.get(P.TRANSFER_ID) or ""), str(params[P.REMOTE_ENGINE_ID]), (), (), False,
@@ -292,10 +298,15 @@ class KvbatonScheduler:
             if not here:
                 complete = complete_request(self.settings.engine_id, self.settings.timeout_s, tid, ids, n_tokens,
                                             request.request_id, peer)
-                self._rpc("Complete", lambda c: c.call(c.rendezvous.Complete, complete, metadata=md), tid)
+                self._rpc("Complete", rendezvous_call("Complete", complete, tp), tid)
             return True, P.push_handoff(self.settings.engine_id, tid)
         self._sends[request.request_id] = SendSpec(tid, len(block_ids), self.settings.timeout_s, traceparent=tp,
                                                    block_ids=tuple(int(b) for b in block_ids))
+        # The hold on the ledger: decode's BeginRead names it (a read of a hold that expired
+        # or was cancelled is refused), and its DONE or EXPIRED is when these blocks are freed.
+        hold = complete_request(self.settings.engine_id, self.settings.timeout_s, tid,
+                                tuple(int(b) for b in block_ids), int(request.num_computed_tokens), request.request_id)
+        self._rpc("Complete", rendezvous_call("Complete", hold, tp), tid)
         # this branch is pull whatever the engine default
         return True, P.pull_handoff(self.settings.engine_id, block_ids, int(request.num_computed_tokens), tid)
 

@@ -16,10 +16,9 @@ import queue
 import time
 from typing import TYPE_CHECKING, Any
 
-from kvbaton.services.tracing import grpc_metadata
 from kvbaton.v1 import common_pb2, registrar_pb2
 
-from .control import ControlThread, complete_request, role_of, security_of
+from .control import ControlThread, complete_request, rendezvous_call, role_of, security_of
 from .loop import TransferLoop
 from .metadata import KvbatonMeta, SendSpec
 from .settings import KvbatonSettings
@@ -116,9 +115,8 @@ class KvbatonWorker:
         assert self._control is not None
         req = complete_request(self.settings.engine_id, self.settings.timeout_s, sspec.transfer_id, sspec.block_ids,
                                sspec.num_tokens, sspec.request_id, sspec.peer_engine_id)
-        md = grpc_metadata(sspec.traceparent)
         t0 = time.monotonic()
-        fut = self._control.submit(lambda c: c.call(c.rendezvous.Complete, req, metadata=md))
+        fut = self._control.submit(rendezvous_call("Complete", req, sspec.traceparent))
 
         def _done(f: concurrent.futures.Future[Any]) -> None:
             err = "cancelled" if f.cancelled() else repr(f.exception()) if f.exception() is not None else ""

@@ -13,6 +13,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+# ---- the contract's version (every builder below writes it; both sides check it)
+VERSION = "kvbaton_params_version"
+PARAMS_VERSION = 1  # bump on any change a peer built against the old keys would misread
 # ---- request routing (router → both engines)
 DO_REMOTE_DECODE = "do_remote_decode"  # prefill: hold the blocks for a remote decode
 DO_REMOTE_PREFILL = "do_remote_prefill"  # decode: the prompt's KV comes from a prefill engine
@@ -31,6 +34,21 @@ REMOTE_BLOCK_IDS = "remote_block_ids"
 REMOTE_NUM_TOKENS = "remote_num_tokens"
 # ---- decode's response
 RETAINED = "retained"  # what decode kept for the conversation (retention record)
+
+
+def version_error(p: Any) -> str:
+    """Why ``p`` (a ``kv_transfer_params`` dict) is refused, or "" when its version is ours.
+
+    A dict without the key predates versioning (version 1, same keys) and is accepted, so
+    hand-written params and older routers keep working; any other version is refused by
+    name, because a peer on another contract could misread every other key."""
+    if not isinstance(p, dict) or VERSION not in p:
+        return ""
+    v = p[VERSION]
+    if isinstance(v, int) and not isinstance(v, bool) and v == PARAMS_VERSION:
+        return ""
+    return (f"kv_transfer_params version {v!r} is not supported: this kvbaton speaks version "
+            f"{PARAMS_VERSION} (upgrade the router and the engines' connectors together)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +93,8 @@ class ReuseOffer:
 def prefill_request(transfer_id: str, *, mode: str = "", reuse: ReuseOffer | dict[str, Any] | None = None
                     ) -> dict[str, Any]:
     """Router → prefill: compute the prompt and hold its blocks for ``transfer_id``."""
-    p: dict[str, Any] = {DO_REMOTE_DECODE: True, DO_REMOTE_PREFILL: False, TRANSFER_ID: transfer_id}
+    p: dict[str, Any] = {VERSION: PARAMS_VERSION, DO_REMOTE_DECODE: True, DO_REMOTE_PREFILL: False,
+                         TRANSFER_ID: transfer_id}
     if mode:
         p[TRANSFER_MODE] = mode
     if reuse:
@@ -85,16 +104,17 @@ def prefill_request(transfer_id: str, *, mode: str = "", reuse: ReuseOffer | dic
 
 def decode_push_request(transfer_id: str) -> dict[str, Any]:
     """Router → decode (push): offer blocks for ``transfer_id``; prefill WRITEs into them."""
-    return {DO_REMOTE_PREFILL: True, DO_REMOTE_DECODE: False, TRANSFER_ID: transfer_id, TRANSFER_MODE: "push"}
+    return {VERSION: PARAMS_VERSION, DO_REMOTE_PREFILL: True, DO_REMOTE_DECODE: False, TRANSFER_ID: transfer_id,
+            TRANSFER_MODE: "push"}
 
 
 def pull_handoff(engine_id: str, block_ids: list[int], num_tokens: int, transfer_id: str) -> dict[str, Any]:
     """Prefill's response (pull) → decode's request: READ these held blocks."""
-    return {DO_REMOTE_PREFILL: True, DO_REMOTE_DECODE: False, REMOTE_ENGINE_ID: engine_id,
+    return {VERSION: PARAMS_VERSION, DO_REMOTE_PREFILL: True, DO_REMOTE_DECODE: False, REMOTE_ENGINE_ID: engine_id,
             REMOTE_BLOCK_IDS: [int(b) for b in block_ids], REMOTE_NUM_TOKENS: int(num_tokens),
             TRANSFER_ID: transfer_id, TRANSFER_MODE: "pull"}
 
 
 def push_handoff(engine_id: str, transfer_id: str) -> dict[str, Any]:
     """Prefill's response (push): the WRITE is on its way; nothing for decode to read."""
-    return {TRANSFER_ID: transfer_id, TRANSFER_MODE: "push", REMOTE_ENGINE_ID: engine_id}
+    return {VERSION: PARAMS_VERSION, TRANSFER_ID: transfer_id, TRANSFER_MODE: "push", REMOTE_ENGINE_ID: engine_id}

@@ -326,7 +326,7 @@ class ConnectorMetrics:
         self.recomputes = Counter(
             "kvbaton_connector_recomputes_total",
             "Tokens' KV recomputed instead of loaded, by reason (load_failed, timeout, below_threshold, "
-            "lease_ended, pin_refused, verify_failed): the 'no silent recompute' counter.",
+            "lease_ended, pin_refused, verify_failed, fenced): the 'no silent recompute' counter.",
             ["reason"], registry=registry)
         self.kv_verifications = Counter(
             "kvbaton_connector_kv_verifications_total",

@@ -68,6 +68,8 @@ def recompute_reason(reason: str) -> str:
     """``kvbaton_connector_recomputes_total`` reason label for a failed load."""
     if reason.startswith("TimeoutError"):
         return "timeout"
+    if "read fenced by the ledger" in reason:  # BeginRead refused: the owner's blocks moved on
+        return "fenced"
     if "pin refused" in reason:
         return "pin_refused"
     if "now protects retention" in reason:  # the lease moved on: the blocks we looked up are gone

@@ -29,6 +29,10 @@ class Load:
     pin_sent: float = 0.0
     read_deadline: float = 0.0
     delay_until: float = 0.0  # test-only fault: reuse READ held back until then
+    # the ledger (pull and reuse): BeginRead before the READ, ReportOutcome after it
+    begin_future: concurrent.futures.Future[Any] | None = None
+    begun: bool = False  # BeginRead answered (or the server has no ledger): READ may be posted
+    ledger_attempt: int | None = None  # the ledger's transfer attempt; None: nothing to report
     # verify_kv
     landed: bool = False  # the data is in our blocks; verification (if on) still to do
     t_landed: float = 0.0

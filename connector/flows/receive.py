@@ -24,11 +24,14 @@ import logging
 import time
 from typing import Any
 
+import grpc
+
 from kvbaton.services.tracing import grpc_metadata
 from kvbaton.v1 import lease_pb2 as lpb
 from kvbaton.v1 import rendezvous_pb2 as rpb
 
 from .. import wire
+from ..control import rendezvous_call
 from ..metadata import LoadSpec
 from ..settings import MODE_PUSH, MODE_REUSE
 from ..transfer.integrity import Fingerprints, KvIntegrityError
@@ -40,6 +43,10 @@ from .staged import StagedFlow
 from .verify import Verifier
 
 log = logging.getLogger("kvbaton.connector.receive")
+
+# Pull: how long after the load starts a BeginRead answered "no hold" is asked again (the
+# prefill's Complete and its response to the router race; the response may win).
+BEGIN_READ_HOLD_GRACE_S = 2.0
 
 
 class ReceiveFlow:
@@ -121,6 +128,8 @@ class ReceiveFlow:
                 return False
         elif not ld.spec.local_block_ids:
             return self._release_only(ld, now)
+        if not self._begun(ld, now):
+            return False
         if ld.move is None:
             ld.move = self._move(ld)
         if not self.mover.step(ld.move, now):
@@ -187,10 +196,7 @@ class ReceiveFlow:
                                  reader_engine_id=self.ctx.settings.engine_id)
             md = grpc_metadata(ld.spec.traceparent)
             ld.pin_future = self.ctx.control.submit(lambda c: c.call(c.lease.Pin, req, retries=1, metadata=md))
-        if not ld.pin_future.done():
-            if now >= ld.deadline:
-                ld.pin_future.cancel()
-                raise TimeoutError("Lease.Pin did not answer")
+        if not _answered(ld.pin_future, now, ld.deadline, "Lease.Pin"):
             return False
         fut, ld.pin_future = ld.pin_future, None
         try:
@@ -204,6 +210,56 @@ class ReceiveFlow:
             raise RuntimeError(f"lease {src.lease_id} now protects retention {resp.lease.retention_id!r}, "
                                f"not {src.retention_id!r}")
         return True
+
+    def _begun(self, ld: Load, now: float) -> bool:
+        """Record this READ on the ledger (``Rendezvous/BeginRead``) before posting it, naming
+        the owner's generation of the blocks; True once the READ may be posted.
+
+        A refusal (FAILED_PRECONDITION: the prefill's hold expired or was cancelled, or the
+        retained blocks were released or re-registered since the lookup) means the blocks
+        may hold something else by now: the load fails and the request is recomputed. A
+        server without ``BeginRead`` (UNIMPLEMENTED) is read from unrecorded, as before."""
+        if ld.begun:
+            return True
+        if ld.begin_future is None:
+            req = begin_read_request(ld.spec, self.ctx.settings.engine_id, ld.req_id)
+            md = grpc_metadata(ld.spec.traceparent)
+            ld.begin_future = self.ctx.control.submit(
+                lambda c: c.call(c.rendezvous.BeginRead, req, retries=1, metadata=md))
+        if not _answered(ld.begin_future, now, ld.deadline, "Rendezvous.BeginRead"):
+            return False
+        fut, ld.begin_future = ld.begin_future, None
+        try:
+            state = fut.result()
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                ld.begun = True
+                return True
+            if (exc.code() == grpc.StatusCode.FAILED_PRECONDITION and ld.spec.mode != MODE_REUSE
+                    and "no hold" in (exc.details() or "") and now < ld.t0 + BEGIN_READ_HOLD_GRACE_S):
+                # The prefill's Complete (sent as it answered the router) may still be on
+                # its way: ask again shortly rather than recompute a hold about to exist.
+                return False
+            if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                raise RuntimeError(f"read fenced by the ledger: {exc.details()}") from None
+            raise RuntimeError(f"BeginRead failed: {exc.code().name}: {exc.details()}") from None
+        ld.begun, ld.ledger_attempt = True, int(state.attempt)
+        return True
+
+    def _report_read(self, ld: Load, ok: bool, reason: str) -> None:
+        """The READ's outcome on the ledger (its bytes): DONE then tells the owner it may
+        free (pull) and ``kvbaton transfers list`` shows it."""
+        if ld.ledger_attempt is None:
+            return
+        mv = ld.move
+        nbytes = mv.nbytes if mv is not None and ok else 0
+        req = rpb.ReportOutcomeRequest(
+            transfer_id=ledger_transfer_id(ld.spec, ld.req_id), attempt=ld.ledger_attempt,
+            outcome=rpb.Outcome(engine_id=self.ctx.settings.engine_id, tp_rank=0, success=ok, bytes=nbytes,
+                                error=reason[:500], duration_us=int((time.monotonic() - ld.t0) * 1e6)))
+        ld.ledger_attempt = None
+        fut = self.ctx.control.submit(rendezvous_call("ReportOutcome", req, ld.spec.traceparent))
+        fire_and_forget(fut, "ReportOutcome (read)", log)
 
     def _fault_delay(self, ld: Load, now: float) -> bool:
         """Test-only: widen the reuse READ window, pin held. True while held back."""
@@ -236,6 +292,7 @@ class ReceiveFlow:
         now = time.monotonic()
         count_load(self.ctx, ld, ok=ok, reason=reason, now=now)
         record_finish(self.ctx, ld, ok=ok, reason=reason, dur=now - ld.t0)
+        self._report_read(ld, ok, reason)
         if ld.spec.mode == MODE_REUSE:
             self._unpin(ld)
             self.ctx.report("recv", ld.req_id, ok, ld.spec.local_block_ids)
@@ -255,8 +312,7 @@ class ReceiveFlow:
             # its blocks (a write already in flight can still land: not fenced yet).
             cancel = rpb.CancelRequest(transfer_id=spec.transfer_id, engine_id=self.ctx.settings.engine_id,
                                        reason=f"decode gave up: {reason}"[:200])
-            md = grpc_metadata(spec.traceparent)
-            self.ctx.control.submit(lambda c: c.call(c.rendezvous.Cancel, cancel, retries=1, metadata=md))
+            self.ctx.control.submit(rendezvous_call("Cancel", cancel, spec.traceparent, retries=1))
         # Let prefill free now rather than at its timeout (best effort).
         if ld.peer and self.ctx.ep is not None and self.ctx.peers.known(spec.remote_engine_id):
             try:
@@ -274,3 +330,37 @@ class ReceiveFlow:
         md = grpc_metadata(ld.spec.traceparent)
         fut = self.ctx.control.submit(lambda c: c.call(c.lease.Unpin, req, retries=2, metadata=md))
         fire_and_forget(fut, "Unpin (the pin lapses by itself)", log)
+
+
+def ledger_transfer_id(spec: LoadSpec, request_id: str) -> str:
+    """The READ's transfer on the ledger: a pull's is the prefill's hold (its transfer id);
+    a reuse READ's is the scheduler's fresh ``reuse-<hex>`` (the request id if it has none)."""
+    if spec.mode == MODE_REUSE:
+        return spec.transfer_id or f"reuse-{request_id}"
+    return spec.transfer_id
+
+
+def begin_read_request(spec: LoadSpec, engine_id: str, request_id: str) -> rpb.BeginReadRequest:
+    """``BeginRead`` for a pull (generation: the hold's attempt, always 0 from this
+    connector) or a reuse READ (generation: the retention_id the router looked up)."""
+    if spec.mode == MODE_REUSE:
+        src = spec.reuse
+        assert src is not None
+        return rpb.BeginReadRequest(transfer_id=ledger_transfer_id(spec, request_id), kind=rpb.TRANSFER_KIND_REUSE,
+                                    reader_engine_id=engine_id, block_ids=spec.local_block_ids,
+                                    generation=src.retention_id, conversation_id=src.conversation_id,
+                                    source_block_ids=spec.remote_block_ids, request_id=request_id)
+    return rpb.BeginReadRequest(transfer_id=spec.transfer_id, kind=rpb.TRANSFER_KIND_PULL,
+                                reader_engine_id=engine_id,
+                                block_ids=spec.ledger_block_ids or spec.local_block_ids, request_id=request_id)
+
+
+def _answered(fut: Any, now: float, deadline: float, what: str) -> bool:
+    """True once a control-plane call ``fut`` has answered; past ``deadline`` it is
+    abandoned and the load fails (TimeoutError -> recompute)."""
+    if fut.done():
+        return True
+    if now >= deadline:
+        fut.cancel()
+        raise TimeoutError(f"{what} did not answer")
+    return False

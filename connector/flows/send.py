@@ -18,10 +18,10 @@ import logging
 import time
 from typing import Any
 
-from kvbaton.services.tracing import grpc_metadata
 from kvbaton.v1 import rendezvous_pb2 as rpb
 
 from .. import wire
+from ..control import rendezvous_call
 from ..metadata import SendSpec
 from ..settings import MODE_PULL, MODE_PUSH
 from ..transfer.integrity import Fingerprints, KvIntegrityError
@@ -30,6 +30,12 @@ from .sequence import Move, Mover
 from .verify import Verifier
 
 log = logging.getLogger("kvbaton.connector.send")
+
+# Pull: the ledger frees a hold's blocks (DONE after the reader's outcome, or EXPIRED at the
+# hold's timeout); a READ begun just before that timeout may run until the rendezvous'
+# match timeout (60 s by default) ends it. This local cap, past both, is only the last
+# resort for a control plane that never answers.
+PULL_HOLD_CAP_EXTRA_S = 75.0
 
 
 @dataclasses.dataclass
@@ -60,7 +66,8 @@ class SendFlow:
         tid = spec.transfer_id
         if spec.block_ids:
             self.verifier.expose(f"t:{tid}", spec.block_ids, mode=spec.mode, req_id=req_id)
-        held = Held(req_id, spec, now + spec.timeout_s, now)
+        cap = spec.timeout_s + (PULL_HOLD_CAP_EXTRA_S if spec.mode == MODE_PULL else 0.0)
+        held = Held(req_id, spec, now + cap, now)
         ended = self._early_ended.pop(tid, None) if spec.mode == MODE_PUSH else None
         if ended is not None:  # the rendezvous failed it already (refused at the match): free, never write
             self._cancelled(tid, req_id, spec.mode, ended[1], ended[2])
@@ -98,6 +105,15 @@ class SendFlow:
                 held.match = state
             else:
                 self._early_matches[tid] = (time.monotonic(), state)
+        elif ev.type == T.TYPE_DONE and held is not None and held.spec.mode == MODE_PULL:
+            # The reader reported (or the match timed out): the ledger says the READ is over.
+            del self.held[tid]
+            ok = state.phase == rpb.TRANSFER_PHASE_SUCCEEDED
+            nbytes = sum(o.bytes for o in state.outcomes)
+            self.ctx.stats.record("send_done", transfer_id=tid, req_id=held.req_id, ledger=True, ok=ok,
+                                  read_nbytes=nbytes, held_s=round(time.monotonic() - held.t0, 6))
+            self.ctx.metrics.transfers.labels(MODE_PULL, "prefill", "ok" if ok else "failed").inc()
+            self.ctx.report("sent", held.req_id, ok)
         elif ev.type in (T.TYPE_EXPIRED, T.TYPE_CANCELLED) or (
                 ev.type == T.TYPE_DONE and state.phase == rpb.TRANSFER_PHASE_FAILED):
             # Expired, cancelled, or failed (refused at the match as incompatible, a rank
@@ -200,6 +216,5 @@ class SendFlow:
             transfer_id=held.spec.transfer_id, attempt=held.match.attempt,
             outcome=rpb.Outcome(engine_id=self.ctx.settings.engine_id, tp_rank=self.ctx.tp_rank, success=ok,
                                 bytes=nbytes if ok else 0, error=error[:500], duration_us=int(dur * 1e6)))
-        md = grpc_metadata(held.spec.traceparent)
-        fut = self.ctx.control.submit(lambda c: c.call(c.rendezvous.ReportOutcome, req, metadata=md))
+        fut = self.ctx.control.submit(rendezvous_call("ReportOutcome", req, held.spec.traceparent))
         fire_and_forget(fut, "ReportOutcome", log)

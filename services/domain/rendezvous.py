@@ -570,8 +570,10 @@ class RendezvousService:
                 raise precondition(
                     f"transfer {transfer_id} attempt {attempt}: the prefill's hold is {_phase_name(t.phase)}"
                     f"{': ' + t.reason if t.reason else ''}; its blocks may be freed: recompute")
-            if len(ids) != len(t.completion.block_ids):
-                raise invalid(f"block_ids has {len(ids)} ids; the hold has {len(t.completion.block_ids)}")
+            # Fewer is fine: the reader's leading blocks may be its own prefix-cache hits,
+            # so it reads a prefix of the hold (at most the whole of it).
+            if len(ids) > len(t.completion.block_ids):
+                raise invalid(f"block_ids has {len(ids)} ids; the hold has only {len(t.completion.block_ids)}")
             t.offer.CopyFrom(pb.TransferSide(engine_id=reader, block_ids=ids, received_at_ms=now, request_id=request_id))
             t.kind, t.generation, t.expected_outcomes = PULL, generation, readers
             t.phase, t.matched_at_ms, t.reason = MATCHED, now, ""

@@ -497,6 +497,11 @@ class Router:
             ktp = json.loads(raw).get("kv_transfer_params")
         except (json.JSONDecodeError, AttributeError):
             ktp = None
+        if (refused := params.version_error(ktp)):
+            log.error("prefill's kv_transfer_params refused for %s: %s", transfer_id, refused)
+            self.metrics.upstream_errors.labels("prefill").inc()
+            return web.json_response({"error": {"message": f"prefill engine answered: {refused}",
+                                                "type": "kvbaton_params_version"}}, status=502)
         db = copy.deepcopy(body)
         if ktp:
             db["kv_transfer_params"] = ktp

@@ -22,7 +22,7 @@ from kvbaton.connector.flows.peers import PeerCache
 from kvbaton.connector.settings import KvbatonSettings
 from kvbaton.connector.statslog import StatsLog
 from kvbaton.connector.transfer.geometry import KvLayout
-from kvbaton.v1 import common_pb2, registrar_pb2
+from kvbaton.v1 import common_pb2, registrar_pb2, rendezvous_pb2
 
 BS = 16
 
@@ -106,6 +106,9 @@ class FakeControl:
         self.ranks = ranks or {}
         self.lookups: list[concurrent.futures.Future[Any]] = []
         self.calls: list[tuple[concurrent.futures.Future[Any], Any]] = []  # (future, request)
+        # BeginRead is answered at once with this (a TransferState, or an exception to raise);
+        # None: left to the test like every other call.
+        self.begin_read: Any = rendezvous_pb2.TransferState(phase=rendezvous_pb2.TRANSFER_PHASE_MATCHED)
 
     def get_engine(self, engine_id: str) -> concurrent.futures.Future[Any]:
         fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
@@ -119,6 +122,11 @@ class FakeControl:
         rec = _Recorder()
         fn(rec)  # records which RPC and request it would send
         self.calls.append((fut, rec.req))
+        if isinstance(rec.req, rendezvous_pb2.BeginReadRequest) and self.begin_read is not None:
+            if isinstance(self.begin_read, BaseException):
+                fut.set_exception(self.begin_read)
+            else:
+                fut.set_result(self.begin_read)
         return fut
 
     def requests(self, rpc: str) -> list[Any]:
@@ -126,7 +134,8 @@ class FakeControl:
 
 
 class _Recorder:
-    """Stands in for the client inside ``submit(lambda c: c.call(c.x.Rpc, req, ...))``."""
+    """Stands in for the client inside ``submit(lambda c: c.call(c.x.Rpc, req, ...))`` (or
+    ``c.session.method(req)``)."""
 
     req: Any = None
 
@@ -134,6 +143,10 @@ class _Recorder:
         return self
 
     def call(self, _rpc: Any, req: Any, **_kw: Any) -> None:
+        self.req = req
+
+    def __call__(self, req: Any, *_a: Any, **_kw: Any) -> None:
+        """``c.session.offer(req)`` & co.: the session path of ``rendezvous_call``."""
         self.req = req
 
 

@@ -66,6 +66,73 @@ def test_pull_reads_then_reports_and_tells_the_owner() -> None:
     assert x.released and not r.recv.busy
 
 
+def _refused(details: str, code: grpc.StatusCode = grpc.StatusCode.FAILED_PRECONDITION) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+
+def test_pull_begins_on_the_ledger_before_reading_and_reports_its_bytes() -> None:
+    r = Rig()
+    r.control.begin_read = None  # answered by the test
+    spec = LoadSpec(TID, "p0", (6, 7), (2, 3), ledger_block_ids=(1, 2, 3))  # block 1: a local cache hit
+    r.recv.on_load("req", spec, T0)
+    r.recv.progress(T0)
+    fut, begin = r.control.calls[-1]
+    assert isinstance(begin, rendezvous_pb2.BeginReadRequest) and r.ep.xfers == []  # no READ before it
+    assert (begin.transfer_id, begin.kind, begin.reader_engine_id, list(begin.block_ids), begin.generation) == (
+        TID, rendezvous_pb2.TRANSFER_KIND_PULL, "me", [1, 2, 3], "")
+    fut.set_result(rendezvous_pb2.TransferState(transfer_id=TID, attempt=0, phase=rendezvous_pb2.TRANSFER_PHASE_MATCHED))
+    r.recv.progress(T0 + 0.1)
+    (x,) = r.ep.xfers
+    x.state = "DONE"
+    r.recv.progress(T0 + 0.2)
+    assert r.results() == [("recv", "req", True, (2, 3))]
+    (rep,) = r.control.requests("ReportOutcomeRequest")
+    assert rep.transfer_id == TID and rep.outcome.success and rep.outcome.bytes == x.nbytes > 0
+    assert rep.outcome.engine_id == "me"
+
+
+def test_a_fenced_pull_is_not_read_and_is_recomputed_with_its_reason() -> None:
+    r = Rig()
+    before = r.recompute_count("fenced")
+    r.control.begin_read = _refused("transfer t attempt 0: the prefill's hold is EXPIRED; its blocks may be freed: "
+                                    "recompute")
+    r.recv.on_load("req", _pull(), T0)
+    r.recv.progress(T0)
+    assert r.ep.xfers == [] and r.results() == [("recv", "req", False, (1, 2, 3))]
+    assert r.recompute_count("fenced") == before + 1
+    assert r.control.requests("ReportOutcomeRequest") == []  # nothing began: nothing to report
+
+
+def test_a_hold_not_yet_on_the_ledger_is_asked_for_again_briefly() -> None:
+    from kvbaton.connector.flows.receive import BEGIN_READ_HOLD_GRACE_S
+    r = Rig()
+    r.control.begin_read = _refused("transfer t: no hold (never made, or freed and forgotten): recompute")
+    r.recv.on_load("req", _pull(), T0)
+    r.recv.progress(T0)
+    r.recv.progress(T0 + 0.1)
+    assert r.results() == [] and len(r.control.requests("BeginReadRequest")) == 2  # the Complete may be late
+    r.control.begin_read = rendezvous_pb2.TransferState(transfer_id=TID)
+    r.recv.progress(T0 + 0.2)
+    assert len(r.ep.xfers) == 1
+    r2 = Rig()
+    r2.control.begin_read = _refused("transfer t: no hold (never made, or freed and forgotten): recompute")
+    r2.recv.on_load("req", _pull(), T0)
+    r2.recv.progress(T0 + BEGIN_READ_HOLD_GRACE_S)
+    assert r2.results() == [("recv", "req", False, (1, 2, 3))] and r2.ep.xfers == []
+
+
+def test_a_server_without_begin_read_is_read_from_unrecorded() -> None:
+    r = Rig()
+    r.control.begin_read = _refused("no BeginRead here", grpc.StatusCode.UNIMPLEMENTED)
+    r.recv.on_load("req", _pull(), T0)
+    r.recv.progress(T0)
+    (x,) = r.ep.xfers
+    x.state = "DONE"
+    r.recv.progress(T0 + 0.1)
+    assert r.results() == [("recv", "req", True, (1, 2, 3))]
+    assert r.control.requests("ReportOutcomeRequest") == []
+
+
 def test_pull_times_out_fails_the_load_and_frees_the_owner() -> None:
     r = Rig()
     before = r.recompute_count("timeout")
@@ -191,6 +258,35 @@ def test_reuse_pins_reads_and_unpins() -> None:
     assert unpin.pin_id == "pin-1"
 
 
+def test_reuse_begins_on_the_ledger_naming_the_retention_and_a_stale_one_is_fenced() -> None:
+    r = Rig()
+    r.recv.on_load("req", _reuse_load(), T0)
+    r.recv.progress(T0)
+    _pinned(r)
+    r.recv.progress(T0 + 0.1)
+    (begin,) = r.control.requests("BeginReadRequest")
+    assert (begin.transfer_id, begin.kind, begin.generation, begin.conversation_id, list(begin.block_ids),
+            list(begin.source_block_ids)) == ("reuse-x", rendezvous_pb2.TRANSFER_KIND_REUSE, "ret-1", "conv",
+                                              [1, 2], [8, 9])
+    (x,) = r.ep.xfers
+    x.state = "DONE"
+    r.recv.progress(T0 + 0.2)
+    (rep,) = r.control.requests("ReportOutcomeRequest")
+    assert rep.transfer_id == "reuse-x" and rep.outcome.success and rep.outcome.bytes == x.nbytes
+
+    stale = Rig()
+    before = stale.recompute_count("fenced")
+    stale.control.begin_read = _refused("conversation conv's blocks were re-registered (generation ret-2; the "
+                                        "read names ret-1): recompute")
+    stale.recv.on_load("req", _reuse_load(), T0)
+    stale.recv.progress(T0)
+    _pinned(stale)
+    stale.recv.progress(T0 + 0.1)
+    assert stale.ep.xfers == [] and stale.results() == [("recv", "req", False, (1, 2))]
+    assert stale.recompute_count("fenced") == before + 1
+    assert len(stale.control.requests("UnpinRequest")) == 1
+
+
 def test_reuse_refused_pin_recomputes_without_reading() -> None:
     r = Rig()
     before = r.recompute_count("pin_refused")
@@ -239,12 +335,40 @@ def test_pull_hold_ends_on_done_even_when_it_arrives_first() -> None:
     assert r.results() == [("sent", "req", True, ())] and not r.send.busy
 
 
-def test_pull_hold_expires_and_frees() -> None:
+def _ledger(kind: int, tid: str = TID, phase: int = rendezvous_pb2.TRANSFER_PHASE_SUCCEEDED) -> Any:
+    ev = rendezvous_pb2.RendezvousEvent(type=kind)
+    ev.transfer.transfer_id, ev.transfer.phase = tid, phase
+    ev.transfer.completion.engine_id = "me"
+    ev.transfer.outcomes.add(engine_id="d0", success=phase == rendezvous_pb2.TRANSFER_PHASE_SUCCEEDED, bytes=3072)
+    return ev
+
+
+def test_pull_hold_is_freed_on_the_ledgers_expiry_not_at_its_own_timeout() -> None:
     r = Rig()
     r.send.on_send("req", _send(), T0)
-    r.send.expire(T0 + 4.9, 10.0)
+    r.send.expire(T0 + 5.0, 10.0)  # the hold's timeout: a READ begun just before may still run
+    assert r.results() == [] and r.send.busy
+    r.send.on_event(TID, _ledger(rendezvous_pb2.RendezvousEvent.TYPE_EXPIRED,
+                                 phase=rendezvous_pb2.TRANSFER_PHASE_EXPIRED))
+    assert r.results() == [("sent", "req", False, ())] and not r.send.busy
+
+
+def test_pull_hold_is_freed_on_the_ledgers_done_with_the_readers_outcome() -> None:
+    for phase, ok in ((rendezvous_pb2.TRANSFER_PHASE_SUCCEEDED, True), (rendezvous_pb2.TRANSFER_PHASE_FAILED, False)):
+        r = Rig()
+        r.send.on_send("req", _send(), T0)
+        r.send.on_event(TID, _ledger(rendezvous_pb2.RendezvousEvent.TYPE_DONE, phase=phase))
+        assert r.results() == [("sent", "req", ok, ())] and not r.send.busy
+
+
+def test_pull_hold_local_cap_is_the_last_resort_past_every_ledger_deadline() -> None:
+    from kvbaton.connector.flows.send import PULL_HOLD_CAP_EXTRA_S
+    assert PULL_HOLD_CAP_EXTRA_S > 60.0  # the rendezvous' default match timeout
+    r = Rig()
+    r.send.on_send("req", _send(), T0)
+    r.send.expire(T0 + 5.0 + PULL_HOLD_CAP_EXTRA_S - 0.1, 1000.0)
     assert r.results() == []
-    r.send.expire(T0 + 5.0, 10.0)
+    r.send.expire(T0 + 5.0 + PULL_HOLD_CAP_EXTRA_S, 1000.0)  # the control plane never said
     assert r.results() == [("sent", "req", False, ())]
 
 

@@ -126,13 +126,27 @@ def test_push_complete_from_worker_moves_the_rpc_to_the_send_spec() -> None:
         assert sent == ([] if here else ["Complete"])
 
 
+def test_params_of_another_version_are_refused_and_the_request_computed_here(sched: KvbatonScheduler) -> None:
+    r = _req("v1", 300, {"kvbaton_params_version": 2, "do_remote_prefill": True, "remote_engine_id": "p0",
+                         "remote_block_ids": [7, 8, 9], "remote_num_tokens": 300, "transfer_id": "t1"})
+    assert sched.get_num_new_matched_tokens(r, 0) == (0, False)
+    assert r.kv_transfer_params is None and sched.params_refused == 1
+    assert sched.request_finished(r, [1, 2]) == (False, None)
+    assert sched.build_connector_meta(None).loads == {}
+    ok = _req("v2", 300, {"kvbaton_params_version": 1, "do_remote_prefill": True, "remote_engine_id": "p0",
+                          "remote_block_ids": [7, 8, 9], "remote_num_tokens": 300, "transfer_id": "t2"})
+    assert sched.get_num_new_matched_tokens(ok, 0) == (300, True) and sched.params_refused == 1
+
+
 def test_push_messages_carry_the_engines_the_router_named() -> None:
     """Prefill's Complete names the decode, decode's Offer names the prefill (from
     kv_transfer_params), so the control plane binds the transfer to the pair; the worker's
     Complete (complete_from_worker) gets the name through the SendSpec."""
     sent: list[object] = []
     fake = types.SimpleNamespace(rendezvous=types.SimpleNamespace(Complete="Complete", Offer="Offer", Cancel="Cancel"),
-                                 call=lambda method, req, **kw: sent.append(req))
+                                 call=lambda method, req, **kw: sent.append(req),
+                                 session=types.SimpleNamespace(  # untraced calls go over the session
+                                     complete=sent.append, offer=sent.append, cancel=sent.append))
     p = KvbatonScheduler(KvbatonSettings(control_plane="127.0.0.1:1", engine_id="p0"), BS)
     p._rpc = lambda what, fn, tid="": fn(fake)  # type: ignore[method-assign]
     r = _req("p1", 300, {"do_remote_decode": True, "transfer_id": "t1", "transfer_mode": "push",

@@ -9,6 +9,7 @@ leaked blocks).
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import json
 import os
@@ -19,6 +20,8 @@ from typing import Any
 
 import pytest
 
+from kvbaton import params as P
+from kvbaton.client import KvbatonClient
 from kvbaton.stack.pd_stack import PdStack, post_json, stream_request, usage_back_to_zero
 from kvbaton.stack.vllm_server import VllmServer
 from kvbaton.tinymodel import ensure_tiny_model
@@ -46,6 +49,7 @@ class PD:
         self.push_router_url = stack.routers["push"]
         self.stats_dir = stack.stats_dir
         self.events = stack.events
+        self.cp_address = stack.cp_address
 
     def body(self, prompt: str, max_tokens: int = 16) -> dict[str, Any]:
         return {"model": self.p.served_model_name, "prompt": prompt, "max_tokens": max_tokens,
@@ -209,3 +213,75 @@ def test_every_load_was_verified(pd: PD) -> None:
     assert not [v for v in verified if not v["ok"]], verified
     owner = {e["key"] for e in pd.events("p0", "kv_fingerprint")}
     assert {f"t:{e['transfer_id']}" for e in recv} <= owner
+
+
+def _transfers(cp_address: str) -> list[Any]:
+    """Every transfer the ledger still has, ended ones included (kept for its tombstone time)."""
+    from kvbaton.v1 import rendezvous_pb2 as rpb
+
+    async def go() -> list[Any]:
+        async with KvbatonClient(cp_address) as kv:
+            return list(await kv.list_transfers(phases=[v for v in rpb.TransferPhase.values() if v]))
+    return asyncio.run(go())
+
+
+def test_the_ledger_lists_the_runs_push_and_pull_transfers_with_bytes(pd: PD) -> None:
+    """One ledger: the pull READs (decode's BeginRead + outcome) are transfers next to the
+    push WRITEs, each SUCCEEDED with the bytes moved (after test_every_load_was_verified:
+    the module's runs are all in)."""
+    from kvbaton.v1 import rendezvous_pb2 as rpb
+    recv = {e["transfer_id"] for e in pd.events("d0", "recv_done")}
+    by_id = {t.transfer_id: t for t in _transfers(pd.cp_address)}
+    kinds = {rpb.TRANSFER_KIND_PULL: 0, rpb.TRANSFER_KIND_PUSH: 0}
+    for tid in recv:
+        t = by_id.get(tid)
+        if t is None:
+            continue
+        if t.kind == rpb.TRANSFER_KIND_UNSPECIFIED:  # push (records without a kind)
+            t.kind = rpb.TRANSFER_KIND_PUSH
+        assert t.phase == rpb.TRANSFER_PHASE_SUCCEEDED, (tid, t)
+        assert t.outcomes and all(o.success and o.bytes > 0 for o in t.outcomes), (tid, t)
+        reader = t.offer.engine_id if t.kind == rpb.TRANSFER_KIND_PULL else t.completion.engine_id
+        assert {o.engine_id for o in t.outcomes} == {reader}  # pull: decode reports; push: prefill
+        kinds[t.kind] += 1
+    seen = sorted((t.transfer_id, t.kind, t.phase) for t in by_id.values())
+    assert kinds[rpb.TRANSFER_KIND_PULL] >= len(PROMPTS) and kinds[rpb.TRANSFER_KIND_PUSH] >= len(PUSH_PROMPTS), (
+        kinds, sorted(recv), seen)
+
+
+def test_a_read_of_a_cancelled_hold_is_fenced_and_recomputed(pd: PD) -> None:
+    """A stale pull: prefill held the blocks, the hold ended (cancelled here, as an expiry
+    would) before decode read. BeginRead refuses it, nothing is read from blocks that may
+    hold something else by now, and decode recomputes: same answer as one engine."""
+    from kvbaton.v1 import rendezvous_pb2 as rpb
+    prompt = "A hold that ends before anyone reads it. " * 8
+    single = pd.p.post_json("/v1/completions", pd.body(prompt))["choices"][0]["text"]
+    tid = "t-fenced-1"
+    held = pd.p.post_json("/v1/completions", {**pd.body(prompt, max_tokens=1),
+                                              "kv_transfer_params": P.prefill_request(tid, mode="pull")})
+    handoff = held["kv_transfer_params"]
+    assert handoff[P.REMOTE_BLOCK_IDS] and handoff[P.VERSION] == P.PARAMS_VERSION
+
+    async def cancel() -> None:
+        async with KvbatonClient(pd.cp_address) as kv:
+            deadline = time.monotonic() + 10
+            while True:  # the hold's Complete is fire-and-forget from prefill's engine loop
+                try:
+                    await kv.call(kv.rendezvous.Cancel, rpb.CancelRequest(transfer_id=tid, engine_id="p0",
+                                                                           reason="test: the hold ends"))
+                    return
+                except Exception:
+                    if time.monotonic() > deadline:
+                        raise
+                    await asyncio.sleep(0.1)
+    asyncio.run(cancel())
+    failed_before = len(pd.events("d0", "recv_failed"))
+    out = pd.d.post_json("/v1/completions", {**pd.body(prompt), "kv_transfer_params": handoff})
+    assert out["choices"][0]["text"] == single
+    failed = pd.events("d0", "recv_failed")[failed_before:]
+    assert [e["transfer_id"] for e in failed] == [tid]
+    assert "read fenced by the ledger" in failed[0]["reason"] and "cancelled" in failed[0]["reason"], failed
+    (t,) = [t for t in _transfers(pd.cp_address) if t.transfer_id == tid]
+    assert t.phase == rpb.TRANSFER_PHASE_CANCELLED and not t.outcomes
+    assert _usage_back_to_zero(pd.p) == 0.0
+    assert _usage_back_to_zero(pd.d) == 0.0

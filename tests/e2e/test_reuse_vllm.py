@@ -266,6 +266,26 @@ def test_three_turns_read_history_from_decode(rig: Rig, mode: str) -> None:
     rig.revoke(conv)
 
 
+def test_the_ledger_lists_the_reuse_reads_with_bytes(rig: Rig) -> None:
+    """One ledger: each of the three-turn test's reuse READs (both modes) is a REUSE
+    transfer that prefill began on the ledger (fenced by the retention_id) and reported."""
+    from kvbaton.client import KvbatonClient
+    from kvbaton.v1 import rendezvous_pb2 as rpb
+
+    async def go() -> list[Any]:
+        async with KvbatonClient(rig.cp) as kv:
+            return list(await kv.list_transfers(phases=[v for v in rpb.TransferPhase.values() if v]))
+    reads = {e["conversation_id"] for e in rig.events("p0", "reuse_read")}
+    reuse = [t for t in asyncio.run(go()) if t.kind == rpb.TRANSFER_KIND_REUSE]
+    assert len(reuse) >= 4, reuse  # two reads per conversation, pull and push
+    for t in reuse:
+        assert t.phase == rpb.TRANSFER_PHASE_SUCCEEDED and t.completion.engine_id == "p0", t
+        assert t.offer.engine_id == "d0" and t.generation and t.conversation_id.startswith("conv-3turns-"), t
+        (o,) = t.outcomes
+        assert o.success and o.engine_id == "p0" and o.bytes > 0, t
+        assert t.transfer_id.startswith("reuse-") and t.conversation_id in reads, (t.transfer_id, reads)
+
+
 def test_idle_conversation_expires_and_recomputes(rig: Rig) -> None:
     conv = "conv-idle"
     prompt = _ids(7, 300)

@@ -167,3 +167,13 @@ async def test_unreachable_engine_is_a_502_and_an_upstream_error(stack):
     assert _delta(before, after, "kvbaton_router_upstream_errors_total", leg="prefill") == 1
     assert _delta(before, after, "kvbaton_router_requests_total", mode="pull", status="502") == 1
     assert stack.decode.requests == []
+
+
+async def test_prefill_params_of_another_version_are_refused_with_a_502(stack):
+    await stack.start("pull")
+    stack.prefill.ktp = {"kvbaton_params_version": 99, "remote_engine_id": "p0", "remote_block_ids": [1],
+                         "transfer_id": "x"}
+    status, body = await stack.post({"prompt": "hi", "max_tokens": 2})
+    assert status == 502 and b"kv_transfer_params version 99 is not supported" in body
+    assert stack.decode.requests == []  # never handed on to decode
+    assert stack.prefill.requests[-1]["kv_transfer_params"]["kvbaton_params_version"] == 1

@@ -148,3 +148,32 @@ def test_a_read_match_is_not_routed_to_the_prefill_as_a_write():
         read = pb.TransferState(transfer_id="x", phase=pb.TRANSFER_PHASE_MATCHED, kind=kind,
                                 offer=pb.TransferSide(engine_id="dec"), completion=pb.TransferSide(engine_id="pre"))
         assert {r for r, _ in derive_events(put(read, held))} == routes
+
+
+async def test_a_pull_may_read_a_prefix_of_the_hold_but_not_more(kv, engines):
+    """Decode's leading blocks may be its own prefix-cache hits: it names fewer blocks."""
+    for tid in ("p2", "p3"):
+        await kv.call(kv.rendezvous.Complete, pb.CompleteRequest(transfer_id=tid, prefill_engine_id="pre",
+                                                                 block_ids=[1, 2, 3], timeout_ms=60_000))
+    begun = await kv.call(kv.rendezvous.BeginRead, pb.BeginReadRequest(
+        transfer_id="p2", kind=PULL, reader_engine_id="dec", block_ids=[7, 8]))
+    assert begun.phase == pb.TRANSFER_PHASE_MATCHED and list(begun.offer.block_ids) == [7, 8]
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await kv.call(kv.rendezvous.BeginRead, pb.BeginReadRequest(
+            transfer_id="p3", kind=PULL, reader_engine_id="dec", block_ids=[7, 8, 9, 10]))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "the hold has only 3" in err.value.details()
+
+
+async def test_a_pull_of_a_hold_its_prefill_cancelled_is_fenced(kv, engines):
+    """What the e2e fenced-read test relies on: the prefill may end its own unread hold,
+    and a read begun after that is refused naming why."""
+    await kv.call(kv.rendezvous.Complete, pb.CompleteRequest(transfer_id="p4", prefill_engine_id="pre",
+                                                             block_ids=[1, 2], timeout_ms=60_000))
+    await kv.call(kv.rendezvous.Cancel, pb.CancelRequest(transfer_id="p4", engine_id="pre", reason="the hold ends"))
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await kv.call(kv.rendezvous.BeginRead, pb.BeginReadRequest(
+            transfer_id="p4", kind=PULL, reader_engine_id="dec", block_ids=[7, 8]))
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "cancelled" in err.value.details() and "no hold" not in err.value.details()
+    (t,) = [t for t in await kv.list_transfers(phases=[pb.TRANSFER_PHASE_CANCELLED]) if t.transfer_id == "p4"]
+    assert not t.outcomes
