@@ -684,11 +684,11 @@ class RendezvousService:
     async def _matching(self, phases: Sequence[int], engine_id: str) -> builtins.list[pb.TransferState]:
         limits.check_id("engine_id", engine_id, required=False)
         wanted = set(phases) or set(PENDING) | {MATCHED}
-        if wanted - set(PENDING) - {MATCHED}:
-            kvs, _ = await self.store.range(self.prefix + b"t/")
-            records = [(_parse(kv.value), kv.mod_revision) for kv in kvs]
-        else:
-            records = list(self.hub.records.values())
+        # From the store, not the replica's cache: the cache trails the store by the watch's
+        # delay, and a list must show a transfer whose Offer was answered before it was asked
+        # (read-your-writes; ended transfers are only in the store anyway).
+        kvs, _ = await self.store.range(self.prefix + b"t/")
+        records = [(_parse(kv.value), kv.mod_revision) for kv in kvs]
         out = []
         for t, rev in records:
             if t.phase in wanted and (not engine_id or engine_id in (t.offer.engine_id, t.completion.engine_id)):
