@@ -304,8 +304,10 @@ class KvbatonScheduler:
                                                    block_ids=tuple(int(b) for b in block_ids))
         # The hold on the ledger: decode's BeginRead names it (a read of a hold that expired
         # or was cancelled is refused), and its DONE or EXPIRED is when these blocks are freed.
+        # Bound to the decode the router named (required where the control plane has tokens).
         hold = complete_request(self.settings.engine_id, self.settings.timeout_s, tid,
-                                tuple(int(b) for b in block_ids), int(request.num_computed_tokens), request.request_id)
+                                tuple(int(b) for b in block_ids), int(request.num_computed_tokens), request.request_id,
+                                str(params.get(P.DECODE_ENGINE_ID) or ""))
         self._rpc("Complete", rendezvous_call("Complete", hold, tp), tid)
         # this branch is pull whatever the engine default
         return True, P.pull_handoff(self.settings.engine_id, block_ids, int(request.num_computed_tokens), tid)

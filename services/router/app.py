@@ -486,6 +486,8 @@ class Router:
                     headers: dict[str, str]) -> web.StreamResponse | _Retry:
         assert choice.prefill is not None and choice.decode is not None
         pb = self._prefill_body(body, transfer_id, "", reuse)
+        if named(choice.decode):  # the pull hold is bound to the decode that will read it
+            pb["kv_transfer_params"][params.DECODE_ENGINE_ID] = choice.decode.engine_id
         try:
             status, raw, ctype = await self._post_prefill(choice.prefill, path, pb, transfer_id, tokens)
         except _UPSTREAM_ERRORS as exc:
