@@ -57,6 +57,8 @@ class SendFlow:
         self._early_done: dict[str, float] = {}  # Done messages that arrived before the SendSpec
         self._early_matches: dict[str, tuple[float, Any]] = {}  # MATCH before the SendSpec
         self._early_ended: dict[str, tuple[float, str, str]] = {}  # FAILED before the SendSpec
+        self._done_from: dict[str, set[str]] = {}  # pull: reader agents whose Done arrived (TP)
+        self._done_from_t: dict[str, float] = {}
 
     @property
     def busy(self) -> bool:
@@ -84,8 +86,17 @@ class SendFlow:
         self.held[tid] = held
 
     def on_done(self, peer: str, msg: wire.Done) -> None:
+        """A reader rank is done with (or gave up on) our blocks: free once every reader
+        rank of ours said so (``msg.readers``: one unless decode runs more ranks than us)."""
         tid = msg.transfer_id
         self.ctx.stats.record("notif", transfer_id=tid, peer=peer)
+        seen = self._done_from.setdefault(tid, set())
+        seen.add(peer)
+        if len(seen) < max(msg.readers, 1):
+            self._done_from_t.setdefault(tid, time.monotonic())
+            return
+        self._done_from.pop(tid, None)
+        self._done_from_t.pop(tid, None)
         held = self.held.pop(tid, None)
         if held is None:
             self._early_done[tid] = time.monotonic()
@@ -153,6 +164,10 @@ class SendFlow:
         for tid, (t, _, _) in list(self._early_ended.items()):
             if now - t > max_age_s:
                 del self._early_ended[tid]
+        for tid, t in list(self._done_from_t.items()):
+            if now - t > max_age_s:
+                del self._done_from_t[tid]
+                self._done_from.pop(tid, None)
 
     # ------------------------------------------------------------------ push WRITEs
     def progress(self, now: float) -> None:
@@ -208,6 +223,8 @@ class SendFlow:
                               strategy=mv.strategy if mv is not None else "runs", chunks=chunks)
         m = self.ctx.metrics
         m.transfers.labels(MODE_PUSH, "prefill", outcome(ok, error)).inc()
+        if ok and mv is not None and mv.parts == []:
+            return  # a rank whose heads another rank writes (replicas): not a writer, no outcome
         if ok:
             m.transfer_bytes.labels(MODE_PUSH, "write").inc(nbytes)
             if mv is not None and mv.t_post:
