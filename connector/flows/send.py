@@ -46,6 +46,7 @@ class Held:
     t0: float
     match: Any = None  # push: the rendezvous TransferState once matched
     move: Move | None = None
+    delay_until: float = 0.0  # test-only fault: the push WRITE held back until then
 
 
 class SendFlow:
@@ -186,6 +187,8 @@ class SendFlow:
                 self.ctx.report("sent", held.req_id, not err)
 
     def _step_write(self, tid: str, held: Held, now: float) -> bool:
+        if held.move is None and self._fault_delay(tid, held, now):
+            return False
         if held.move is None:
             offer = held.match.offer
             local = tuple(held.spec.block_ids)
@@ -198,6 +201,18 @@ class SendFlow:
             held.move = Move("WRITE", offer.engine_id, local[skip:], remote[skip:], held.deadline,
                              message=lambda mv: self._pushed(tid, local, skip, mv))
         return self.mover.step(held.move, now)
+
+    def _fault_delay(self, tid: str, held: Held, now: float) -> bool:
+        """Test-only (``delay_push_write_s``): hold the matched push WRITE back, so a test
+        can kill a rank mid-push. True while held back."""
+        if not self.ctx.faults.path:
+            return False
+        if not held.delay_until:
+            held.delay_until = now + self.ctx.faults.value("delay_push_write_s")
+            if held.delay_until > now:
+                self.ctx.stats.record("fault_delay", transfer_id=tid, req_id=held.req_id,
+                                      delay_s=round(held.delay_until - now, 3))
+        return now < held.delay_until
 
     def _pushed(self, tid: str, local: tuple[int, ...], skip: int, mv: Move) -> wire.Message | None:
         """The push's message; with ``verify_kv`` it waits for our fingerprints (µs to ms)."""

@@ -123,6 +123,19 @@ def revoke_lease(cp_address: str, conversation_id: str, reason: str = "test done
     asyncio.run(go())
 
 
+def _cores(tp: int, first: int) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for an engine: one core, or one core per TP rank
+    (``0|1``: rank 0 on core 0, rank 1 on core 1; ranks share cores beyond the machine's)."""
+    n = os.cpu_count() or 1
+    if tp <= 1:
+        return str(first % n)
+    return "|".join(str((first + r) % n) for r in range(tp))
+
+
+def _tp_args(tp: int) -> list[str]:
+    return ["--tensor-parallel-size", str(tp)] if tp > 1 else []
+
+
 def wait_port(port: int, proc: subprocess.Popen[bytes], timeout_s: float = 30.0) -> None:
     """Wait until something listens on ``port``; fail early if ``proc`` died."""
     deadline = time.monotonic() + timeout_s
@@ -254,7 +267,7 @@ class PdStack:
                  engine_args: Sequence[str] = (), startup_timeout_s: float = 600.0,
                  prefill_id: str = "p0", decode_id: str = "d0",
                  extra_config: dict[str, Any] | None = None, prefill_args: Sequence[str] = (),
-                 router_control_plane: bool = False) -> None:
+                 router_control_plane: bool = False, prefill_tp: int = 1, decode_tp: int = 1) -> None:
         if connector != "kvbaton" and connector not in NIXL_VARIANTS:
             raise ValueError(f"connector must be kvbaton or one of {list(NIXL_VARIANTS)}, got {connector!r}")
         self.model = Path(model)
@@ -268,6 +281,7 @@ class PdStack:
         self.extra_config = dict(extra_config or {})
         self.prefill_args = list(prefill_args)
         self.router_control_plane = router_control_plane  # routers get --control-plane (reuse)
+        self.tp = {"prefill": max(int(prefill_tp), 1), "decode": max(int(decode_tp), 1)}
         self.stats_dir = self.workdir / "stats"
         self.cp_address = ""
         self.p: VllmServer | None = None
@@ -305,7 +319,8 @@ class PdStack:
         return self
 
     def _start(self) -> None:
-        envs: list[dict[str, str]] = [{"VLLM_CPU_OMP_THREADS_BIND": "0"}, {"VLLM_CPU_OMP_THREADS_BIND": "1"}]
+        envs: list[dict[str, str]] = [{"VLLM_CPU_OMP_THREADS_BIND": _cores(self.tp["prefill"], 0)},
+                                      {"VLLM_CPU_OMP_THREADS_BIND": _cores(self.tp["decode"], 1)}]
         if self.connector == "kvbaton":
             port = free_port()
             cp = self._spawn("cp", [str(Path(PY).parent / "kvbaton"), "serve", "--insecure", "--listen", f"127.0.0.1:{port}"])
@@ -324,6 +339,7 @@ class PdStack:
         self.p, self.d = (
             VllmServer(self.model, extra_args=[*small_engine_args(), *self.engine_args,
                                                *(self.prefill_args if name == "prefill" else ()),
+                                               *_tp_args(self.tp[name]),
                                                "--kv-transfer-config", c],
                        env=env, log_path=self.workdir / f"{name}.log", served_model_name="tiny",
                        startup_timeout_s=self.startup_timeout_s)
