@@ -72,6 +72,8 @@ def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     st.name = request.param  # type: ignore[attr-defined]
     st.broken = False  # type: ignore[attr-defined]
     print(f"\n{request.param}: engines up in {time.monotonic() - t0:.0f} s")
+    for srv in st.engines():  # warm each engine up alone (first-request costs out of the turns)
+        srv.post_json("/v1/completions", _body(_ids(1, 200), 4))
     try:
         yield st
     finally:
