@@ -267,7 +267,8 @@ class PdStack:
                  engine_args: Sequence[str] = (), startup_timeout_s: float = 600.0,
                  prefill_id: str = "p0", decode_id: str = "d0",
                  extra_config: dict[str, Any] | None = None, prefill_args: Sequence[str] = (),
-                 router_control_plane: bool = False, prefill_tp: int = 1, decode_tp: int = 1) -> None:
+                 router_control_plane: bool = False, prefill_tp: int = 1, decode_tp: int = 1,
+                 engine_env: dict[str, str] | None = None, engine_nice: int = 0) -> None:
         if connector != "kvbaton" and connector not in NIXL_VARIANTS:
             raise ValueError(f"connector must be kvbaton or one of {list(NIXL_VARIANTS)}, got {connector!r}")
         self.model = Path(model)
@@ -282,6 +283,8 @@ class PdStack:
         self.prefill_args = list(prefill_args)
         self.router_control_plane = router_control_plane  # routers get --control-plane (reuse)
         self.tp = {"prefill": max(int(prefill_tp), 1), "decode": max(int(decode_tp), 1)}
+        self.engine_env = dict(engine_env or {})  # extra environment for both engines
+        self.engine_nice = engine_nice  # both engines' process trees (VllmServer ``nice``)
         self.stats_dir = self.workdir / "stats"
         self.cp_address = ""
         self.p: VllmServer | None = None
@@ -321,6 +324,8 @@ class PdStack:
     def _start(self) -> None:
         envs: list[dict[str, str]] = [{"VLLM_CPU_OMP_THREADS_BIND": _cores(self.tp["prefill"], 0)},
                                       {"VLLM_CPU_OMP_THREADS_BIND": _cores(self.tp["decode"], 1)}]
+        for env in envs:
+            env.update(self.engine_env)
         if self.connector == "kvbaton":
             port = free_port()
             cp = self._spawn("cp", [str(Path(PY).parent / "kvbaton"), "serve", "--insecure", "--listen", f"127.0.0.1:{port}"])
@@ -342,7 +347,7 @@ class PdStack:
                                                *_tp_args(self.tp[name]),
                                                "--kv-transfer-config", c],
                        env=env, log_path=self.workdir / f"{name}.log", served_model_name="tiny",
-                       startup_timeout_s=self.startup_timeout_s)
+                       startup_timeout_s=self.startup_timeout_s, nice=self.engine_nice)
             for name, c, env in (("prefill", configs[0], envs[0]), ("decode", configs[1], envs[1])))
         self._servers = [self.p, self.d]
         with concurrent.futures.ThreadPoolExecutor(2) as ex:
