@@ -119,10 +119,11 @@ def revoke_lease(cp_address: str, conversation_id: str, reason: str = "test done
 
 # ---------------------------------------------------------------------- HTTP
 
-def post_json(url: str, body: dict[str, Any], timeout_s: float = 120.0) -> tuple[int, bytes]:
+def post_json(url: str, body: dict[str, Any], timeout_s: float = 120.0,
+              headers: dict[str, str] | None = None) -> tuple[int, bytes]:
     """POST JSON; (status, body) also for HTTP errors, so callers can assert on them."""
     req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
-                                 headers={"Content-Type": "application/json"})
+                                 headers={"Content-Type": "application/json", **(headers or {})})
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as r:
             return r.status, r.read()

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from kvbaton.client import KvbatonClient
+    from kvbaton.stack.etcd_cluster import EtcdServerTls
 
 __all__ = ["StackSecurity"]
 
@@ -82,6 +83,14 @@ class StackSecurity:
         """``kv_connector_extra_config`` keys of an engine's connector."""
         return {"control_tls_ca": self.ca, "control_tls_cert": self.cert(engine_id),
                 "control_tls_key": self.key(engine_id), "control_token_file": self.token_file(engine_id)}
+
+    def etcd_server(self) -> EtcdServerTls:
+        """TLS for a local etcd (:class:`~kvbaton.stack.etcd_cluster.EtcdCluster`): its
+        server certificate, client certificates required from this CA."""
+        from kvbaton.stack.etcd_cluster import EtcdServerTls
+
+        return EtcdServerTls(self.ca, self.cert("etcd"), self.key("etcd"), self.cert("etcd-client"),
+                             self.key("etcd-client"))
 
     @staticmethod
     def child_env() -> dict[str, str]:
