@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import grpc
 import structlog
@@ -12,13 +13,14 @@ from kvbaton.v1 import rendezvous_pb2_grpc as pb_grpc
 
 from ..domain import limits
 from ..domain.errors import DomainError, exhausted
+from ..domain.hub import SubscriberOverflow
 from ..domain.rendezvous import RendezvousService
 from ..store import RequestTooLargeError, StoreError
 from . import incarnation
 from .budget import ByteBudget
 from .guard import SESSION_GATE
 from .overload import LoopLag
-from .status import grpc_code, store_unavailable, streaming, too_large, unary, with_heartbeats
+from .status import grpc_code, store_unavailable, streaming, too_large, unary
 
 log = structlog.get_logger(__name__)
 
@@ -78,11 +80,15 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
         # revision is where the stream starts (events replayed after a restart come next).
         yield pb.RendezvousEvent(type=pb.RendezvousEvent.TYPE_HEARTBEAT, revision=after or self.domain.hub.revision)
 
-        def heartbeat() -> pb.RendezvousEvent:
-            return pb.RendezvousEvent(type=pb.RendezvousEvent.TYPE_HEARTBEAT, revision=self.domain.hub.revision)
-
-        async for event in with_heartbeats(self.domain.subscribe(r.engine_id, r.tp_rank, after), heartbeat, HEARTBEAT_S):
-            yield event
+        # Heartbeats come from the hub's idle timer (one per stream every HEARTBEAT_S), not
+        # from a timeout around each event: a busy stream pays nothing per event for them.
+        # A subscriber that fell behind ends quietly (the client resumes from its revision).
+        with contextlib.suppress(SubscriberOverflow):
+            async for event in self.domain.subscribe(r.engine_id, r.tp_rank, after, idle_s=HEARTBEAT_S):
+                if event is None:
+                    yield pb.RendezvousEvent(type=pb.RendezvousEvent.TYPE_HEARTBEAT, revision=self.domain.hub.revision)
+                else:
+                    yield event
 
     @unary
     async def BeginRead(self, r: pb.BeginReadRequest, context):

@@ -44,13 +44,33 @@ def _size(event: object) -> int:
     return size() if size is not None else 64
 
 
+# Put in a subscriber's queue when it had nothing to deliver for its ``idle_s``: the
+# stream sends a heartbeat then (``PrefixHub.subscribe(idle_s=...)``).
+IDLE = object()
+
+
 class _Subscriber(Generic[E]):
     def __init__(self, route: Route, max_bytes: int = SUBSCRIBER_BYTES) -> None:
         self.route = route
-        self.queue: asyncio.Queue[tuple[int, E] | None] = asyncio.Queue(_SUBSCRIBER_QUEUE)
+        self.queue: asyncio.Queue[tuple[int, E] | object | None] = asyncio.Queue(_SUBSCRIBER_QUEUE)
         self.overflowed = False
         self.bytes = 0
         self.max_bytes = max_bytes
+        self.taken_count = 0  # items handed to the stream (what the idle timer compares)
+        self._timer: asyncio.TimerHandle | None = None
+
+    def watch_idle(self, idle_s: float, seen: int = -1) -> None:
+        """Every ``idle_s``: an ``IDLE`` marker if nothing was taken since the last check.
+        One timer per subscriber every few seconds, rather than a timeout per event (a task
+        and a wait for each event of a busy stream)."""
+        if seen == self.taken_count and self.queue.empty() and not self.overflowed:
+            self.queue.put_nowait(IDLE)
+        self._timer = asyncio.get_running_loop().call_later(idle_s, self.watch_idle, idle_s, self.taken_count)
+
+    def stop_idle(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
     def offer(self, revision: int, event: E, size: int) -> None:
         if self.overflowed:
@@ -212,12 +232,17 @@ class PrefixHub(Generic[T, E]):
             return self.revision >= revision
         return True
 
-    async def subscribe(self, route: Route, after_revision: int = 0) -> AsyncIterator[tuple[int, E]]:
-        """Events for ``route``: those after ``after_revision`` (if non-zero), then live ones."""
+    async def subscribe(self, route: Route, after_revision: int = 0, *,
+                        idle_s: float = 0.0) -> AsyncIterator[tuple[int, E | None]]:
+        """Events for ``route``: those after ``after_revision`` (if non-zero), then live ones.
+        With ``idle_s``, also ``(revision, None)`` whenever the stream stayed silent that
+        long (the caller sends a heartbeat)."""
         await self._ready.wait()
         sub: _Subscriber[E] = _Subscriber(route)
         self._subs.setdefault(route, set()).add(sub)
         joined_at = self.last_event_revision
+        if idle_s > 0:
+            sub.watch_idle(idle_s)
         try:
             if after_revision and after_revision < joined_at:
                 async with asyncio.timeout(30):
@@ -233,11 +258,16 @@ class PrefixHub(Generic[T, E]):
                 for item in items:
                     if item is None or sub.overflowed:
                         raise SubscriberOverflow(f"{self.name}: subscriber for {route!r} fell behind; resubscribe")
-                    sub.taken(item[1])
-                    if item[0] <= joined_at and after_revision:
+                    sub.taken_count += 1
+                    if item is IDLE:
+                        yield self.revision, None
+                        continue
+                    sub.taken(item[1])  # type: ignore[index]
+                    if item[0] <= joined_at and after_revision:  # type: ignore[index]
                         continue  # already replayed
-                    yield item
+                    yield item  # type: ignore[misc]
         finally:
+            sub.stop_idle()
             subs = self._subs.get(route)
             if subs is not None:
                 subs.discard(sub)

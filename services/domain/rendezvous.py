@@ -697,8 +697,10 @@ class RendezvousService:
         out.sort(key=lambda t: (t.updated_at_ms, t.transfer_id))
         return out
 
-    async def subscribe(self, engine_id: str, tp_rank: int, after_revision: int = 0) -> AsyncIterator[pb.RendezvousEvent]:
-        """Pending matches of this engine (when starting fresh), then live events."""
+    async def subscribe(self, engine_id: str, tp_rank: int, after_revision: int = 0, *,
+                        idle_s: float = 0.0) -> AsyncIterator[pb.RendezvousEvent | None]:
+        """Pending matches of this engine (when starting fresh), then live events; with
+        ``idle_s``, None whenever nothing came for that long (time for a heartbeat)."""
         limits.check_engine_id("engine_id", engine_id)
         if not after_revision:
             after_revision = self.hub.revision
@@ -708,7 +710,7 @@ class RendezvousService:
                 ):
                     t.revision = rev
                     yield Ev(type=Ev.TYPE_MATCH, transfer=t, revision=rev)
-        async for _, event in self.hub.subscribe(engine_id, after_revision):
+        async for _, event in self.hub.subscribe(engine_id, after_revision, idle_s=idle_s):
             yield event
 
     # -- deadlines ---------------------------------------------------------

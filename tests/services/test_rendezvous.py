@@ -262,3 +262,41 @@ async def test_pending_transfers_are_bounded(kv, engines, plane):
     assert done.matched_now
     await kv.call(kv.rendezvous.Cancel, pb.CancelRequest(transfer_id="b0", engine_id="pre"))
     assert (await kv.call(kv.rendezvous.Offer, offer("b3"))).state.phase == pb.TRANSFER_PHASE_OFFERED
+
+
+async def test_quiet_subscribe_stream_gets_heartbeats_busy_one_does_not(kv, engines, monkeypatch):
+    """Heartbeats come from the hub's idle timer: one per quiet interval, none between
+    events that keep coming faster than that."""
+    import kvbaton.services.api.rendezvous as api
+
+    monkeypatch.setattr(api, "HEARTBEAT_S", 0.25)
+    seen: list[Ev] = []
+    got = asyncio.Event()
+
+    async def read():
+        async for ev in kv.subscribe("pre", 0, heartbeats=True):
+            seen.append(ev)
+            got.set()
+
+    task = asyncio.ensure_future(read())
+    try:
+        async def until(pred):
+            while not pred():
+                got.clear()
+                await got.wait()
+        # The first heartbeat (stream start) and at least two idle ones.
+        await asyncio.wait_for(until(lambda: sum(e.type == Ev.TYPE_HEARTBEAT for e in seen) >= 3), 5)
+        start = len(seen)
+        for i in range(20):  # 20 matches, one every 20 ms: never idle for 250 ms (a stall on this shared box may let one through)
+            await kv.call(kv.rendezvous.Offer, offer(f"hb{i}"))
+            await kv.call(kv.rendezvous.Complete, complete(f"hb{i}"))
+            await asyncio.sleep(0.02)
+        await asyncio.wait_for(until(lambda: sum(e.type == Ev.TYPE_MATCH for e in seen) >= 20), 5)
+        busy = seen[start:]
+        matches = [i for i, e in enumerate(busy) if e.type == Ev.TYPE_MATCH]
+        between = busy[matches[0]:matches[-1]]
+        assert sum(e.type == Ev.TYPE_HEARTBEAT for e in between) <= 3, [Ev.Type.Name(e.type) for e in between]
+        assert all(e.revision for e in seen if e.type == Ev.TYPE_HEARTBEAT)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
