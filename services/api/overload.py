@@ -90,6 +90,11 @@ class LoopLag:
             return False
         return self.busy >= self.max_busy or self._busy_lag_ms > self.max_lag_ms
 
+    def retry_after_ms(self) -> int:
+        """The retry hint sent with a shed call: about how long the loop has been behind
+        (twice the lag), at least 20 ms and at most a second, jittered by the client."""
+        return int(min(1000.0, max(20.0, 2 * self.lag_ms)))
+
     def refuse(self) -> str | None:
         """None (admit), or the reason to refuse a new transfer with."""
         if not self.overloaded:

@@ -44,7 +44,7 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
         if load is not None and load.overloaded and self.domain.hub.records.get(self.domain._key(transfer_id)) is None:
             reason = load.refuse()
             if reason is not None:
-                raise exhausted(reason)
+                raise exhausted(reason, retry_after_ms=load.retry_after_ms())
 
     async def _offer(self, r: pb.OfferRequest) -> pb.RendezvousResponse:
         self._admit(r.transfer_id)
@@ -122,7 +122,8 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
             if gate is not None:
                 refused = gate(call)
                 if refused is not None:
-                    return pb.SessionResult(seq=seq, code=refused[0].value[0], reason=refused[1])
+                    return pb.SessionResult(seq=seq, code=refused[0].value[0], reason=refused[1],
+                                            retry_after_ms=refused[2] if len(refused) > 2 else 0)
             body = call.WhichOneof("body")
             if body == "offer":
                 return pb.SessionResult(seq=seq, rendezvous=await self._offer(call.offer))
@@ -137,7 +138,8 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
             return pb.SessionResult(seq=seq, code=_INVALID,
                                     reason="session call has no body (offer, complete, report_outcome or cancel)")
         except DomainError as exc:
-            return pb.SessionResult(seq=seq, code=grpc_code(exc.code).value[0], reason=exc.message)
+            return pb.SessionResult(seq=seq, code=grpc_code(exc.code).value[0], reason=exc.message,
+                                    retry_after_ms=exc.retry_after_ms)
         except RequestTooLargeError as exc:
             return pb.SessionResult(seq=seq, code=_INVALID, reason=too_large(exc))
         except StoreError as exc:

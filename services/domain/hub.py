@@ -14,7 +14,7 @@ import asyncio
 import heapq
 import itertools
 from collections.abc import AsyncIterator, Callable, Hashable, Iterable
-from typing import Generic, TypeVar
+from typing import Generic, TypeVar, cast
 
 import structlog
 
@@ -163,6 +163,21 @@ class PrefixHub(Generic[T, E]):
         else:
             self.records.pop(kv.key, None)
 
+    def note_write(self, key: bytes, record: T, revision: int) -> None:
+        """Write-through: a record this replica has just written at ``revision``, cached
+        now rather than when the watch brings it back. The next message for the same key
+        (the other side of a transfer, often a moment later) then finds it instead of
+        losing a compare-and-swap on a stale cache (one more store round trip). Only
+        ahead of the watch: what the watch has applied (``revision`` or later) is at least
+        as new, and anything written after ``revision`` still comes through the watch,
+        which overwrites this entry. ``record`` must not be changed afterwards."""
+        if revision <= self.revision:
+            return
+        if self._keep(record):
+            self.records[key] = (record, revision)
+        else:
+            self.records.pop(key, None)
+
     async def _run(self) -> None:
         backoff = 0.05
         while True:
@@ -232,11 +247,16 @@ class PrefixHub(Generic[T, E]):
             return self.revision >= revision
         return True
 
-    async def subscribe(self, route: Route, after_revision: int = 0, *,
-                        idle_s: float = 0.0) -> AsyncIterator[tuple[int, E | None]]:
-        """Events for ``route``: those after ``after_revision`` (if non-zero), then live ones.
-        With ``idle_s``, also ``(revision, None)`` whenever the stream stayed silent that
-        long (the caller sends a heartbeat)."""
+    def subscribe(self, route: Route, after_revision: int = 0) -> AsyncIterator[tuple[int, E]]:
+        """Events for ``route``: those after ``after_revision`` (if non-zero), then live ones."""
+        return cast(AsyncIterator[tuple[int, E]], self._subscribe(route, after_revision, 0.0))
+
+    def subscribe_idle(self, route: Route, after_revision: int, idle_s: float) -> AsyncIterator[tuple[int, E | None]]:
+        """``subscribe``, plus ``(revision, None)`` whenever the stream stayed silent for
+        ``idle_s`` (the caller sends a heartbeat then)."""
+        return self._subscribe(route, after_revision, idle_s)
+
+    async def _subscribe(self, route: Route, after_revision: int, idle_s: float) -> AsyncIterator[tuple[int, E | None]]:
         await self._ready.wait()
         sub: _Subscriber[E] = _Subscriber(route)
         self._subs.setdefault(route, set()).add(sub)

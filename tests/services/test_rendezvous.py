@@ -254,8 +254,8 @@ async def test_pending_transfers_are_bounded(kv, engines, plane):
     plane.rendezvous.config.max_pending = 3
     for i in range(3):
         await kv.call(kv.rendezvous.Offer, offer(f"b{i}"))
-    with pytest.raises(grpc.aio.AioRpcError) as err:
-        await kv.call(kv.rendezvous.Offer, offer("b3"))
+    with pytest.raises(grpc.aio.AioRpcError) as err:  # (a raw stub: kv.call would wait for a slot)
+        await kv.rendezvous.Offer(offer("b3"), timeout=5)
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "limit 3" in err.value.details()
     # Existing transfers still progress and free their slot.
     done = await kv.call(kv.rendezvous.Complete, complete("b0", blocks=(4, 5, 6)))
