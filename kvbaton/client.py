@@ -37,6 +37,7 @@ log = structlog.get_logger(__name__)
 # Initial metadata of the control plane's streams (services/api/incarnation.py).
 STORE_INCARNATION_METADATA = "kvbaton-store-incarnation"
 _EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+_INVALID = grpc.StatusCode.INVALID_ARGUMENT.value[0]
 _RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED,
               grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN)
 
@@ -493,7 +494,11 @@ class RendezvousSession:
     sessions (UNIMPLEMENTED) is spoken to with unary calls instead.
     """
 
-    _UNARY = {"offer": "Offer", "complete": "Complete", "report_outcome": "ReportOutcome", "cancel": "Cancel"}
+    _UNARY = {"offer": "Offer", "complete": "Complete", "report_outcome": "ReportOutcome", "cancel": "Cancel",
+              "begin_read": "BeginRead"}
+    # What a server answers to a session call type it does not know (an older one, for
+    # begin_read): "session call has no body (...)". That type then goes as unary calls.
+    _NO_BODY = "session call has no body"
     _RETRYABLE_CODES = frozenset(c.value[0] for c in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED))
 
     def __init__(self, client: KvbatonClient, *, retries: int = 3, max_batch: int = 512) -> None:
@@ -501,6 +506,7 @@ class RendezvousSession:
         self.retries = retries
         self.max_batch = max_batch
         self.unary_fallback = False
+        self.unary_bodies: set[str] = set()  # call types this server's sessions do not know
         self.reconnects = 0
         # Batches and calls each way (how well calls are being batched).
         self.stats = {"sent_batches": 0, "sent_calls": 0, "received_batches": 0, "received_results": 0,
@@ -524,8 +530,12 @@ class RendezvousSession:
     async def cancel(self, req: rendezvous_pb2.CancelRequest) -> rendezvous_pb2.TransferState:
         return await self._call("cancel", req)
 
+    async def begin_read(self, req: rendezvous_pb2.BeginReadRequest) -> rendezvous_pb2.TransferState:
+        """A pull or reuse READ's ledger entry (``Rendezvous/BeginRead``) on the session."""
+        return await self._call("begin_read", req)
+
     async def _call(self, body: str, req):
-        if self.unary_fallback:
+        if self.unary_fallback or body in self.unary_bodies:
             return await self.client.call(getattr(self.client.rendezvous, self._UNARY[body]), req)
         loop = asyncio.get_running_loop()
         delay = 0.05
@@ -559,6 +569,11 @@ class RendezvousSession:
                 return await self.client.call(getattr(self.client.rendezvous, self._UNARY[body]), req)
             if result.code == 0:
                 return result.rendezvous if body in ("offer", "complete") else result.state
+            if result.code == _INVALID and result.reason.startswith(self._NO_BODY):
+                # An older server: it has sessions but not this call type.
+                log.info("client.session_call_unknown", call=body, address=self.client.address)
+                self.unary_bodies.add(body)
+                return await self.client.call(getattr(self.client.rendezvous, self._UNARY[body]), req)
             if result.code == _EXHAUSTED:
                 wait = shed.next_wait(result.retry_after_ms / 1000 if result.retry_after_ms else None)
                 if wait is None:

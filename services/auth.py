@@ -198,6 +198,7 @@ SESSION_BODIES = {
     "complete": "/kvbaton.v1.Rendezvous/Complete",
     "report_outcome": "/kvbaton.v1.Rendezvous/ReportOutcome",
     "cancel": "/kvbaton.v1.Rendezvous/Cancel",
+    "begin_read": "/kvbaton.v1.Rendezvous/BeginRead",
 }
 
 

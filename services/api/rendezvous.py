@@ -28,6 +28,9 @@ HEARTBEAT_S = 5.0
 # Messages of one session being worked on at once; the stream is not read beyond that.
 SESSION_IN_FLIGHT = 1024
 _INVALID = grpc.StatusCode.INVALID_ARGUMENT.value[0]
+# The answer to a session call this server does not know (an empty body, or a newer
+# client's call type: the client then sends that type as unary calls).
+NO_BODY = "session call has no body (offer, complete, report_outcome, cancel or begin_read)"
 
 
 class RendezvousServicer(pb_grpc.RendezvousServicer):
@@ -90,12 +93,15 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
                 else:
                     yield event
 
-    @unary
-    async def BeginRead(self, r: pb.BeginReadRequest, context):
+    async def _begin_read(self, r: pb.BeginReadRequest) -> pb.TransferState:
         return await self.domain.begin_read(
             kind=r.kind, transfer_id=r.transfer_id, attempt=r.attempt, reader_engine_id=r.reader_engine_id,
             block_ids=r.block_ids, readers=r.readers, generation=r.generation, conversation_id=r.conversation_id,
             source_block_ids=r.source_block_ids, request_id=r.request_id)
+
+    @unary
+    async def BeginRead(self, r: pb.BeginReadRequest, context):
+        return await self._begin_read(r)
 
     @unary
     async def ReportOutcome(self, r: pb.ReportOutcomeRequest, context):
@@ -135,8 +141,9 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
             if body == "cancel":
                 c = call.cancel
                 return pb.SessionResult(seq=seq, state=await self.domain.cancel(c.transfer_id, c.attempt, c.engine_id, c.reason))
-            return pb.SessionResult(seq=seq, code=_INVALID,
-                                    reason="session call has no body (offer, complete, report_outcome or cancel)")
+            if body == "begin_read":
+                return pb.SessionResult(seq=seq, state=await self._begin_read(call.begin_read))
+            return pb.SessionResult(seq=seq, code=_INVALID, reason=NO_BODY)
         except DomainError as exc:
             return pb.SessionResult(seq=seq, code=grpc_code(exc.code).value[0], reason=exc.message,
                                     retry_after_ms=exc.retry_after_ms)
