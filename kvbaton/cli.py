@@ -14,6 +14,7 @@ import json
 import sys
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import grpc
 from google.protobuf import json_format
@@ -218,15 +219,18 @@ def _serve(args) -> int:
     if args.web_port is not None:
         config.web_address = f"{host}:{args.web_port}"
     try:
-        if args.event_loop == "uvloop":
+        run: Any = asyncio.run
+        if args.event_loop in ("auto", "uvloop"):
             try:
                 import uvloop
+
+                run = uvloop.run
             except ImportError:
-                print("kvbaton serve: --event-loop uvloop needs the uvloop package (pip install uvloop)", file=sys.stderr)
-                return 2
-            uvloop.run(serve(config))
-        else:
-            asyncio.run(serve(config))
+                if args.event_loop == "uvloop":
+                    print("kvbaton serve: --event-loop uvloop needs the uvloop package (pip install uvloop)",
+                          file=sys.stderr)
+                    return 2
+        run(serve(config))
     except KeyboardInterrupt:
         pass
     except (ValueError, OSError) as exc:  # bad configuration: say what, not a traceback
@@ -256,8 +260,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--rate-limit", type=float, default=0.0, help="requests/s per client (0: off)")
     s.add_argument("--max-streams-per-client", type=int, default=256)
     s.add_argument("--default-lease-ttl-ms", type=int, default=30_000)
-    s.add_argument("--event-loop", choices=("asyncio", "uvloop"), default="asyncio",
-                   help="the server's event loop; uvloop costs less CPU per call (needs the uvloop package)")
+    s.add_argument("--event-loop", choices=("auto", "asyncio", "uvloop"), default="auto",
+                   help="the server's event loop: uvloop costs less CPU per call (the uvloop package, installed "
+                        "with kvbaton on Linux and macOS); auto (default): uvloop where importable, else asyncio")
     s.add_argument("--shed-lag-ms", type=float, default=20.0,
                    help="refuse new transfers (RESOURCE_EXHAUSTED) while the server's event loop runs more than "
                         "this many ms behind; 0: never (default %(default)s)")
