@@ -161,6 +161,7 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
         gate = SESSION_GATE.get()
         loop = asyncio.get_running_loop()
         results: list[pb.SessionResult] = []
+        held = [0]  # bytes of ``results`` reserved in the budget (each answer sized once)
         ready = asyncio.Event()
         working: set[asyncio.Task] = set()
         slots = asyncio.Semaphore(SESSION_IN_FLIGHT)
@@ -173,8 +174,10 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
             # so a client that stops reading stops being read (bounded server memory).
             try:
                 result = await self._session_one(call, gate)
-                await budget.acquire(result.ByteSize())
+                size = result.ByteSize()
+                await budget.acquire(size)
                 results.append(result)
+                held[0] += size
                 ready.set()
             except BaseException:
                 slots.release()
@@ -205,7 +208,7 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
                 if results:
                     batch = results[:]
                     del results[:]
-                    size = sum(r.ByteSize() for r in batch)
+                    size, held[0] = held[0], 0
                     yield pb.SessionResponse(results=batch)
                     budget.release(size)
                     for _ in batch:
