@@ -17,7 +17,7 @@ from kvbaton.services.store import MemoryStore
 from kvbaton.v1 import common_pb2
 from kvbaton.v1 import rendezvous_pb2 as pb
 from tests.services.conftest import fast_config
-from tests.services.helpers import register
+from tests.services.helpers import register, serve_rendezvous
 from tests.services.test_rendezvous import Collector, complete, offer
 
 Ev = pb.RendezvousEvent
@@ -277,11 +277,8 @@ async def test_a_server_without_sessions_is_spoken_to_with_unary_calls():
         async def Cancel(self, r, context):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"transfer {r.transfer_id} not found")
 
-    server = grpc.aio.server()
-    pb_grpc.add_RendezvousServicer_to_server(Older(), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    kv = KvbatonClient(f"127.0.0.1:{port}", timeout_s=3)
+    server, address = await serve_rendezvous(Older())
+    kv = KvbatonClient(address, timeout_s=3)
     try:
         r = await kv.session.offer(offer("u1"))
         assert r.state.transfer_id == "u1" and kv.session.unary_fallback

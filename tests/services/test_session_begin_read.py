@@ -18,7 +18,7 @@ from kvbaton.v1 import common_pb2, registrar_pb2
 from kvbaton.v1 import rendezvous_pb2 as pb
 from kvbaton.v1 import rendezvous_pb2_grpc as pb_grpc
 from tests.services.conftest import fast_config
-from tests.services.helpers import register
+from tests.services.helpers import register, serve_rendezvous
 
 PULL, REUSE = pb.TRANSFER_KIND_PULL, pb.TRANSFER_KIND_REUSE
 
@@ -122,11 +122,8 @@ async def test_a_server_whose_sessions_lack_begin_read_gets_it_as_a_unary_call()
             unary_reads.append(r.transfer_id)
             return pb.TransferState(transfer_id=r.transfer_id, kind=r.kind, phase=pb.TRANSFER_PHASE_MATCHED)
 
-    server = grpc.aio.server()
-    pb_grpc.add_RendezvousServicer_to_server(Older(), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    kv = KvbatonClient(f"127.0.0.1:{port}", timeout_s=3)
+    server, address = await serve_rendezvous(Older())
+    kv = KvbatonClient(address, timeout_s=3)
     try:
         r = await kv.session.begin_read(pull("o1"))
         assert r.transfer_id == "o1" and unary_reads == ["o1"] and "begin_read" in kv.session.unary_bodies
