@@ -274,7 +274,7 @@ class KvbatonClient:
                     if wait is None:
                         raise
                     self.shed_retries += 1
-                    log.info("client.shed_retry", method=name, wait_ms=round(wait * 1000), reason=(exc.details() or "")[:200])
+                    log.debug("client.shed_retry", method=name, wait_ms=round(wait * 1000), reason=(exc.details() or "")[:200])
                     await asyncio.sleep(wait)
                     continue
                 if exc.code() not in _RETRYABLE or attempt == retries or (shed.retries and shed.remaining(1.0) <= 0.001):
@@ -579,7 +579,7 @@ class RendezvousSession:
                 if wait is None:
                     raise _status_error(result.code, result.reason)
                 self.stats["shed_retries"] += 1
-                log.info("client.session_shed_retry", call=body, wait_ms=round(wait * 1000), reason=result.reason[:200])
+                log.debug("client.session_shed_retry", call=body, wait_ms=round(wait * 1000), reason=result.reason[:200])
                 await asyncio.sleep(wait)
                 continue
             if result.code not in self._RETRYABLE_CODES or attempt == self.retries:
