@@ -198,6 +198,19 @@ def _client(args):
     return security.from_args(args).client(args.addr, timeout_s=args.timeout)
 
 
+def loop_runner(choice: str) -> Any:
+    """What runs the server's main coroutine for ``--event-loop``: uvloop's ``run`` for
+    "uvloop" and, where uvloop imports, for "auto"; else ``asyncio.run`` ("asyncio", or
+    "auto" without uvloop). None: "uvloop" asked for and not installed."""
+    if choice in ("auto", "uvloop"):
+        try:
+            import uvloop
+        except ImportError:
+            return None if choice == "uvloop" else asyncio.run
+        return uvloop.run
+    return asyncio.run
+
+
 def _serve(args) -> int:
     from kvbaton import logs
     from kvbaton.services.server import ALL_SERVICES, ServerConfig, serve
@@ -218,18 +231,11 @@ def _serve(args) -> int:
         config.metrics_address = f"{host}:{args.metrics_port}"
     if args.web_port is not None:
         config.web_address = f"{host}:{args.web_port}"
+    run = loop_runner(args.event_loop)
+    if run is None:
+        print("kvbaton serve: --event-loop uvloop needs the uvloop package (pip install uvloop)", file=sys.stderr)
+        return 2
     try:
-        run: Any = asyncio.run
-        if args.event_loop in ("auto", "uvloop"):
-            try:
-                import uvloop
-
-                run = uvloop.run
-            except ImportError:
-                if args.event_loop == "uvloop":
-                    print("kvbaton serve: --event-loop uvloop needs the uvloop package (pip install uvloop)",
-                          file=sys.stderr)
-                    return 2
         run(serve(config))
     except KeyboardInterrupt:
         pass

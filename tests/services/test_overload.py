@@ -193,3 +193,16 @@ def test_on_uvloop_a_saturated_loop_reads_busy_and_an_idle_one_does_not():
     idle, seen = uvloop.run(main())
     assert idle < 0.5, idle
     assert any(seen), seen
+
+
+def test_serve_picks_uvloop_where_it_imports_and_falls_back_to_asyncio(monkeypatch):
+    import sys
+
+    from kvbaton.cli import loop_runner
+
+    uvloop = pytest.importorskip("uvloop")
+    assert loop_runner("auto") is uvloop.run and loop_runner("uvloop") is uvloop.run
+    assert loop_runner("asyncio") is asyncio.run
+    monkeypatch.setitem(sys.modules, "uvloop", None)  # as if not installed: the import fails
+    assert loop_runner("auto") is asyncio.run
+    assert loop_runner("uvloop") is None  # asked for by name: `serve` says so and exits 2
