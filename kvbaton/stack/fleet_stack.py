@@ -19,7 +19,7 @@ import json
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -47,6 +47,8 @@ class FleetStack:
         n_cp: control-plane processes (replicas over the same store; etcd only).
         extra_config: extra ``kv_connector_extra_config`` for every engine.
         engine_args: extra vLLM arguments for every engine.
+        role_args: extra vLLM arguments by role (``{"prefill": [...], "decode": [...]}``),
+            after ``engine_args`` (a later flag wins: e.g. a smaller prefill KV cache).
         router_args: extra router arguments (e.g. ``["--slack", "2"]``).
         static_routers: routers get ``--prefill ID=URL`` / ``--decode ID=URL`` lists instead
             of discovering engines (a fleet without discovery).
@@ -56,6 +58,7 @@ class FleetStack:
                  n_routers: int = 1, mode: str = "pull", store: str = "memory://", n_cp: int = 1,
                  timeout_s: float = 20.0, extra_config: dict[str, Any] | None = None,
                  engine_args: Sequence[str] = (), router_args: Sequence[str] = (),
+                 role_args: Mapping[str, Sequence[str]] | None = None,
                  static_routers: bool = False, startup_timeout_s: float = 600.0) -> None:
         self.model = Path(model)
         self.workdir = Path(workdir)
@@ -66,6 +69,7 @@ class FleetStack:
         self.timeout_s = timeout_s
         self.extra_config = dict(extra_config or {})
         self.engine_args = list(engine_args)
+        self.role_args = {k: list(v) for k, v in (role_args or {}).items()}
         self.router_args = list(router_args)
         self.static_routers = static_routers
         self.startup_timeout_s = startup_timeout_s
@@ -116,7 +120,8 @@ class FleetStack:
                                            **self.extra_config})
             self.engines[eid] = VllmServer(
                 self.model, port=port, served_model_name="tiny", startup_timeout_s=self.startup_timeout_s,
-                extra_args=[*small_engine_args(), *self.engine_args, "--kv-transfer-config", cfg],
+                extra_args=[*small_engine_args(), *self.engine_args, *self.role_args.get(role, ()),
+                            "--kv-transfer-config", cfg],
                 env={"VLLM_CPU_OMP_THREADS_BIND": "0" if role == "prefill" else "1"},
                 log_path=self.workdir / f"{eid}.log")
         with concurrent.futures.ThreadPoolExecutor(len(ids)) as ex:
@@ -181,15 +186,17 @@ class FleetStack:
         self.stop()
 
     # ------------------------------------------------------------------ observing
-    def events(self, engine: str, event: str | None = None, *, since: int = 0) -> list[dict[str, Any]]:
-        path = self.stats_dir / f"{engine}.worker.jsonl"
+    def events(self, engine: str, event: str | None = None, *, since: int = 0,
+               part: str = "worker") -> list[dict[str, Any]]:
+        """The connector's stats lines of ``engine`` (``part``: worker, scheduler, retention)."""
+        path = self.stats_dir / f"{engine}.{part}.jsonl"
         if not path.exists():
             return []
         evs = [json.loads(x) for x in path.read_text().splitlines()[since:] if x.strip()]
         return [e for e in evs if event is None or e["event"] == event]
 
-    def event_count(self, engine: str) -> int:
-        path = self.stats_dir / f"{engine}.worker.jsonl"
+    def event_count(self, engine: str, part: str = "worker") -> int:
+        path = self.stats_dir / f"{engine}.{part}.jsonl"
         return len(path.read_text().splitlines()) if path.exists() else 0
 
     def wait_routers_see(self, n_prefill: int, n_decode: int, timeout_s: float = 30.0) -> None:
@@ -213,7 +220,8 @@ class FleetStack:
 def stream_tokens(url: str, body: dict[str, Any], headers: dict[str, str] | None = None,
                   timeout_s: float = 120.0) -> dict[str, Any]:
     """Stream ``/v1/completions`` (``return_token_ids``) and return the output token ids,
-    the time to the first token, the total time and the router's ``X-Kvbaton-*`` headers.
+    the time to the first token, the total time and the router's ``X-Kvbaton-*`` and
+    ``Server-Timing`` headers.
     Raises ``urllib.error.HTTPError`` on a non-200 answer."""
     import urllib.request
 
@@ -224,7 +232,8 @@ def stream_tokens(url: str, body: dict[str, Any], headers: dict[str, str] | None
     ttft = -1.0
     ids: list[int] = []
     with urllib.request.urlopen(req, timeout=timeout_s) as r:
-        kv_headers = {k: v for k, v in r.headers.items() if k.lower().startswith("x-kvbaton-")}
+        kv_headers = {k: v for k, v in r.headers.items()
+                      if k.lower().startswith("x-kvbaton-") or k.lower() == "server-timing"}
         for raw in r:
             line = raw.decode().strip()
             if not line.startswith("data:") or line == "data: [DONE]":

@@ -10,6 +10,8 @@ from kvbaton.services.router.choice import (
     ROLE_PREFILL,
     DecodeReason,
     Fleet,
+    PrefillHint,
+    PrefillReason,
     estimate_prompt_tokens,
 )
 
@@ -172,3 +174,40 @@ async def test_discovery_relists_after_a_broken_watch_and_forgets_engines_gone_m
     assert set(fleet.engines) == {"p0"} and not fleet.holder_usable("d1", 0.0)
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
+
+
+def test_conversation_stays_on_the_prefill_holding_its_history_while_that_saves_work():
+    f = _fleet()
+    hint = PrefillHint("p1", cached_tokens=5000)
+    # Idle fleet: the prefill that served the last turn (only 1000 new tokens to compute).
+    c = f.choose(0.0, hint=hint, prompt_tokens=6000)
+    assert (c.prefill.engine_id, c.prefill_reason) == ("p1", PrefillReason.CACHED)
+    # Busy with less than the 5000 tokens the stay saves: still p1.
+    f.start_prefill(f.engines["p1"], 4000)
+    assert f.choose(0.0, hint=hint, prompt_tokens=6000).prefill.engine_id == "p1"
+    # Busier than that: recomputing the history elsewhere is quicker.
+    f.start_prefill(f.engines["p1"], 2000)
+    c = f.choose(0.0, hint=hint, prompt_tokens=6000)
+    assert (c.prefill.engine_id, c.prefill_reason) == ("p0", PrefillReason.LEAST_WORK)
+
+
+def test_history_readable_from_decode_makes_the_other_prefill_cheap():
+    f = _fleet()
+    hint = PrefillHint("p1", cached_tokens=5000)
+    f.start_prefill(f.engines["p1"], 1000)
+    # Without retained KV the stay saves 5000 tokens: p1 despite its queue.
+    assert f.choose(0.0, hint=hint, prompt_tokens=6000).prefill.engine_id == "p1"
+    # Decode retains the history: p0 READs it (cost 0.1 a token) instead of waiting.
+    c = f.choose(0.0, hint=hint, prompt_tokens=6000, reuse_tokens=5000)
+    assert (c.prefill.engine_id, c.prefill_reason) == ("p0", PrefillReason.LEAST_WORK)
+    # Equal otherwise, the prefill holding the history wins the tie (no READ at all).
+    f.end_prefill(f.engines["p1"], 1000)
+    assert f.choose(0.0, hint=hint, prompt_tokens=6000, reuse_tokens=5000).prefill.engine_id == "p1"
+
+
+def test_a_hint_for_an_engine_gone_or_excluded_is_ignored():
+    f = _fleet()
+    c = f.choose(0.0, hint=PrefillHint("p9", 5000), prompt_tokens=6000)
+    assert c.prefill is not None and c.prefill_reason is PrefillReason.LEAST_WORK
+    c = f.choose(0.0, exclude={"p1"}, hint=PrefillHint("p1", 5000), prompt_tokens=6000)
+    assert c.prefill.engine_id == "p0"
