@@ -11,10 +11,9 @@
 
 from __future__ import annotations
 
-import json
-
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import socket
