@@ -198,7 +198,7 @@ class Router:
                  mode: str = "pull", *, timeout_s: float = 300.0, control_plane: str = "",
                  lookup_timeout_s: float = 1.0, metrics: RouterMetrics | None = None,
                  discover: bool | None = None, slack: int = 4, suspect_s: float = 5.0,
-                 retry: bool = True, security: Any = None) -> None:
+                 retry: bool = True, security: Any = None, load_poll_s: float = 0.0) -> None:
         if mode not in ("pull", "push"):
             raise ValueError(f"mode must be pull or push, got {mode!r}")
         prefills = [prefill_url] if isinstance(prefill_url, str) else list(prefill_url)
@@ -222,6 +222,9 @@ class Router:
         # kvbaton.security.ClientSecurity for the control plane (None: from the environment).
         self.security = security
         self._watch: asyncio.Task[None] | None = None
+        # Every this many seconds, the engines' own request counts (0: this router's only).
+        self.load_poll_s = load_poll_s
+        self._poll: asyncio.Task[None] | None = None
         self.discovered = asyncio.Event()
         self.stats: dict[str, Any] = {
             "conversation_turns": 0, "reuse_offered": 0, "reuse_unavailable": 0, "reuse_holder_unusable": 0,
@@ -255,6 +258,10 @@ class Router:
 
     async def start(self, app: web.Application) -> None:
         self._session = aiohttp.ClientSession(timeout=self.timeout)
+        if self.load_poll_s > 0:
+            from .engine_load import poll_engine_loads
+
+            self._poll = asyncio.create_task(poll_engine_loads(self.fleet, self._session, self.load_poll_s))
         if self.control_plane:
             from kvbaton.security import ClientSecurity
 
@@ -271,9 +278,10 @@ class Router:
                     log.warning("no engine listing from the control plane yet; serving on static engines only")
 
     async def stop(self, app: web.Application) -> None:
-        if self._watch is not None:
-            self._watch.cancel()
-            await asyncio.gather(self._watch, return_exceptions=True)
+        for task in (self._watch, self._poll):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         if self._session is not None:
             await self._session.close()
         if self._kv is not None:

@@ -34,6 +34,12 @@ class Engine:
         self.bodies: list[dict] = []
         self.die = False
         self.hold: asyncio.Event | None = None  # answer only once set (an engine still working)
+        self.running = 0  # what its /metrics says (requests another router put on it)
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        return web.Response(text=f'vllm:num_requests_running{{engine="0",model_name="m"}} {self.running}.0\n'
+                                 f'vllm:num_requests_waiting{{engine="0",model_name="m"}} 0.0\n'
+                                 f'vllm:num_requests_waiting_by_reason{{reason="capacity"}} 9.0\n')
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -78,6 +84,7 @@ class Fleet:
         app = web.Application()
         app.router.add_post("/v1/completions", eng.handle)
         app.router.add_post("/v1/chat/completions", eng.handle)
+        app.router.add_get("/metrics", eng.metrics)
         runner, url = await _serve(app)
         self.runners.append(runner)
         self.urls[name] = url
@@ -191,6 +198,22 @@ async def test_a_conversation_stays_on_its_prefill_and_answers_say_where_time_we
     async with fleet.session.get(router + "/kvbaton/stats") as r:
         stats = await r.json()
     assert stats["prefill_cached"] == 4 and stats["prefill_least_work"] == 2 + 6
+
+
+async def test_engines_own_counts_steer_around_another_routers_load(fleet):
+    p = await fleet.engine("p0")
+    d = [await fleet.engine(n) for n in ("d0", "d1")]
+    fleet.engines["d0"].running = 3  # busy with another router's requests
+    router = await fleet.router([f"p0={p}"], [f"d0={d[0]}", f"d1={d[1]}"], "pull", control_plane="",
+                                load_poll_s=0.05)
+
+    async def polled() -> bool:
+        return (await _fleet_of(fleet, router))["d0"]["reported_requests"] == 3
+    await _until(polled)
+    for _ in range(3):
+        status, headers, _ = await fleet.post(router, {"prompt": "x", "max_tokens": 1})
+        assert status == 200 and headers["X-Kvbaton-Decode"] == "d1"
+        await _until(polled)  # the poll after the answer (a finished request voids the last report)
 
 
 async def test_conversation_headers_reach_decode_and_conflicts_are_400(fleet):
