@@ -289,7 +289,8 @@ def summarise(fleet: dict[str, Any], turns_n: int) -> dict[str, Any]:
                               else None),
             # Later reuse-on turns whose prefill already held the history (no READ needed).
             "local_hits_on": sum(1 for t in on for o in t.get("reuse_offers", ())
-                                 if o["local_hit_tokens"] >= o["reusable_tokens"] > 0),
+                                 if o["local_hit_tokens"] >= o["reusable_tokens"] > 0)
+            if any("reuse_offers" in t for t in on) else None,
             "same_prefill_on": sum(1 for t in on if prev_prefill.get(t["conv"]) == t["prefill"]),
             "same_prefill_off": sum(1 for t in off if prev_prefill.get(t["conv"]) == t["prefill"]),
         })
@@ -302,7 +303,11 @@ def summarise(fleet: dict[str, Any], turns_n: int) -> dict[str, Any]:
             total += 1
             hits += a["decode"] == b["decode"]
     last = per_turn[-1]
+    # Less noisy than one turn's median of a few conversations: every later turn's TTFT.
+    later_on = [t["ttft_ms"] for t in turns if t["reuse"] and t["turn"] > 1]
+    later_off = [t["ttft_ms"] for t in turns if not t["reuse"] and t["turn"] > 1]
     return {"per_turn": per_turn, "affinity_hits": hits, "affinity_later_turns": total,
+            "later_turns_on_over_off": round(statistics.median(later_on) / statistics.median(later_off), 3),
             "affinity_hit_rate": round(hits / total, 3) if total else None,
             "longest_turn_on_over_off": round(last["ttft_on_ms"] / last["ttft_off_ms"], 3),
             "retries": sum(t["attempts"] - 1 for t in turns)}
@@ -334,8 +339,10 @@ def plot(summary: dict[str, Any], path: Path) -> None:
 
 
 def markdown(result: dict[str, Any]) -> str:
-    """The README's tables, from a results file (``--table results/fleet.json``)."""
-    s, cfg = result["summary"], result["config"]
+    """The README's tables, from a results file (``--table results/fleet.json``); the
+    summary is recomputed from the file's turns (files from before a column have "–")."""
+    cfg = result["config"]
+    s = summarise(result["fleet"], cfg["turns"])
     lines = [f"{cfg['convs']} conversations with reuse + {cfg['convs']} without, concurrently, {cfg['turns']} turns "
              f"(+{cfg['new_tokens']} tokens a turn, {cfg['output_tokens']} out), {cfg['mode']}; "
              f"commit `{result['commit'][:7]}`",
@@ -355,9 +362,11 @@ def markdown(result: dict[str, Any]) -> str:
                      f"| {f0(p.get('prefill_on_ms'))} / {f0(p.get('prefill_off_ms'))} "
                      f"| {f0(p.get('decode_on_ms'))} / {f0(p.get('decode_off_ms'))} "
                      f"| {f0(p.get('cached_on'))} / {f0(p.get('cached_off'))} "
-                     f"| {p.get('local_hits_on', '–')} | {p.get('same_prefill_on', '–')} / {p.get('same_prefill_off', '–')} |")
+                     f"| {'–' if p.get('local_hits_on') is None else p['local_hits_on']} | {p.get('same_prefill_on', '–')} / {p.get('same_prefill_off', '–')} |")
     lines += ["", f"Affinity: {s['affinity_hits']}/{s['affinity_later_turns']} later turns on the decode holding "
-                  f"their KV; longest turn TTFT on/off = {s['longest_turn_on_over_off']}; retries "
+                  f"their KV; longest turn TTFT on/off = {s['longest_turn_on_over_off']}"
+                  + (f" (all later turns, median: {s['later_turns_on_over_off']})" if "later_turns_on_over_off" in s
+                     else "") + f"; retries "
                   f"{s['retries']}; last turns equal to a single engine: "
                   f"{sum(result['fleet']['last_turns_equal_single'])}/{len(result['fleet']['last_turns_equal_single'])}.",
               "", "| router cost | p50 | p99 |", "|---|---|---|"]
