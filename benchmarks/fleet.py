@@ -27,7 +27,13 @@ the commit) and a plot (``benchmarks/results/fleet_ttft_per_turn.png``):
    turn: TTFT at the client (streamed), which engines served it, the tokens offered and
    the tokens prefill READ back from decode (the connectors' stats). Affinity hit rate =
    later reuse-on turns served by the decode that served (and retained) the turn before.
-   The last turn of every conversation is checked against a single engine.
+   The last turn of every conversation is checked against a single engine. Where each
+   turn's TTFT went: the router's ``Server-Timing`` (lookup, prefill leg, decode to first
+   bytes), the prefill's cached tokens (prefill engines run with
+   ``--enable-prompt-tokens-details``) and the connector's ``reuse_offer`` lines (the
+   prefill's own prefix-cache hit vs what decode offered). ``--prefill-kv-mib`` /
+   ``--decode-kv-mib`` size the engines' KV caches: small prefill caches make the case
+   reuse exists for (a prefill that no longer holds the conversation).
 """
 
 from __future__ import annotations
