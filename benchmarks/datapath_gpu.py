@@ -160,9 +160,23 @@ MiB = 1 << 20
 REF_POOL = PoolDefaults(slot_bytes=256 * MiB, slots=4, send_slots=4, target_chunks=16)
 
 
+#: variants of a pool, as name suffixes: the same pools, one protocol setting changed
+VARIANTS = {"-nospin": "sleep-backoff polling",
+            "-noahead": "gather only once a receive slot is idle (before gather-ahead)"}
+
+
+def base_pool(name: str) -> tuple[str, str]:
+    """``(pool, variant suffix or "")`` of a pool name such as ``shipped-noahead``."""
+    for suf in VARIANTS:
+        if name.endswith(suf):
+            return name.removesuffix(suf), suf
+    return name, ""
+
+
 def pool_by_name(name: str) -> PoolDefaults:
     """``shipped`` (what an engine allocates by default), ``2GiB`` (the reference), or
-    ``SLOTMiBxRECVxSENDxCHUNKS``."""
+    ``SLOTMiBxRECVxSENDxCHUNKS`` (optionally with a :data:`VARIANTS` suffix)."""
+    name = base_pool(name)[0]
     if name == "shipped":
         return default_pool("cuda")
     if name == "2GiB":
@@ -185,7 +199,7 @@ def pool_label(name: str) -> str:
 
 
 def all_pools(args: argparse.Namespace) -> list[str]:
-    names = ["shipped"] + [p for x in (args.pools, args.sweep_pools, args.two_senders, args.trace)
+    names = ["shipped"] + [base_pool(p)[0] for x in (args.pools, args.sweep_pools, args.two_senders, args.trace)
                            for p in x.split(",") if p]
     return list(dict.fromkeys(names))
 
@@ -207,8 +221,10 @@ class Pools:
         self.active._on_notif(peer, msg)
 
     def use(self, name: str, spin: bool = True) -> StagedPeer:
-        self.active = self.peers[name]
-        self.active.spin = spin and self.active.cuda
+        base, variant = base_pool(name)
+        self.active = self.peers[base]
+        self.active.spin = spin and self.active.cuda and variant != "-nospin"
+        self.active.gather_ahead = variant != "-noahead"
         return self.active
 
     def close(self) -> None:
@@ -257,7 +273,8 @@ def _engine_main(role: str, args: argparse.Namespace, tokens: int, dev_index: in
             elif cmd == "trace":
                 assert sb is not None
                 old, sb.trace = sb.trace, ([] if rest[0] else None)
-                conn.send(old)
+                gpu, sb.gpu_trace = sb.gpu_trace, []
+                conn.send((old or [], gpu))
             elif cmd == "clear":
                 for t in cache:
                     t.zero_()
@@ -512,8 +529,9 @@ class GpuBench:
         self.sa.trace = []
         self._call("trace", True)
         r = self.run_once("WRITE", "pack", sids, dids)
-        tb = self._call("trace", False) or []
+        tb, gb = self._call("trace", False) or ([], [])
         ta, self.sa.trace = self.sa.trace or [], None
+        ga, self.sa.gpu_trace = self.sa.gpu_trace, []
         ev: dict[str, dict[int, float]] = {}
         for t, what, seq in ta + tb:
             ev.setdefault(what, {})[seq] = t
@@ -525,12 +543,24 @@ class GpuBench:
             return round(statistics.median(xs) * 1e6, 1) if xs else None
 
         out["grant_wait_us"] = round((ev.get("grant", {}).get(0, 0) - ev.get("send", {}).get(0, 0)) * 1e6, 1)
+        # sender: gather launched → seen done → receive slot in hand → WRITE posted → done
+        out["gather_seen_us"] = med("pack", "packed")
+        out["packed_to_slot_us"] = med("packed", "posting")
+        out["post_call_us"] = med("posting", "post")
         out["gather_to_post_us"] = med("pack", "post")
         out["post_to_write_done_us"] = med("post", "wrote")
         out["post_to_chunk_at_receiver_us"] = med("post", "chunk")
         out["chunk_to_scattered_ack_us"] = med("chunk", "acked")
+        # receiver: notification handled → scatter launched → seen done → ack sent
+        out["scatter_launch_us"] = med("chunk", "unpack")
+        out["scatter_seen_us"] = med("unpack", "scattered")
+        out["ack_call_us"] = med("scattered", "acked")
         out["ack_to_sender_us"] = med("acked", "ack")
         out["slot_cycle_us"] = med("pack", "ack")
+        out["recv_slot_cycle_us"] = med("posting", "ack")  # a receive slot: taken → back
+        for kind in ("gather", "scatter"):  # GPU time of each kernel (CUDA timing events)
+            xs = [us for k, _, us in ga + gb if k == kind]
+            out[f"{kind}_gpu_us"] = round(statistics.median(xs), 1) if xs else None
         posts = sorted(ev.get("post", {}).values())
         gaps = [b - a for a, b in zip(posts, posts[1:])]
         out["post_interval_us"] = round(statistics.median(gaps) * 1e6, 1) if gaps else None
@@ -639,7 +669,7 @@ def _pack_row(bench: GpuBench, tokens: int, op: str, pattern: str, pool: str, si
     row = datapath._row(tokens, op, pattern, f"pack@{pool}", statistics.median(times),
                         bench.nbytes, descs, 0.0, ok, times)
     row.update(policy_choice=policy, raw_copy_ratio=round(base_ms / row["ms"], 3), pool=pool,
-               staging_mib=pool_by_name(pool.removesuffix("-nospin")).total_bytes // MiB, **extra)
+               staging_mib=pool_by_name(pool).total_bytes // MiB, **extra)
     print(datapath._fmt(row) + f"  {row['raw_copy_ratio']:.0%} of raw", flush=True)
     if not ok:
         raise SystemExit(f"verification FAILED: {row}")
@@ -755,9 +785,9 @@ def _path_name(r: dict[str, Any]) -> str:
     s = r["strategy"]
     if s.startswith("pack@"):
         pool = r.get("pool", s[5:])
-        base = pool.removesuffix("-nospin")
-        tag = "connector, shipped defaults" if base == "shipped" else "connector"
-        label = pool_label(base) + (", sleep-backoff polling" if pool.endswith("-nospin") else "")
+        base, variant = base_pool(pool)
+        tag = "connector, shipped defaults" if pool == "shipped" else "connector"
+        label = pool_label(base) + (f", {VARIANTS[variant]}" if variant else "")
         two = " — two senders at once" if r.get("two_senders") else ""
         return f"{tag}: staged pack ({label}){two}"
     return NAMES.get(s, s)
@@ -811,11 +841,18 @@ def markdown(rows: list[dict[str, Any]], kernels: list[dict[str, Any]], env: dic
                          f"{r['num_descs']} | {r['ms']:.2f} | {r['gbps']:.1f} | "
                          f"{r['raw_copy_ratio']:.0%} |")
     if traces:
-        keys = ["grant_wait_us", "gather_to_post_us", "post_to_write_done_us",
-                "post_to_chunk_at_receiver_us", "chunk_to_scattered_ack_us", "ack_to_sender_us",
-                "slot_cycle_us", "post_interval_us"]
+        keys = ["grant_wait_us", "gather_gpu_us", "gather_seen_us", "packed_to_slot_us", "post_call_us",
+                "post_to_write_done_us", "post_to_chunk_at_receiver_us", "scatter_launch_us",
+                "scatter_gpu_us", "scatter_seen_us", "ack_call_us", "chunk_to_scattered_ack_us",
+                "ack_to_sender_us", "recv_slot_cycle_us", "slot_cycle_us", "post_interval_us"]
         lines += ["", "Where a staged WRITE's time goes (one fragmented WRITE, both sides traced; "
-                  "medians over chunks, µs):", "",
+                  "medians over chunks, µs). Sender: gather_gpu (the gather kernel's GPU time), "
+                  "gather_seen (launch → its event seen done), packed_to_slot (→ a receive slot "
+                  "in hand), post_call (the NIXL post itself), post_to_write_done. Receiver: "
+                  "post_to_chunk_at_receiver (post → the chunk's notification handled), "
+                  "scatter_launch, scatter_gpu, scatter_seen (launch → event seen done), ack_call; "
+                  "ack_to_sender; recv_slot_cycle (a receive slot taken for a post → its ack back "
+                  "at the sender), slot_cycle (gather launch → ack):", "",
                   "| tokens | pool | ms | chunks | " + " | ".join(k.removesuffix("_us") for k in keys) + " |",
                   "|---:|---|---:|---:|" + "---:|" * len(keys)]
         for t in traces:

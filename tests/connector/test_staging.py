@@ -112,7 +112,8 @@ def test_choose_strategy() -> None:
 
 # ---------------------------------------------------------------------- over NIXL
 class StagedPair:
-    def __init__(self, shape_first: str, slot_bytes: int, num_slots: int) -> None:
+    def __init__(self, shape_first: str, slot_bytes: int, num_slots: int,
+                 send_slots: int | None = None) -> None:
         pytest.importorskip("nixl")
         from kvbaton.connector.transfer.nixl_agent import NixlEndpoint
         from kvbaton.connector.transfer.staging import StagedPeer
@@ -123,8 +124,10 @@ class StagedPair:
         self.ta, self.tb = kv(shape_first, True), kv(shape_first, False)
         self.la = KvLayout.from_tensors(self.ta, TPB)
         self.lb = KvLayout.from_tensors(self.tb, TPB)
-        self.sa = StagedPeer(self.a, self.ta, self.la, slot_bytes=slot_bytes, num_slots=num_slots)
-        self.sb = StagedPeer(self.b, self.tb, self.lb, slot_bytes=slot_bytes, num_slots=num_slots)
+        self.sa = StagedPeer(self.a, self.ta, self.la, slot_bytes=slot_bytes, num_slots=num_slots,
+                             send_slots=send_slots)
+        self.sb = StagedPeer(self.b, self.tb, self.lb, slot_bytes=slot_bytes, num_slots=num_slots,
+                             send_slots=send_slots)
         self.a.add_peer(self.b.name, self.b.metadata())
         self.b.add_peer(self.a.name, self.a.metadata())
 
@@ -171,6 +174,38 @@ def test_staged_write_and_read(shape_first: str, kind: str) -> None:
             pytest.fail("pull request never arrived")
         assert p.sb.wait_complete("x2", timeout_s=10) == p.a.name
         assert checksum(p.tb, dst2, p.bd) == checksum(p.ta, src2, p.bd)
+    finally:
+        p.close()
+
+
+@pytest.mark.nixl
+@pytest.mark.parametrize("ahead", [True, False])
+def test_send_gathers_ahead_of_receive_slots(ahead: bool) -> None:
+    """A free send slot is packed at once, before the receiver has a slot for its chunk:
+    with one receive slot and three send slots, chunk 1 is gathered while chunk 0 is still
+    waiting for its ack (the old order, ``gather_ahead=False``, packed a chunk only once a
+    receive slot was idle: the gather sat on every receive slot's round trip). Every byte
+    still lands where it belongs."""
+    block_bytes = LAYERS * 2 * TPB * 2 * 8 * 2
+    p = StagedPair("kv", slot_bytes=2 * block_bytes, num_slots=1, send_slots=3)
+    try:
+        p.sa.gather_ahead = ahead
+        p.sa.trace = []
+        rng = np.random.default_rng(5)
+        src, dst = rng.permutation(NUM_BLOCKS)[:16], rng.permutation(NUM_BLOCKS)[:16]
+        p.sa.send(p.b.name, p.sb.info(), src, dst, "ga", timeout_s=20, idle=p.b.poll_notifs)
+        assert p.sb.completed.pop("ga") == p.a.name
+        assert checksum(p.tb, dst, p.bd) == checksum(p.ta, src, p.bd)
+        at = {(what, seq): t for t, what, seq in p.sa.trace}
+        assert p.sa.last_send_chunks >= 4
+        # chunks are still posted one by one, in order, into the one receive slot
+        posts = [at[("post", c)] for c in range(p.sa.last_send_chunks)]
+        assert posts == sorted(posts)
+        assert all(at[("ack", c)] < at[("post", c + 1)] for c in range(p.sa.last_send_chunks - 1))
+        # the gathers of chunks 1 and 2 start before chunk 0 is acked only when gathering ahead
+        assert (at[("pack", 1)] < at[("ack", 0)]) is ahead
+        assert (at[("pack", 2)] < at[("ack", 0)]) is ahead
+        assert not p.sb.grants.busy and p.sb.grants.free_slots() == 1
     finally:
         p.close()
 
