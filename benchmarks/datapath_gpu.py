@@ -94,6 +94,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="pool for the two-senders case (empty: skip)")
     p.add_argument("--trace", default="shipped,2GiB",
                    help="pools traced chunk by chunk (one fragmented WRITE, largest size)")
+    p.add_argument("--profile", default="",
+                   help="pools whose one fragmented WRITE (largest size) runs under cProfile on both "
+                        "sides (text files next to --out)")
     p.add_argument("--nospin", action="store_true",
                    help="also measure the shipped pool with spin off (sleep backoff polling)")
     p.add_argument("--cpu", action="store_true",
@@ -275,6 +278,19 @@ def _engine_main(role: str, args: argparse.Namespace, tokens: int, dev_index: in
                 old, sb.trace = sb.trace, ([] if rest[0] else None)
                 gpu, sb.gpu_trace = sb.gpu_trace, []
                 conn.send((old or [], gpu))
+            elif cmd == "profile":  # cProfile on (True) / off (False: its top functions)
+                import cProfile
+                import io
+                import pstats
+                if rest[0]:
+                    prof = cProfile.Profile()
+                    prof.enable()
+                    conn.send("ok")
+                else:
+                    prof.disable()
+                    buf = io.StringIO()
+                    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(30)
+                    conn.send(buf.getvalue())
             elif cmd == "clear":
                 for t in cache:
                     t.zero_()
@@ -527,8 +543,10 @@ class GpuBench:
         """One fragmented staged WRITE with both sides tracing: where a chunk's time goes."""
         self.clear_dst()
         self.sa.trace = []
+        self.a.post_times = []
         self._call("trace", True)
         r = self.run_once("WRITE", "pack", sids, dids)
+        posts, self.a.post_times = self.a.post_times, None
         tb, gb = self._call("trace", False) or ([], [])
         ta, self.sa.trace = self.sa.trace or [], None
         ga, self.sa.gpu_trace = self.sa.gpu_trace, []
@@ -547,6 +565,9 @@ class GpuBench:
         out["gather_seen_us"] = med("pack", "packed")
         out["packed_to_slot_us"] = med("packed", "posting")
         out["post_call_us"] = med("posting", "post")
+        # of which: descriptor lists + NIXL request creation, and the post (transfer) call
+        out["post_init_us"] = round(statistics.median(p[0] for p in posts) * 1e6, 1) if posts else None
+        out["post_xfer_us"] = round(statistics.median(p[1] for p in posts) * 1e6, 1) if posts else None
         out["gather_to_post_us"] = med("pack", "post")
         out["post_to_write_done_us"] = med("post", "wrote")
         out["post_to_chunk_at_receiver_us"] = med("post", "chunk")
@@ -564,6 +585,30 @@ class GpuBench:
         posts = sorted(ev.get("post", {}).values())
         gaps = [b - a for a, b in zip(posts, posts[1:])]
         out["post_interval_us"] = round(statistics.median(gaps) * 1e6, 1) if gaps else None
+        return out
+
+    def profile(self, sids: np.ndarray, dids: np.ndarray, out_dir: Path) -> dict[str, Any]:
+        """One fragmented staged WRITE with both sides under cProfile (CPU time per function,
+        top by own time): where each side's thread spends a chunk's CPU time."""
+        import cProfile
+        import io
+        import pstats
+
+        self.clear_dst()
+        self._call("profile", True)
+        pr = cProfile.Profile()
+        pr.enable()
+        r = self.run_once("WRITE", "pack", sids, dids)
+        pr.disable()
+        recv_txt = self._call("profile", False)
+        buf = io.StringIO()
+        pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(30)
+        out = {"pool": self.pool, "tokens": self.tokens, "ms": round(r["ms"], 3), "chunks": r["num_descs"]}
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for side, txt in (("sender", buf.getvalue()), ("receiver", recv_txt)):
+            path = out_dir / f"profile_{self.pool}_{self.tokens}_{side}.txt"
+            path.write_text(f"# one fragmented staged WRITE, {out}, {side} side under cProfile\n{txt}")
+            out[side] = path.name
         return out
 
     def raw_copy(self) -> float:
@@ -767,6 +812,11 @@ def run_suite(args: argparse.Namespace, tokens: int, src: torch.device, dst: tor
                     t = bench.trace(sids, dids)
                     traces.append(t)
                     print(f"trace {t}", flush=True)
+                for pool in [p for p in args.profile.split(",") if p]:
+                    bench.use_pool(pool)
+                    t = bench.profile(sids, dids, Path(args.out).parent)
+                    traces.append(dict(t, profile=True))
+                    print(f"profile {t}", flush=True)
                 bench.use_pool("shipped")
                 kernels = [dict(k, tokens=tokens) for k in bench.kernels(sids, dids)]
                 for k in kernels:
@@ -842,7 +892,7 @@ def markdown(rows: list[dict[str, Any]], kernels: list[dict[str, Any]], env: dic
                          f"{r['raw_copy_ratio']:.0%} |")
     if traces:
         keys = ["grant_wait_us", "gather_gpu_us", "gather_seen_us", "packed_to_slot_us", "post_call_us",
-                "post_to_write_done_us", "post_to_chunk_at_receiver_us", "scatter_launch_us",
+                "post_init_us", "post_xfer_us", "post_to_write_done_us", "post_to_chunk_at_receiver_us", "scatter_launch_us",
                 "scatter_gpu_us", "scatter_seen_us", "ack_call_us", "chunk_to_scattered_ack_us",
                 "ack_to_sender_us", "recv_slot_cycle_us", "slot_cycle_us", "post_interval_us"]
         lines += ["", "Where a staged WRITE's time goes (one fragmented WRITE, both sides traced; "
@@ -856,6 +906,8 @@ def markdown(rows: list[dict[str, Any]], kernels: list[dict[str, Any]], env: dic
                   "| tokens | pool | ms | chunks | " + " | ".join(k.removesuffix("_us") for k in keys) + " |",
                   "|---:|---|---:|---:|" + "---:|" * len(keys)]
         for t in traces:
+            if t.get("profile"):
+                continue
             lines.append(f"| {t['tokens']} | {t['pool']} | {t['ms']} | {t['chunks']} | "
                          + " | ".join(str(t.get(k)) for k in keys) + " |")
     if kernels:

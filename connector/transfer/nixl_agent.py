@@ -125,6 +125,8 @@ class NixlEndpoint:
         self._peers: set[str] = set()
         self._regs: list[Any] = []
         self._inbox: dict[str, list[bytes]] = {}
+        #: when a list: (descriptors + request creation s, post call s) of every post (benchmarks)
+        self.post_times: list[tuple[float, float]] | None = None
         self._handlers: list[tuple[bytes, Callable[[str, bytes], None]]] = []
         self._closed = False
 
@@ -197,14 +199,18 @@ class NixlEndpoint:
             raise KeyError(f"unknown NIXL peer {peer!r}: add_peer() it first")
         if plan.num_descs == 0:
             raise ValueError("empty transfer plan")
+        t0 = time.perf_counter() if self.post_times is not None else 0.0
         local = self._agent.get_xfer_descs(np.ascontiguousarray(plan.local_descs),
                                            plan.local_mem_type)
         remote = self._agent.get_xfer_descs(np.ascontiguousarray(plan.remote_descs),
                                             plan.remote_mem_type)
         handle = self._agent.initialize_xfer(op, local, remote, peer, notif)
         xfer = Transfer(handle, op, peer, plan, "PROC")
+        t1 = time.perf_counter() if self.post_times is not None else 0.0
         # On host memory UCX does the whole copy inside this call (GIL released).
         state = self._agent.transfer(handle, notif)
+        if self.post_times is not None:
+            self.post_times.append((t1 - t0, time.perf_counter() - t1))
         xfer.state = state
         if state == "ERR":
             self.release(xfer)

@@ -189,3 +189,51 @@ def test_two_senders_into_one_receiver_cuda() -> None:
             p.close()
         for e in eps:
             e.close()
+
+
+@pytest.mark.nixl
+@pytest.mark.parametrize("ahead", [True, False])
+def test_gather_ahead_and_trace_cuda(ahead: bool) -> None:
+    """On CUDA too, a free send slot is gathered before the receiver has a slot for it
+    (one receive slot, three send slots), chunks are still posted in order one at a time,
+    every byte lands, and tracing records each gather's and scatter's GPU time."""
+    pytest.importorskip("nixl")
+    try:
+        from kvbaton.connector.transfer.nixl_agent import NixlEndpoint
+        from kvbaton.connector.transfer.staging import StagedPeer
+    except ImportError:
+        from connector.transfer.nixl_agent import NixlEndpoint  # type: ignore[no-redef]
+        from connector.transfer.staging import StagedPeer  # type: ignore[no-redef]
+    a, b = NixlEndpoint(f"GA{next(_names)}"), NixlEndpoint(f"GB{next(_names)}")
+    ta, tb = kv("kv", True), kv("kv", False)
+    la, lb = KvLayout.from_tensors(ta, TPB), KvLayout.from_tensors(tb, TPB)
+    block_bytes = la.bytes_per_block * la.num_regions
+    kw = dict(slot_bytes=2 * block_bytes, num_slots=1, send_slots=3, target_chunks=64, min_chunk_bytes=0)
+    sa, sb = StagedPeer(a, ta, la, **kw), StagedPeer(b, tb, lb, **kw)
+    a.add_peer(b.name, b.metadata())
+    b.add_peer(a.name, a.metadata())
+    va, vb = region_byte_views(ta, la), region_byte_views(tb, lb)
+    try:
+        sa.gather_ahead = ahead
+        sa.trace, sb.trace = [], []
+        rng = np.random.default_rng(4)
+        src, dst = rng.permutation(NUM_BLOCKS)[:16], rng.permutation(NUM_BLOCKS)[:16]
+        sa.send(b.name, sb.info(), src, dst, "ga", timeout_s=30, idle=sb.progress)
+        assert sb.wait_complete("ga", timeout_s=10) == a.name
+        s, d = torch.from_numpy(src).cuda(), torch.from_numpy(dst).cuda()
+        assert all(torch.equal(x.index_select(0, s).view(torch.uint8), y.index_select(0, d).view(torch.uint8))
+                   for x, y in zip(va, vb))
+        n = sa.last_send_chunks
+        assert n >= 4
+        at = {(what, seq): t for t, what, seq in sa.trace}
+        assert all(at[("ack", c)] < at[("post", c + 1)] for c in range(n - 1))
+        assert (at[("pack", 1)] < at[("ack", 0)]) is ahead
+        gathers = [us for k, _, us in sa.gpu_trace if k == "gather"]
+        scatters = [us for k, _, us in sb.gpu_trace if k == "scatter"]
+        assert len(gathers) == n and len(scatters) == n
+        assert all(us > 0 for us in gathers + scatters)
+    finally:
+        sa.close()
+        sb.close()
+        a.close()
+        b.close()
