@@ -211,6 +211,54 @@ def test_send_gathers_ahead_of_receive_slots(ahead: bool) -> None:
 
 
 @pytest.mark.nixl
+@pytest.mark.parametrize("reuse", [True, False])
+def test_staged_send_posts_slot_pair_requests_again(reuse: bool) -> None:
+    """Each chunk's WRITE goes from a send slot into a receive slot: with ``reuse_requests``
+    the request made for a (send slot, receive slot, size) is posted again for later
+    chunks instead of a new one per chunk, and every byte still lands (the chunk
+    notifications carry each chunk's own slot and sequence number)."""
+    block_bytes = LAYERS * 2 * TPB * 2 * 8 * 2
+    p = StagedPair("kv", slot_bytes=2 * block_bytes, num_slots=2, send_slots=2)
+    try:
+        p.sa.reuse_requests = reuse
+        p.a.post_times = []
+        rng = np.random.default_rng(9)
+        src, dst = rng.permutation(NUM_BLOCKS)[:40], rng.permutation(NUM_BLOCKS)[:40]
+        p.sa.send(p.b.name, p.sb.info(), src, dst, "rr", timeout_s=20, idle=p.b.poll_notifs)
+        assert p.sb.completed.pop("rr") == p.a.name
+        assert checksum(p.tb, dst, p.bd) == checksum(p.ta, src, p.bd)
+        n = p.sa.last_send_chunks
+        assert len(p.a.post_times) == n >= 12
+        made = sum(1 for init_s, _ in p.a.post_times if init_s > 0)
+        # at most 2 × 2 slot pairs × 2 chunk sizes (the last chunk is shorter)
+        assert made <= 8 if reuse else made == n
+        assert not p.sb.grants.busy and p.sb.grants.free_slots() == 2
+    finally:
+        p.close()
+
+
+@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="Linux timer slack")
+def test_timer_slack_is_per_thread() -> None:
+    import threading
+
+    from kvbaton.connector.transfer.timerslack import set_timer_slack, timer_slack
+
+    before, got = timer_slack(), []
+
+    def run() -> None:
+        got.append(set_timer_slack(2000))
+        got.append(timer_slack())
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join(10)
+    assert got == [True, 2000]
+    assert timer_slack() == before  # the calling thread's own slack is unchanged
+    with pytest.raises(ValueError):
+        set_timer_slack(0)
+
+
+@pytest.mark.nixl
 def test_staged_rejects_bad_ids() -> None:
     p = StagedPair("kv", slot_bytes=1 << 16, num_slots=2)
     try:
