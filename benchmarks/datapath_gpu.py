@@ -36,6 +36,7 @@ Needs torch, numpy, triton and nixl (``nixl`` + ``nixl-cu13`` wheels), and kvbat
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import contextlib
 import importlib
 import os
@@ -160,7 +161,8 @@ def enable_peer_access() -> None:
 
 
 MiB = 1 << 20
-REF_POOL = PoolDefaults(slot_bytes=256 * MiB, slots=4, send_slots=4, target_chunks=16)
+# the reference: the same path (one pool shared by both directions, as shipped) with 2 GiB
+REF_POOL = PoolDefaults(slot_bytes=256 * MiB, slots=4, send_slots=4, target_chunks=16, shared=True)
 
 
 #: variants of a pool, as name suffixes: the same pools, one protocol setting changed
@@ -180,24 +182,31 @@ def pool_by_name(name: str) -> PoolDefaults:
     """``shipped`` (what an engine allocates by default), ``2GiB`` (the reference), or
     ``SLOTMiBxRECVxSENDxCHUNKS`` (optionally with a :data:`VARIANTS` suffix)."""
     name = base_pool(name)[0]
+    # "-split": two pools (receive, send) instead of one shared by both directions
+    split = name.endswith("-split")
+    name = name.removesuffix("-split")
     if name == "shipped":
-        return default_pool("cuda")
-    if name == "2GiB":
-        return REF_POOL
-    slot, recv, send, chunks = (int(x) for x in name.split("x"))
-    return PoolDefaults(slot_bytes=slot * MiB, slots=recv, send_slots=send, target_chunks=chunks)
+        p = default_pool("cuda")
+    elif name == "2GiB":
+        p = REF_POOL
+    else:  # SLOTxRECVxSENDxCHUNKS[s]: "s" = one shared pool
+        shared = name.endswith("s")
+        slot, recv, send, chunks = (int(x) for x in name.removesuffix("s").split("x"))
+        p = PoolDefaults(slot_bytes=slot * MiB, slots=recv, send_slots=send, target_chunks=chunks, shared=shared)
+    return dataclasses.replace(p, shared=False) if split else p
 
 
 def pool_kw(pool: PoolDefaults, no_kernel: bool = False) -> dict[str, Any]:
     """StagedPeer arguments for a pool, as the worker builds them."""
     return dict(slot_bytes=pool.slot_bytes, num_slots=pool.slots, send_slots=pool.send_slots,
                 target_chunks=pool.target_chunks, min_chunk_bytes=min(4 * MiB, pool.slot_bytes),
-                use_kernel=False if no_kernel else None)
+                use_kernel=False if no_kernel else None, shared=pool.shared)
 
 
 def pool_label(name: str) -> str:
     p = pool_by_name(name)
-    return (f"{name}: {p.slots}+{p.send_slots} × {p.slot_bytes // MiB} MiB "
+    slots = (f"{p.slots + p.send_slots} shared" if p.shared else f"{p.slots}+{p.send_slots}")
+    return (f"{name}: {slots} × {p.slot_bytes // MiB} MiB "
             f"= {p.total_bytes // MiB} MiB/engine, ~{p.target_chunks} chunks")
 
 

@@ -53,6 +53,8 @@ from .staging_grants import Handout, SlotGrants
 from .timerslack import set_timer_slack
 
 Strategy = Literal["runs", "pack"]
+#: the grantee name of our own sends in a shared pool (NIXL agent names are never empty)
+LOCAL = ""
 PREFIX = wire.staged_prefix()
 log = logging.getLogger(__name__)
 __all__ = ["GPU_POOL", "HOST_POOL", "PREFIX", "PoolDefaults", "StagedPeer", "StagedSend", "StagingInfo",
@@ -407,7 +409,7 @@ class StagedPeer:
                  layout: KvLayout, *, slot_bytes: int, num_slots: int = 4,
                  target_chunks: int = 16, min_chunk_bytes: int = 4 << 20,
                  use_kernel: bool | None = None, send_slots: int | None = None,
-                 grant_margin_s: float = 2.0,
+                 grant_margin_s: float = 2.0, shared: bool = False,
                  on_complete: Callable[[str, str], None] | None = None) -> None:
         """Allocate and register two pools (send: ``send_slots`` (default ``num_slots``),
         receive: ``num_slots``, both ``slot_bytes``) on the KV's device.
@@ -416,6 +418,14 @@ class StagedPeer:
         ``min_chunk_bytes`` (and at most a slot). ``use_kernel`` picks the one-launch
         Triton gather/scatter on CUDA (default: when available). ``grant_margin_s`` is
         how long past a sender's deadline its grant is kept (WRITEs still in flight).
+
+        ``shared``: one pool of ``num_slots + send_slots`` slots for both directions
+        instead of two: our own sends take their slots from the same grants as the peers
+        writing into us (as the grantee :data:`LOCAL`), so an engine that only sends (a
+        prefill pushing) or only receives (a decode being pushed to) has every slot in
+        flight for that direction; with both at once the grants share the pool fairly.
+        Measured on an H200, 16k tokens: 4 + 4 slots of 64 MiB move a fragmented WRITE
+        ~1.6× faster than 2 + 2, so the same 256 MiB shared does what 512 MiB split did.
         """
         self.ep = endpoint
         self.layout = layout
@@ -423,13 +433,22 @@ class StagedPeer:
         self.device = tensors[0].device
         self.target_chunks = int(target_chunks)
         self.min_chunk_bytes = int(min_chunk_bytes)
-        self.send_pool = StagingPool(slot_bytes, send_slots or num_slots, self.device)
-        self.recv_pool = StagingPool(slot_bytes, num_slots, self.device)
-        self.send_pool.register(endpoint)
-        self.recv_pool.register(endpoint)
+        #: one pool for both directions (``shared``): its slots go to whoever moves data now
+        self.shared = bool(shared)
+        if self.shared:
+            self.send_pool = self.recv_pool = StagingPool(slot_bytes, num_slots + (send_slots or num_slots),
+                                                          self.device)
+            self.send_pool.register(endpoint)
+        else:
+            self.send_pool = StagingPool(slot_bytes, send_slots or num_slots, self.device)
+            self.recv_pool = StagingPool(slot_bytes, num_slots, self.device)
+            self.send_pool.register(endpoint)
+            self.recv_pool.register(endpoint)
+        self._local_free: dict[str, collections.deque[int]] = {}  # shared: our sends' slots
         self._send_info = self.send_pool.info()
         self._recv_info = self.recv_pool.info()
-        self.grants = SlotGrants(self.recv_pool.num_slots, margin_s=grant_margin_s)
+        self.grants = SlotGrants(self.recv_pool.num_slots, margin_s=grant_margin_s,
+                                 local=LOCAL if self.shared else None)
         self.cuda = self.device.type == "cuda"
         if self.cuda:
             # the owner thread polls between GPU chunks: wake it as precisely as it asks
@@ -714,6 +733,13 @@ class StagedPeer:
     def _send_handouts(self, handouts: Sequence[Handout]) -> None:
         i = self._recv_info
         for h in handouts:
+            if h.peer == LOCAL:  # slots of the shared pool for a send of ours
+                q = self._local_free.get(h.xfer_id)
+                if q is not None:
+                    q.extend(h.slots)
+                else:  # that send is over: straight back
+                    self._send_handouts(self.grants.release(LOCAL, h.xfer_id))
+                continue
             self.ep.send_notif(h.peer, wire.encode(wire.StagedGrant(
                 h.xfer_id, list(h.slots), i.base_addr, i.slot_bytes, i.mem_type, i.device_id)))
 
@@ -893,7 +919,8 @@ class StagedSend:
         self.tiles: list[tuple[int, int, int, int]] | None = None
         self.nchunks = 0
         self.next_c = self.acked = 0
-        self.local_free = collections.deque(range(sp.send_pool.num_slots))
+        # our send slots: the whole send pool, or (shared pool) what our grant holds
+        self.local_free = collections.deque(() if sp.shared else range(sp.send_pool.num_slots))
         self.packing: collections.deque[tuple[int, int, int, object]] = collections.deque()
         #: packed chunks waiting for a receive slot: (chunk, send slot, receive slot or -1, bytes)
         self.ready: collections.deque[tuple[int, int, int, int]] = collections.deque()
@@ -955,6 +982,10 @@ class StagedSend:
                                     sp.tile_bytes(n, g.slot_bytes))
             self.nchunks = len(self.tiles)
             sp.last_send_chunks = self.nchunks
+            if sp.shared and self.nchunks:  # our slots: granted from the pool we share
+                sp._local_free[self.xfer_id] = self.local_free
+                sp._send_handouts(sp.grants.request(LOCAL, self.xfer_id, self.nchunks,
+                                                    max(1e-3, self.deadline - time.monotonic())))
             sp._note("grant", 0)
         if self.tiles is not None and g is not None:
             tiles = self.tiles
@@ -990,7 +1021,7 @@ class StagedSend:
                     if not sp.reuse_requests:
                         sp.ep.release(x)
                     del self.inflight[ls]
-                    self.local_free.append(ls)  # our copy is out: the send slot is free
+                    self._slot_written(ls)  # our copy is out: the send slot is free
                     sp._note("wrote", c)
                     self.progressed = True
             while out.acks:
@@ -1008,6 +1039,18 @@ class StagedSend:
                                f"{self.nchunks or '?'} chunks acked after {self.timeout_s:.3f}s"
                                + ("" if g is not None else " (no grant from the receiver)"))
         return False
+
+    def _slot_written(self, ls: int) -> None:
+        """A chunk's WRITE is done: its send slot packs the next chunk, or (shared pool,
+        over our fair share or no more chunks) goes back to the grants."""
+        sp = self.sp
+        if not sp.shared:
+            self.local_free.append(ls)
+            return
+        keep, handouts = sp.grants.chunk_done(LOCAL, self.xfer_id, ls, self.nchunks)
+        if keep:
+            self.local_free.append(ls)
+        sp._send_handouts(handouts)
 
     def _post(self, ls: int, rs: int, nbytes: int, g: wire.StagedGrant, msg: bytes) -> Transfer:
         """WRITE send slot ``ls`` into receive slot ``rs``: the request made for this slot pair
@@ -1051,6 +1094,10 @@ class StagedSend:
                 h.cancel()
         if sp._pack_stream is not None and self.packing:
             sp._pack_stream.synchronize()  # no gather may still write a slot we reuse
+        if sp.shared and sp._local_free.get(self.xfer_id) is self.local_free:
+            del sp._local_free[self.xfer_id]
+            self.local_free.clear()
+            sp._send_handouts(sp.grants.release(LOCAL, self.xfer_id))  # our send slots
         if sp._outgoing.get(self.key) is self.out:
             del sp._outgoing[self.key]
         if not self.ok and not writes_open and not self.out.denied:
