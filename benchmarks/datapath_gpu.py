@@ -36,8 +36,8 @@ Needs torch, numpy, triton and nixl (``nixl`` + ``nixl-cu13`` wheels), and kvbat
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import contextlib
+import dataclasses
 import importlib
 import os
 import statistics
