@@ -3,7 +3,7 @@
 Why: the default slack is 50 µs, so ``time.sleep(0)`` and a ``queue.get(timeout=50e-6)``
 on the transfer thread take ~60–100 µs. A staged GPU transfer's thread polls between
 chunks that each cross the GPU in ~50–100 µs; measured on an H200 (one fragmented 4 GiB
-staged WRITE under cProfile, ``benchmarks/results/datapath_gpu_h200x1_profile*``), 208
+staged WRITE under cProfile, ``benchmarks/results/datapath_gpu_h200x1_profile_before_sender.txt``), 208
 ``sleep(0)`` calls took 12 ms of a 52 ms transfer. A 1 µs slack makes those waits as
 short as asked. It only affects the calling thread (the transfer thread), and only how
 precisely it wakes up, not how long it asks to sleep.
