@@ -10,7 +10,7 @@ For 1k/4k/16k tokens of a Qwen3-32B-shaped cache (64 layers, 8 KV heads × 128, 
   registered slot, one NIXL WRITE per chunk, one scatter kernel per chunk on the
   receiver, pipelined (a staged READ is a pull request answered by a staged WRITE).
   ``pack@shipped`` uses the pools an engine allocates by default
-  (:func:`staging.default_pool`), ``pack@2GiB`` the 256 MiB × 4 slots reference; the
+  (:func:`staging.default_pool`), ``pack@2GiB`` the same path with 2 GiB (8 shared slots of 256 MiB); the
   table gives each one's staging memory per engine;
 * ``runs``      — one NIXL descriptor per coalesced run (per region);
 * ``per_block`` — one NIXL descriptor per block (per region);
