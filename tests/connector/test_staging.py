@@ -131,6 +131,14 @@ class StagedPair:
         self.a.add_peer(self.b.name, self.b.metadata())
         self.b.add_peer(self.a.name, self.a.metadata())
 
+    def send_verified(self, n: int, seed: int, xfer_id: str) -> None:
+        """A staged WRITE of ``n`` random blocks of A into random blocks of B, checked."""
+        rng = np.random.default_rng(seed)
+        src, dst = rng.permutation(NUM_BLOCKS)[:n], rng.permutation(NUM_BLOCKS)[:n]
+        self.sa.send(self.b.name, self.sb.info(), src, dst, xfer_id, timeout_s=20, idle=self.b.poll_notifs)
+        assert self.sb.completed.pop(xfer_id) == self.a.name
+        assert checksum(self.tb, dst, self.bd) == checksum(self.ta, src, self.bd)
+
     def close(self) -> None:
         for s in (self.sa, self.sb):
             s.close()
@@ -193,11 +201,7 @@ def test_send_gathers_ahead_of_receive_slots(ahead: bool) -> None:
     try:
         p.sa.gather_ahead = ahead
         p.sa.trace = []
-        rng = np.random.default_rng(5)
-        src, dst = rng.permutation(NUM_BLOCKS)[:16], rng.permutation(NUM_BLOCKS)[:16]
-        p.sa.send(p.b.name, p.sb.info(), src, dst, "ga", timeout_s=20, idle=p.b.poll_notifs)
-        assert p.sb.completed.pop("ga") == p.a.name
-        assert checksum(p.tb, dst, p.bd) == checksum(p.ta, src, p.bd)
+        p.send_verified(16, 5, "ga")
         at = {(what, seq): t for t, what, seq in p.sa.trace}
         assert p.sa.last_send_chunks >= 4
         # chunks are still posted one by one, in order, into the one receive slot
@@ -224,11 +228,7 @@ def test_staged_send_posts_slot_pair_requests_again(reuse: bool) -> None:
     try:
         p.sa.reuse_requests = reuse
         p.a.post_times = []
-        rng = np.random.default_rng(9)
-        src, dst = rng.permutation(NUM_BLOCKS)[:40], rng.permutation(NUM_BLOCKS)[:40]
-        p.sa.send(p.b.name, p.sb.info(), src, dst, "rr", timeout_s=20, idle=p.b.poll_notifs)
-        assert p.sb.completed.pop("rr") == p.a.name
-        assert checksum(p.tb, dst, p.bd) == checksum(p.ta, src, p.bd)
+        p.send_verified(40, 9, "rr")
         n = p.sa.last_send_chunks
         assert len(p.a.post_times) == n >= 12
         made = sum(1 for init_s, _ in p.a.post_times if init_s > 0)
