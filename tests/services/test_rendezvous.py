@@ -300,3 +300,27 @@ async def test_quiet_subscribe_stream_gets_heartbeats_busy_one_does_not(kv, engi
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_the_second_side_finds_the_first_in_the_cache_one_write_each(kv, engines, plane, store_kind):
+    """The replica caches the side it has just written (write-through), so the other side
+    arriving before the watch brought the first back makes one compare-and-swap, not a
+    lost one against a stale cache and another (one store round trip more per match)."""
+    registry = plane.metrics.registry
+
+    def txns() -> float:
+        return registry.get_sample_value("kvbaton_store_operation_seconds_count",
+                                         {"op": "txn", "backend": store_kind}) or 0.0
+
+    dom = plane.rendezvous
+    await kv.call(kv.rendezvous.Offer, offer("warm"))  # engine lookups cached
+    await kv.call(kv.rendezvous.Complete, complete("warm"))
+    before = txns()
+    first = dom.validate(is_offer=True, transfer_id="wt1", attempt=0, engine_id="dec", block_ids=[1, 2, 3],
+                         num_tokens=48, timeout_ms=0, request_id="")
+    second = dom.validate(is_offer=False, transfer_id="wt1", attempt=0, engine_id="pre", block_ids=[7, 8, 9],
+                          num_tokens=48, timeout_ms=0, request_id="", writers=2)
+    await dom.submit(first)
+    state, matched, duplicate = await dom.submit(second)
+    assert matched and not duplicate and state.phase == pb.TRANSFER_PHASE_MATCHED
+    assert txns() - before == 2
