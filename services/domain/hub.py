@@ -113,6 +113,9 @@ class PrefixHub(Generic[T, E]):
         self._waiter_seq = itertools.count()
         self._ready = asyncio.Event()
         self.listeners: list[Callable[[WatchEvent], None]] = []
+        # Called after the cache was reloaded without events (a compacted watch): whatever
+        # listeners derived from events must be rebuilt from ``records``.
+        self.on_reload: list[Callable[[], None]] = []
         # Records a writer of this replica already holds parsed, by the exact value it
         # wrote: the event of that write is cached without parsing it again (a KeepAlive
         # batch writes thousands). The writer drops its entries if the write fails.
@@ -174,6 +177,8 @@ class PrefixHub(Generic[T, E]):
     async def _resync(self) -> None:
         """History is gone: reload the cache; subscribers must resync from a snapshot."""
         await self._load()
+        for rebuild in self.on_reload:
+            rebuild()
         self._wake_waiters()
         for subs in self._subs.values():
             for s in subs:

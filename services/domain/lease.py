@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import builtins
 import dataclasses
-import heapq
 import secrets
 from collections.abc import AsyncIterator, Iterable, Sequence
 
@@ -38,6 +37,7 @@ from ..store.base import Compare, CompareOp, CompareTarget, EventType, KeyValue,
 from . import limits, paging
 from .background import Tombstones, cancel_all, leader_ticks
 from .clock import Clock, WallClock
+from .deadlines import DeadlineIndex
 from .errors import Code, DomainError, exhausted, invalid, not_found, precondition
 from .hub import PrefixHub
 
@@ -160,11 +160,11 @@ class LeaseService:
         self._tasks: list[asyncio.Task] = []
         self._tombstones = Tombstones(store, self.config.tombstone_s, rotate_s=60.0)
         self._active_by_conv: dict[str, str] = {}
-        # Deadline index: (due_ms, key, mod_revision) of every live record, so expiry pops
-        # what is due instead of scanning every lease on each tick. Entries of records that
-        # changed since are skipped when popped; the heap is rebuilt when they pile up.
-        self._deadlines: list[tuple[int, bytes, int]] = []
+        # When each live record may end, so expiry pops what is due instead of scanning
+        # every lease on each tick (kept in step with the cache by _index).
+        self._deadlines: DeadlineIndex[bytes] = DeadlineIndex()
         self.hub.listeners.append(self._index)
+        self.hub.on_reload.append(self._rebuild_deadlines)
         self.is_leader = lambda: True
         self.stats = {"renewals": 0, "renewal_writes": 0, "expired": 0, "revoked": 0, "pins": 0}
 
@@ -365,14 +365,14 @@ class LeaseService:
         """Keeps conversation -> ACTIVE lease id and the deadline index in step with the
         cache (hub listener; the hub has already parsed and cached a live record)."""
         if ev.type is not EventType.PUT:
+            self._deadlines.drop(ev.kv.key)
             return
         entry = self.hub.records.get(ev.kv.key)
         if entry is not None:
             info, rev = entry
-            heapq.heappush(self._deadlines, (_due_ms(info), ev.kv.key, rev))
-            if len(self._deadlines) > 2 * len(self.hub.records) + 4096:
-                self._rebuild_deadlines()
+            self._deadlines.arm(ev.kv.key, _due_ms(info), rev)
         else:
+            self._deadlines.drop(ev.kv.key, ev.kv.mod_revision)  # ended: nothing left to expire
             info = _parse(ev.kv.value)
         if info.state == ACTIVE:
             self._active_by_conv[info.conversation_id] = info.lease_id
@@ -778,22 +778,22 @@ class LeaseService:
 
     # -- expiry ------------------------------------------------------------
     def _rebuild_deadlines(self) -> None:
-        self._deadlines = [(_due_ms(info), key, rev) for key, (info, rev) in self.hub.records.items()]
-        heapq.heapify(self._deadlines)
+        self._deadlines.clear()
+        for key, (info, rev) in self.hub.records.items():
+            self._deadlines.arm(key, _due_ms(info), rev)
 
     async def expire_due(self) -> int:
         """Ends every lease that is due by this clock; returns how many it ended. Pops the
         deadline index, so a tick with nothing due costs O(1) however many leases live."""
         now = self.clock.now_ms()
         due: list[tuple[bytes, pb.LeaseInfo, int]] = []
-        while self._deadlines and self._deadlines[0][0] <= now:
-            _, key, rev = heapq.heappop(self._deadlines)
+        for key, rev in list(self._deadlines.pop_due(now)):
             entry = self.hub.records.get(key)
             if entry is None or entry[1] != rev:
-                continue  # ended or changed since: a newer entry (if any) is in the heap
+                continue  # ended or changed since: a newer entry (if any) is armed
             info = entry[0]
             if _live_pins(info, now) or (info.state == ACTIVE and now < info.expires_at_ms):
-                heapq.heappush(self._deadlines, (max(_due_ms(info), now + 1), key, rev))
+                self._deadlines.arm(key, max(_due_ms(info), now + 1), rev)  # re-armed: not ready yet
                 continue
             due.append((key, info, rev))
         ended = 0
@@ -803,7 +803,7 @@ class LeaseService:
             except BaseException:
                 # The store failed mid-tick: what was popped but not ended goes back.
                 for k, _, r in due[i:]:
-                    heapq.heappush(self._deadlines, (now, k, r))
+                    self._deadlines.arm(k, now, r)
                 raise
         return ended
 
