@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,10 @@ class Faults:
     corrupted after the owner fingerprinted it (before the reader verifies);
     ``delay_reuse_read_s`` = how long a reuse READ waits, pin held, before it is posted;
     ``delay_staged_serve_s`` = how long an owner waits before answering a staged READ
-    request (past the reader's deadline: exercises the reader's cancel).
+    request (past the reader's deadline: exercises the reader's cancel);
+    ``kill_at_reuse_read`` = true: the reader SIGKILLs its whole engine (process group)
+    the moment a reuse READ would be posted, pin held (a reader dying with its pin, at a
+    point a test need not race to hit).
     Counts are consumed in this process only (the file is not rewritten).
     """
 
@@ -50,3 +54,9 @@ class Faults:
 
     def value(self, key: str) -> float:
         return float(self._load().get(key, 0.0) or 0.0)
+
+
+def kill_own_process_group() -> None:
+    """SIGKILL this process's group: the whole vLLM server (API process, engine core,
+    worker), as ``kill -9`` of the group from outside would (test-only faults)."""
+    os.killpg(os.getpgrp(), signal.SIGKILL)

@@ -26,6 +26,7 @@ class Load:
     # reuse
     pin_future: concurrent.futures.Future[Any] | None = None
     pin_id: str = ""
+    pin_expires_at_ms: int = 0  # the service's clock: when our pin lapses unless unpinned
     pin_sent: float = 0.0
     read_deadline: float = 0.0
     delay_until: float = 0.0  # test-only fault: reuse READ held back until then

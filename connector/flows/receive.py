@@ -36,6 +36,7 @@ from ..metadata import LoadSpec
 from ..settings import MODE_PUSH, MODE_REUSE
 from ..transfer.integrity import Fingerprints, KvIntegrityError
 from .context import FlowContext, error_text, fire_and_forget
+from .faults import kill_own_process_group
 from .load import Load
 from .load_stats import count_load, record_finish
 from .sequence import Move, Mover, push_xfer_id
@@ -204,7 +205,7 @@ class ReceiveFlow:
         except Exception as exc:  # noqa: BLE001 - refused or unreachable: either way, do not read
             detail = exc.details() if hasattr(exc, "details") else repr(exc)
             raise RuntimeError(f"pin refused: {detail}") from None
-        ld.pin_id = resp.pin.pin_id
+        ld.pin_id, ld.pin_expires_at_ms = resp.pin.pin_id, int(resp.pin.expires_at_ms)
         ld.read_deadline = ld.pin_sent + self.ctx.settings.pin_ttl_s * 0.5
         if resp.lease.retention_id != src.retention_id or resp.lease.engine_id != src.engine_id:
             raise RuntimeError(f"lease {src.lease_id} now protects retention {resp.lease.retention_id!r}, "
@@ -265,6 +266,11 @@ class ReceiveFlow:
         """Test-only: widen the reuse READ window, pin held. True while held back."""
         if not self.ctx.faults.path or (ld.move is not None and ld.move.posted):
             return False
+        if self.ctx.faults.value("kill_at_reuse_read"):
+            src = ld.spec.reuse
+            self.ctx.stats.record("fault_kill", req_id=ld.req_id, conversation_id=src.conversation_id if src else "",
+                                  pin_id=ld.pin_id, pin_expires_at_ms=ld.pin_expires_at_ms)
+            kill_own_process_group()
         if not ld.delay_until:
             ld.delay_until = now + self.ctx.faults.value("delay_reuse_read_s")
             if ld.delay_until > now:

@@ -14,28 +14,27 @@ progress; with a prefill and the decode it reads from on one core, a reuse READ 
 
 from __future__ import annotations
 
-import concurrent.futures
 import json
-import subprocess
-import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from kvbaton.stack.pd_stack import kvbaton_kv_config, stop_group, wait_port
+from kvbaton.stack.base import StackBase
+from kvbaton.stack.pd_stack import kvbaton_kv_config
 from kvbaton.stack.ports import free_port
+from kvbaton.stack.security import StackSecurity
 from kvbaton.stack.vllm_server import VllmServer, small_engine_args
+
+if TYPE_CHECKING:
+    from kvbaton.client import KvbatonClient
 
 __all__ = ["FleetStack", "stream_tokens", "wait_leased"]
 
-ROOT = Path(__file__).resolve().parents[2]
-PY = sys.executable
 
-
-class FleetStack:
+class FleetStack(StackBase):
     """Control plane + ``n_prefill`` + ``n_decode`` kvbaton engines + ``n_routers`` routers.
 
     Args:
@@ -43,22 +42,29 @@ class FleetStack:
         workdir: logs and connector stats.
         mode: the routers' and connectors' P/D mode (``pull`` or ``push``).
         store: the control plane's ``--store`` (``memory://`` default; ``etcd://h:p`` for
-            replicas sharing state).
+            replicas sharing state, ``etcds://`` over TLS with ``security``).
         n_cp: control-plane processes (replicas over the same store; etcd only).
         extra_config: extra ``kv_connector_extra_config`` for every engine.
         engine_args: extra vLLM arguments for every engine.
+        role_args: extra vLLM arguments by role (``{"prefill": [...], "decode": [...]}``),
+            after ``engine_args`` (a later flag wins: e.g. a smaller prefill KV cache).
         router_args: extra router arguments (e.g. ``["--slack", "2"]``).
         static_routers: routers get ``--prefill ID=URL`` / ``--decode ID=URL`` lists instead
             of discovering engines (a fleet without discovery).
+        security: mutual TLS + tokens between every process and the control plane
+            (:class:`~kvbaton.stack.security.StackSecurity`: a certificate and token per
+            engine id, ``router`` and ``operator``); None: plaintext on loopback.
     """
 
     def __init__(self, model: Path | str, workdir: Path | str, *, n_prefill: int = 2, n_decode: int = 2,
                  n_routers: int = 1, mode: str = "pull", store: str = "memory://", n_cp: int = 1,
                  timeout_s: float = 20.0, extra_config: dict[str, Any] | None = None,
                  engine_args: Sequence[str] = (), router_args: Sequence[str] = (),
-                 static_routers: bool = False, startup_timeout_s: float = 600.0) -> None:
+                 role_args: Mapping[str, Sequence[str]] | None = None,
+                 static_routers: bool = False, startup_timeout_s: float = 600.0,
+                 security: StackSecurity | None = None) -> None:
+        super().__init__(workdir, startup_timeout_s=startup_timeout_s, security=security)
         self.model = Path(model)
-        self.workdir = Path(workdir)
         self.mode = mode
         self.n_routers = n_routers
         self.store = store
@@ -66,71 +72,40 @@ class FleetStack:
         self.timeout_s = timeout_s
         self.extra_config = dict(extra_config or {})
         self.engine_args = list(engine_args)
+        self.role_args = {k: list(v) for k, v in (role_args or {}).items()}
         self.router_args = list(router_args)
         self.static_routers = static_routers
-        self.startup_timeout_s = startup_timeout_s
         self.prefill_ids = [f"p{i}" for i in range(n_prefill)]
         self.decode_ids = [f"d{i}" for i in range(n_decode)]
-        self.stats_dir = self.workdir / "stats"
         self.cp_addresses: list[str] = []
         self.engines: dict[str, VllmServer] = {}
         self.routers: list[str] = []
-        self._procs: list[subprocess.Popen[bytes]] = []  # control planes first, then routers
-        self._logs: list[IO[bytes]] = []
-
-    @property
-    def cp_address(self) -> str:
-        """Every control-plane replica, comma separated (what clients take)."""
-        return ",".join(self.cp_addresses)
-
-    def _spawn(self, name: str, cmd: list[str]) -> subprocess.Popen[bytes]:
-        log = open(self.workdir / f"{name}.log", "wb")
-        self._logs.append(log)
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True, cwd=ROOT)
-        self._procs.append(proc)
-        return proc
-
-    def start(self) -> FleetStack:
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        try:
-            self._start()
-        except BaseException:
-            self.stop()
-            raise
-        return self
 
     def _start(self) -> None:
         for i in range(self.n_cp):
-            port = free_port()
-            cp = self._spawn(f"cp{i}", [str(Path(PY).parent / "kvbaton"), "serve", "--insecure",
-                                        "--listen", f"127.0.0.1:{port}", "--store", self.store])
-            wait_port(port, cp)
-            self.cp_addresses.append(f"127.0.0.1:{port}")
+            self.cp_addresses.append(self._start_control_plane(f"cp{i}", self.store))
+        self.cp_address = ",".join(self.cp_addresses)
+        sec = self.security
         ids = self.prefill_ids + self.decode_ids
         for eid in ids:
             port = free_port()
             role = "prefill" if eid in self.prefill_ids else "decode"
             cfg = kvbaton_kv_config(self.cp_address, eid, self.stats_dir, mode=self.mode, timeout_s=self.timeout_s,
                                     extra={"serve_url": f"http://127.0.0.1:{port}", "serve_role": role,
-                                           **self.extra_config})
+                                           **(sec.connector_config(eid) if sec else {}), **self.extra_config})
             self.engines[eid] = VllmServer(
                 self.model, port=port, served_model_name="tiny", startup_timeout_s=self.startup_timeout_s,
-                extra_args=[*small_engine_args(), *self.engine_args, "--kv-transfer-config", cfg],
+                extra_args=[*small_engine_args(), *self.engine_args, *self.role_args.get(role, ()),
+                            "--kv-transfer-config", cfg],
                 env={"VLLM_CPU_OMP_THREADS_BIND": "0" if role == "prefill" else "1"},
                 log_path=self.workdir / f"{eid}.log")
-        with concurrent.futures.ThreadPoolExecutor(len(ids)) as ex:
-            futures = [ex.submit(s.start) for s in self.engines.values()]
-            for f in futures:
-                f.exception(timeout=self.startup_timeout_s + 60)
-            for f in futures:
-                f.result(timeout=0)
+        self._servers = list(self.engines.values())
+        self._start_servers()
         for _ in range(self.n_routers):
             self.add_router()
 
     def add_router(self, *extra: str) -> str:
         """One more router (same control plane); returns its base URL."""
-        port = free_port()
         engines: list[str] = []
         if self.static_routers:
             for eid in self.prefill_ids:
@@ -140,12 +115,9 @@ class FleetStack:
         # Router i talks to control-plane replica i first (replicas share the store).
         i = len(self.routers) % len(self.cp_addresses)
         cps = ",".join(self.cp_addresses[i:] + self.cp_addresses[:i])
-        proc = self._spawn(f"router{len(self.routers)}", [
-            PY, "-m", "kvbaton.services.router", *engines, "--mode", self.mode, "--port", str(port),
-            "--control-plane", cps, *(["--no-discover"] if self.static_routers else []),
-            *self.router_args, *extra])
-        wait_port(port, proc)
-        url = f"http://127.0.0.1:{port}"
+        url = self._spawn_router(f"router{len(self.routers)}", [
+            *engines, "--mode", self.mode, "--control-plane", cps,
+            *(["--no-discover"] if self.static_routers else []), *self.router_args, *extra])
         self.routers.append(url)
         return url
 
@@ -155,43 +127,7 @@ class FleetStack:
         for srv in self.engines.values():
             srv.post_json("/v1/completions", {"model": "tiny", "prompt": [7, 8, 9], "max_tokens": 2}, timeout_s=300)
 
-    def stop(self) -> None:
-        """Routers, engines, then control planes; verifies nothing is left."""
-        errors: list[BaseException] = []
-        cps, rest = self._procs[:len(self.cp_addresses)], self._procs[len(self.cp_addresses):]
-        for proc in reversed(rest):
-            stop_group(proc)
-        for s in reversed(list(self.engines.values())):
-            try:
-                s.stop()
-            except Exception as exc:  # noqa: BLE001 - keep stopping the others
-                errors.append(exc)
-        for proc in cps:
-            stop_group(proc)
-        for log in self._logs:
-            log.close()
-        self._procs, self._logs = [], []
-        if errors:
-            raise errors[0]
-
-    def __enter__(self) -> FleetStack:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
     # ------------------------------------------------------------------ observing
-    def events(self, engine: str, event: str | None = None, *, since: int = 0) -> list[dict[str, Any]]:
-        path = self.stats_dir / f"{engine}.worker.jsonl"
-        if not path.exists():
-            return []
-        evs = [json.loads(x) for x in path.read_text().splitlines()[since:] if x.strip()]
-        return [e for e in evs if event is None or e["event"] == event]
-
-    def event_count(self, engine: str) -> int:
-        path = self.stats_dir / f"{engine}.worker.jsonl"
-        return len(path.read_text().splitlines()) if path.exists() else 0
-
     def wait_routers_see(self, n_prefill: int, n_decode: int, timeout_s: float = 30.0) -> None:
         """Until every router routes over that many engines of each role (bounded)."""
         import urllib.request
@@ -213,7 +149,8 @@ class FleetStack:
 def stream_tokens(url: str, body: dict[str, Any], headers: dict[str, str] | None = None,
                   timeout_s: float = 120.0) -> dict[str, Any]:
     """Stream ``/v1/completions`` (``return_token_ids``) and return the output token ids,
-    the time to the first token, the total time and the router's ``X-Kvbaton-*`` headers.
+    the time to the first token, the total time and the router's ``X-Kvbaton-*`` and
+    ``Server-Timing`` headers.
     Raises ``urllib.error.HTTPError`` on a non-200 answer."""
     import urllib.request
 
@@ -224,7 +161,8 @@ def stream_tokens(url: str, body: dict[str, Any], headers: dict[str, str] | None
     ttft = -1.0
     ids: list[int] = []
     with urllib.request.urlopen(req, timeout=timeout_s) as r:
-        kv_headers = {k: v for k, v in r.headers.items() if k.lower().startswith("x-kvbaton-")}
+        kv_headers = {k: v for k, v in r.headers.items()
+                      if k.lower().startswith("x-kvbaton-") or k.lower() == "server-timing"}
         for raw in r:
             line = raw.decode().strip()
             if not line.startswith("data:") or line == "data: [DONE]":
@@ -238,17 +176,19 @@ def stream_tokens(url: str, body: dict[str, Any], headers: dict[str, str] | None
     return {"token_ids": ids, "ttft_s": ttft, "total_s": time.perf_counter() - t0, "headers": kv_headers}
 
 
-def wait_leased(cp: str, conv: str, num_tokens: int, timeout_s: float = 10.0) -> str | None:
+def wait_leased(cp: str, conv: str, num_tokens: int, timeout_s: float = 10.0, *,
+                client: Callable[[], KvbatonClient] | None = None) -> str | None:
     """Until decode's retention of ``conv`` covers ``num_tokens`` and is under a live lease
     (decode registers it just after the answer); returns the holding engine, or None if
-    that did not happen within ``timeout_s``."""
+    that did not happen within ``timeout_s``. ``client`` makes the control-plane client
+    (e.g. a secured stack's :meth:`~kvbaton.stack.base.StackBase.client`); default: plaintext to ``cp``."""
     import asyncio
 
     from kvbaton.client import KvbatonClient
     from kvbaton.v1 import lease_pb2, registrar_pb2
 
     async def go() -> str | None:
-        async with KvbatonClient(cp) as kv:
+        async with (client() if client is not None else KvbatonClient(cp)) as kv:
             deadline = time.monotonic() + timeout_s
             while time.monotonic() < deadline:
                 try:

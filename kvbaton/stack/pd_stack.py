@@ -25,31 +25,25 @@ connectors have no router here: :mod:`benchmarks.sweep` talks to the engines dir
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import dataclasses
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
+from kvbaton.stack.base import StackBase
+from kvbaton.stack.procs import stop_group, wait_port
+from kvbaton.stack.security import StackSecurity
 from kvbaton.stack.vllm_server import VllmServer, free_port, small_engine_args
 
 __all__ = [
     "NIXL_VARIANTS", "PdStack", "StreamResult", "kvbaton_kv_config", "nixl_kv_config", "post_json",
     "stop_group", "stream_request", "usage_back_to_zero", "wait_port",
 ]
-
-ROOT = Path(__file__).resolve().parents[2]
-PY = sys.executable
 
 
 # ---------------------------------------------------------------------- configs
@@ -123,40 +117,13 @@ def revoke_lease(cp_address: str, conversation_id: str, reason: str = "test done
     asyncio.run(go())
 
 
-def wait_port(port: int, proc: subprocess.Popen[bytes], timeout_s: float = 30.0) -> None:
-    """Wait until something listens on ``port``; fail early if ``proc`` died."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"process {proc.args!r} exited rc={proc.returncode}")
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5):
-            return
-        time.sleep(0.1)
-    raise TimeoutError(f"port {port} not listening after {timeout_s}s")
-
-
-def stop_group(proc: subprocess.Popen[bytes], grace_s: float = 10.0) -> None:
-    """SIGTERM the process group of a ``start_new_session`` child, SIGKILL after ``grace_s``."""
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(grace_s)
-    else:  # leader gone: make sure nothing of its group is left either
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)
-
-
 # ---------------------------------------------------------------------- HTTP
 
-def post_json(url: str, body: dict[str, Any], timeout_s: float = 120.0) -> tuple[int, bytes]:
+def post_json(url: str, body: dict[str, Any], timeout_s: float = 120.0,
+              headers: dict[str, str] | None = None) -> tuple[int, bytes]:
     """POST JSON; (status, body) also for HTTP errors, so callers can assert on them."""
     req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
-                                 headers={"Content-Type": "application/json"})
+                                 headers={"Content-Type": "application/json", **(headers or {})})
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as r:
             return r.status, r.read()
@@ -227,7 +194,7 @@ def usage_back_to_zero(srv: VllmServer, timeout_s: float = 15.0) -> float:
 
 # ---------------------------------------------------------------------- the stack
 
-class PdStack:
+class PdStack(StackBase):
     """Control plane (kvbaton only) + P on core 0 + D on core 1 + one router per mode.
 
     Args:
@@ -244,6 +211,10 @@ class PdStack:
         prefill_args: extra vLLM arguments for the prefill engine only (e.g.
             ``--no-enable-prefix-caching``, so reused history really comes from decode).
         router_control_plane: routers get ``--control-plane`` (conversation reuse).
+        store: the control plane's ``--store`` (None: its default, in memory).
+        security: mutual TLS + tokens everywhere (:class:`StackSecurity`, kvbaton only);
+            the routers then also name the pair (``--prefill-engine-id``/``--decode-engine-id``:
+            under tokens a push must be bound to both engines).
 
     Use as a context manager; :meth:`stop` is idempotent and stops everything started,
     also after a failed start.
@@ -254,65 +225,42 @@ class PdStack:
                  engine_args: Sequence[str] = (), startup_timeout_s: float = 600.0,
                  prefill_id: str = "p0", decode_id: str = "d0",
                  extra_config: dict[str, Any] | None = None, prefill_args: Sequence[str] = (),
-                 router_control_plane: bool = False) -> None:
+                 router_control_plane: bool = False, store: str | None = None,
+                 security: StackSecurity | None = None) -> None:
         if connector != "kvbaton" and connector not in NIXL_VARIANTS:
             raise ValueError(f"connector must be kvbaton or one of {list(NIXL_VARIANTS)}, got {connector!r}")
+        if security is not None and connector != "kvbaton":
+            raise ValueError("security applies to the kvbaton connector's control plane only")
+        super().__init__(workdir, startup_timeout_s=startup_timeout_s, security=security)
         self.model = Path(model)
-        self.workdir = Path(workdir)
         self.connector = connector
         self.router_modes = list(router_modes)
         self.timeout_s = timeout_s
         self.engine_args = list(engine_args)
-        self.startup_timeout_s = startup_timeout_s
         self.prefill_id, self.decode_id = prefill_id, decode_id
         self.extra_config = dict(extra_config or {})
         self.prefill_args = list(prefill_args)
         self.router_control_plane = router_control_plane  # routers get --control-plane (reuse)
-        self.stats_dir = self.workdir / "stats"
-        self.cp_address = ""
+        self.store = store
         self.p: VllmServer | None = None
         self.d: VllmServer | None = None
         self.routers: dict[str, str] = {}  # mode -> base URL
         self.side_channel_ports: dict[str, int] = {}  # engine id -> NIXL side-channel port (nixl*)
-        self._procs: list[subprocess.Popen[bytes]] = []
-        self._logs: list[IO[bytes]] = []
-        self._servers: list[VllmServer] = []
-        self._channel: Any = None
 
     # ------------------------------------------------------------------ lifecycle
-    def _spawn(self, name: str, cmd: list[str]) -> subprocess.Popen[bytes]:
-        log = open(self.workdir / f"{name}.log", "wb")
-        self._logs.append(log)
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True, cwd=ROOT)
-        self._procs.append(proc)
-        return proc
-
     def engines(self) -> tuple[VllmServer, VllmServer]:
         """(prefill, decode) of a started stack."""
         if self.p is None or self.d is None:
             raise RuntimeError("the P/D stack is not started")
         return self.p, self.d
 
-    def start(self) -> PdStack:
-        """Start everything; on any failure stop what was started and re-raise."""
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        try:
-            self._start()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
     def _start(self) -> None:
         envs: list[dict[str, str]] = [{"VLLM_CPU_OMP_THREADS_BIND": "0"}, {"VLLM_CPU_OMP_THREADS_BIND": "1"}]
         if self.connector == "kvbaton":
-            port = free_port()
-            cp = self._spawn("cp", [str(Path(PY).parent / "kvbaton"), "serve", "--insecure", "--listen", f"127.0.0.1:{port}"])
-            wait_port(port, cp)
-            self.cp_address = f"127.0.0.1:{port}"
+            self.cp_address = self._start_control_plane("cp", self.store)
+            sec = self.security
             configs = [kvbaton_kv_config(self.cp_address, eid, self.stats_dir, timeout_s=self.timeout_s,
-                                         extra=self.extra_config)
+                                         extra={**(sec.connector_config(eid) if sec else {}), **self.extra_config})
                        for eid in (self.prefill_id, self.decode_id)]
         else:
             ids = (self.prefill_id, self.decode_id)
@@ -329,63 +277,13 @@ class PdStack:
                        startup_timeout_s=self.startup_timeout_s)
             for name, c, env in (("prefill", configs[0], envs[0]), ("decode", configs[1], envs[1])))
         self._servers = [self.p, self.d]
-        with concurrent.futures.ThreadPoolExecutor(2) as ex:
-            futures = [ex.submit(s.start) for s in self._servers]
-            for f in futures:  # wait for both, then raise the first error
-                f.exception(timeout=self.startup_timeout_s + 60)
-            for f in futures:
-                f.result(timeout=0)
+        self._start_servers()
         for mode in self.router_modes:
-            rport = free_port()
             cp_flag = ["--control-plane", self.cp_address] if self.cp_address and self.router_control_plane else []
-            router = self._spawn(f"router-{mode}", [
-                PY, "-m", "kvbaton.services.router", "--prefill", self.p.base_url, "--decode", self.d.base_url,
-                "--mode", mode, "--port", str(rport), *cp_flag])
-            wait_port(rport, router)
-            self.routers[mode] = f"http://127.0.0.1:{rport}"
-
-    def stop(self) -> None:
-        """Stop routers, engines, control plane (reverse order) and verify nothing is left."""
-        errors: list[BaseException] = []
-        for proc in reversed(self._procs[1:] if self.cp_address else self._procs):
-            stop_group(proc)
-        for s in reversed(self._servers):
-            try:
-                s.stop()
-            except Exception as exc:  # noqa: BLE001 - keep stopping the others
-                errors.append(exc)
-        if self.cp_address and self._procs:
-            stop_group(self._procs[0])
-        if self._channel is not None:
-            self._channel.close()
-            self._channel = None
-        for log in self._logs:
-            log.close()
-        self._procs, self._servers, self._logs = [], [], []
-        if errors:
-            raise errors[0]
-
-    def __enter__(self) -> PdStack:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    # ------------------------------------------------------------------ observing
-    def events(self, engine: str, event: str | None = None, *, since: int = 0) -> list[dict[str, Any]]:
-        """The connector's stats events of ``engine`` (all, or those named ``event``),
-        starting at line ``since`` (see :meth:`event_count`)."""
-        path = self.stats_dir / f"{engine}.worker.jsonl"
-        if not path.exists():
-            return []
-        lines = path.read_text().splitlines()[since:]
-        evs = [json.loads(x) for x in lines if x.strip()]
-        return [e for e in evs if event is None or e["event"] == event]
-
-    def event_count(self, engine: str) -> int:
-        """Lines in ``engine``'s stats file so far: a bookmark for :meth:`events`."""
-        path = self.stats_dir / f"{engine}.worker.jsonl"
-        return len(path.read_text().splitlines()) if path.exists() else 0
+            bind = (["--prefill-engine-id", self.prefill_id, "--decode-engine-id", self.decode_id]
+                    if self.security is not None else [])
+            self.routers[mode] = self._spawn_router(f"router-{mode}", [
+                "--prefill", self.p.base_url, "--decode", self.d.base_url, "--mode", mode, *cp_flag, *bind])
 
     def rendezvous(self) -> Any:
         """A synchronous Rendezvous stub (tests poll transfer phases with it)."""
@@ -394,7 +292,12 @@ class PdStack:
         from kvbaton.v1 import rendezvous_pb2_grpc
 
         if self._channel is None:
-            self._channel = grpc.insecure_channel(self.cp_address)
+            sec = self.security
+            self._channel = grpc.insecure_channel(self.cp_address) if sec is None else grpc.secure_channel(
+                self.cp_address, grpc.composite_channel_credentials(
+                    grpc.ssl_channel_credentials(Path(sec.ca).read_bytes(), Path(sec.key("operator")).read_bytes(),
+                                                 Path(sec.cert("operator")).read_bytes()),
+                    grpc.access_token_call_credentials(sec.token("operator"))))
         return rendezvous_pb2_grpc.RendezvousStub(self._channel)
 
     def transfer_phase(self, transfer_id: str) -> str:

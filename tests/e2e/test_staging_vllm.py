@@ -20,9 +20,7 @@ acked but never scattered, and the next staged transfer works (the pools are not
 
 from __future__ import annotations
 
-import json
 import os
-import random
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,89 +28,18 @@ from typing import Any
 
 import pytest
 
-from kvbaton.stack.pd_stack import PdStack, post_json, revoke_lease, usage_back_to_zero
+from kvbaton.stack.pd_stack import PdStack, usage_back_to_zero
 from kvbaton.tinymodel import ensure_tiny_model
+from tests.harness.pd_rig import PdRig, ids
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
-BLOCK = 128
 ROW = 131072  # bytes of one block of one layer (tiny model, float32)
 SLOT = 2 * ROW
 
 
-class Rig:
-    def __init__(self, stack: PdStack, fault_file: Path) -> None:
-        self.s = stack
-        self.fault_file = fault_file
-
-    def faults(self, **conf: Any) -> None:
-        tmp = self.fault_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps(conf))
-        os.replace(tmp, self.fault_file)
-
-    def no_faults(self) -> None:
-        self.fault_file.unlink(missing_ok=True)
-
-    @staticmethod
-    def body(prompt: list[int], max_tokens: int = 40, **extra: Any) -> dict[str, Any]:
-        return {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-                "ignore_eos": True, "return_token_ids": True, **extra}
-
-    def single(self, prompt: list[int]) -> list[int]:
-        status, raw = post_json(f"{self.s.p.base_url}/v1/completions", self.body(prompt), 120)
-        assert status == 200, raw[:500]
-        return json.loads(raw)["choices"][0]["token_ids"]
-
-    def via(self, mode: str, prompt: list[int], conv: str = "") -> list[int]:
-        body = self.body(prompt, **({"conversation_id": conv} if conv else {}))
-        status, raw = post_json(f"{self.s.routers[mode]}/v1/completions", body, 120)
-        assert status == 200, raw[:500]
-        return json.loads(raw)["choices"][0]["token_ids"]
-
-    def wait_events(self, engine: str, event: str, since: int, n: int = 1, timeout_s: float = 10.0,
-                    **match: Any) -> list[dict[str, Any]]:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            evs = [e for e in self.s.events(engine, event, since=since)
-                   if all(e.get(k) == v for k, v in match.items())]
-            if len(evs) >= n or time.monotonic() > deadline:
-                return evs
-            time.sleep(0.05)
-
-    def d_usage(self) -> float:
-        """Decode's KV usage after a 1-token request (an idle engine frees ended leases at
-        its next step, connector/reuse.py)."""
-        status, raw = post_json(f"{self.s.d.base_url}/v1/completions",
-                                {"model": "tiny", "prompt": [5], "max_tokens": 1}, 30)
-        assert status == 200, raw[:300]
-        time.sleep(0.3)
-        return self.s.d.metric("vllm:kv_cache_usage_perc") or 0.0
-
-    def revoke(self, conv: str) -> None:
-        revoke_lease(self.s.cp_address, conv)
-
-    def wait_retained(self, conv: str, timeout_s: float = 10.0) -> None:
-        import asyncio
-
-        from kvbaton.client import KvbatonClient
-        from kvbaton.v1 import registrar_pb2
-
-        async def look() -> bool:
-            async with KvbatonClient(self.s.cp_address) as kv:
-                try:
-                    r = await kv.registrar.LookupRetained(registrar_pb2.LookupRetainedRequest(conversation_id=conv),
-                                                          timeout=5)
-                    return bool(r.retained.block_ids)
-                except Exception:  # noqa: BLE001 - NOT_FOUND yet
-                    return False
-        deadline = time.monotonic() + timeout_s
-        while not asyncio.run(look()):
-            assert time.monotonic() < deadline, f"{conv}: no retention registered"
-            time.sleep(0.05)
-
-
 @pytest.fixture(scope="module")
-def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
+def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PdRig]:
     model = ensure_tiny_model(Path(os.environ.get("KVBATON_TINY_MODEL", "/tmp/kvbaton-tiny-model")))
     work = tmp_path_factory.mktemp("staging")
     fault_file = work / "faults.json"
@@ -120,15 +47,10 @@ def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
              "lease_ttl_s": 5.0, "pin_ttl_s": 6.0, "kv_recompute_threshold": 64, "fault_file": str(fault_file)}
     with PdStack(model, work, router_modes=("pull", "push"), timeout_s=8.0, extra_config=extra,
                  prefill_args=["--no-enable-prefix-caching"], router_control_plane=True) as s:
-        yield Rig(s, fault_file)
+        yield PdRig(s, fault_file)
 
 
-def _ids(seed: int, n: int) -> list[int]:
-    rnd = random.Random(seed)
-    return [rnd.randrange(10, 4000) for _ in range(n)]
-
-
-def test_staging_published(rig: Rig) -> None:
+def test_staging_published(rig: PdRig) -> None:
     """Both ranks carry their receive pool in the registrar (the peer's WRITE target)."""
     import asyncio
 
@@ -146,12 +68,12 @@ def test_staging_published(rig: Rig) -> None:
 
 
 @pytest.mark.parametrize("mode", ["push", "pull"])
-def test_pd_transfer_is_staged(rig: Rig, mode: str) -> None:
-    prompt = _ids(40 if mode == "pull" else 41, 420)  # 4 blocks x 2 layers = 8 rows: 4 chunks of 2
+def test_pd_transfer_is_staged(rig: PdRig, mode: str) -> None:
+    prompt = ids(40 if mode == "pull" else 41, 420)  # 4 blocks x 2 layers = 8 rows: 4 chunks of 2
     ref = rig.single(prompt)
     d_base = rig.d_usage()
     d0, p0 = rig.s.event_count("d0"), rig.s.event_count("p0")
-    assert rig.via(mode, prompt) == ref
+    assert rig.tokens(mode, prompt) == ref
     recv = rig.wait_events("d0", "recv_done", d0)
     assert len(recv) == 1 and recv[0]["num_blocks"] >= 3, recv
     tid = recv[0]["transfer_id"]
@@ -177,15 +99,15 @@ def test_pd_transfer_is_staged(rig: Rig, mode: str) -> None:
 
 
 @pytest.mark.parametrize("mode", ["pull", "push"])
-def test_reuse_read_is_staged(rig: Rig, mode: str) -> None:
+def test_reuse_read_is_staged(rig: PdRig, mode: str) -> None:
     conv = f"staging-reuse-{mode}"
     d_base = rig.d_usage()
-    prompt = _ids(50 if mode == "pull" else 51, 300)
-    got = rig.via(mode, prompt, conv)
+    prompt = ids(50 if mode == "pull" else 51, 300)
+    got = rig.tokens(mode, prompt, conv)
     rig.wait_retained(conv)
-    prompt2 = prompt + got + _ids(52, 100)
+    prompt2 = prompt + got + ids(52, 100)
     p0, d0 = rig.s.event_count("p0"), rig.s.event_count("d0")
-    assert rig.via(mode, prompt2, conv) == rig.single(prompt2)
+    assert rig.tokens(mode, prompt2, conv) == rig.single(prompt2)
     reads = rig.wait_events("p0", "reuse_read", p0, conversation_id=conv)
     assert len(reads) == 1 and reads[0]["strategy"] == "pack" and reads[0]["nbytes"] > 0, reads
     served = rig.wait_events("d0", "staged_serve", d0)
@@ -205,13 +127,13 @@ def test_reuse_read_is_staged(rig: Rig, mode: str) -> None:
 
 
 @pytest.mark.parametrize("mode", ["push", "pull"])
-def test_corruption_after_scatter_is_detected(rig: Rig, mode: str) -> None:
-    prompt = _ids(60 if mode == "pull" else 61, 300)
+def test_corruption_after_scatter_is_detected(rig: PdRig, mode: str) -> None:
+    prompt = ids(60 if mode == "pull" else 61, 300)
     ref = rig.single(prompt)
     d0 = rig.s.event_count("d0")
     try:
         rig.faults(corrupt_landed={mode: 1})
-        assert rig.via(mode, prompt) == ref, f"{mode}: corrupted KV was served"
+        assert rig.tokens(mode, prompt) == ref, f"{mode}: corrupted KV was served"
     finally:
         rig.no_faults()
     ver = rig.wait_events("d0", "kv_verify", d0)
@@ -222,17 +144,17 @@ def test_corruption_after_scatter_is_detected(rig: Rig, mode: str) -> None:
     assert usage_back_to_zero(rig.s.p) == 0.0
 
 
-def test_late_staged_answer_is_refused_and_pools_recover(rig: Rig) -> None:
+def test_late_staged_answer_is_refused_and_pools_recover(rig: PdRig) -> None:
     """Prefill answers decode's staged READ after decode's deadline (8 s): decode
     recomputes, prefill's late chunks are acked but not scattered (decode's blocks are
     free again), and the next staged pull is correct."""
-    prompt = _ids(70, 300)
+    prompt = ids(70, 300)
     ref = rig.single(prompt)
     d_base = rig.d_usage()
     d0, p0 = rig.s.event_count("d0"), rig.s.event_count("p0")
     try:
         rig.faults(delay_staged_serve_s=9.0)
-        assert rig.via("pull", prompt) == ref
+        assert rig.tokens("pull", prompt) == ref
         failed = rig.wait_events("d0", "recv_failed", d0)
         assert len(failed) == 1 and "TimeoutError" in failed[0]["reason"], failed
         served = rig.wait_events("p0", "staged_serve", p0, timeout_s=15.0)
@@ -242,9 +164,9 @@ def test_late_staged_answer_is_refused_and_pools_recover(rig: Rig) -> None:
     assert not rig.s.events("d0", "kv_verify", since=d0)  # nothing landed to verify
     assert usage_back_to_zero(rig.s.p) == 0.0
     assert rig.d_usage() == d_base
-    prompt2 = _ids(71, 300)
+    prompt2 = ids(71, 300)
     d1 = rig.s.event_count("d0")
-    assert rig.via("pull", prompt2) == rig.single(prompt2)
+    assert rig.tokens("pull", prompt2) == rig.single(prompt2)
     recv = rig.wait_events("d0", "recv_done", d1)
     assert len(recv) == 1 and recv[0]["strategy"] == "pack", recv
     ver = rig.wait_events("d0", "kv_verify", d1)

@@ -11,12 +11,15 @@ import dataclasses
 import datetime
 import ipaddress
 import pathlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+if TYPE_CHECKING:
+    from kvbaton.stack.security import StackSecurity
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,3 +76,29 @@ class TestCA:
 
     def client(self, name: str) -> Pair:
         return self._issue(name, server=False)
+
+
+def stack_credentials(root: pathlib.Path, engine_ids: list[str]) -> StackSecurity:
+    """Everything a secured stack reads (:class:`kvbaton.stack.security.StackSecurity`),
+    laid out as ``deploy/make-certs.sh`` writes it: a CA, the control plane's and etcd's
+    server certificates, client certificates and random tokens for each engine, the
+    router and the operator, etcd's client certificate for the control plane, and the
+    token book scoping each engine's token to its own id."""
+    import json
+    import secrets
+
+    from kvbaton.stack.security import StackSecurity
+
+    ca = TestCA(root, "ca")
+    for who in ("control-plane", "etcd"):
+        ca.server(who)
+    roles = {**{eid: "engine" for eid in engine_ids}, "router": "router", "operator": "operator"}
+    book = []
+    for who, role in roles.items():
+        ca.client(who)
+        token = f"tok-{who}-{secrets.token_hex(16)}"
+        (root / f"{who}.token").write_text(token + "\n")
+        book.append({"name": who, "role": role, "token": token, **({"engines": [who]} if role == "engine" else {})})
+    ca.client("etcd-client")
+    (root / "tokens.json").write_text(json.dumps({"tokens": book}))
+    return StackSecurity(root)
