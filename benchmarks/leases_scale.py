@@ -199,13 +199,15 @@ def main() -> int:
         p.error("--leases must cover sum(--sizes) * --repeat distinct conversations")
     result = asyncio.run(run(args))
     if args.baseline:
-        base_dir = export_baseline(args.baseline)
+        # Resolved once, before the export: a branch name may move during the run.
+        sha = subprocess.run(["git", "rev-parse", args.baseline], cwd=ROOT, capture_output=True, text=True,
+                             timeout=10, check=True).stdout.strip()
+        base_dir = export_baseline(sha)
         try:
             base = asyncio.run(run(args, base_dir))
         finally:
             shutil.rmtree(base_dir, ignore_errors=True)
-        base["commit"] = subprocess.run(["git", "rev-parse", args.baseline], cwd=ROOT, capture_output=True, text=True,
-                                        timeout=10).stdout.strip()
+        base["commit"] = sha
         result["baseline"] = base
     path = pathlib.Path(args.out)
     path.parent.mkdir(parents=True, exist_ok=True)
