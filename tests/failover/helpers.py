@@ -18,13 +18,8 @@ class Replica:
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         env = dict(os.environ, KVBATON_LOG_LEVEL="WARNING")
-        # --shed-lag-ms 0: these tests check failover (nothing lost, nothing duplicated), and
-        # their clients treat every refusal as a failure; on a loaded machine the default
-        # load shedding refused new transfers with RESOURCE_EXHAUSTED (overload is tested in
-        # tests/services/test_overload.py), which failed them at random.
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvbaton.cli", "serve", "--insecure", "--listen", self.address, "--store", store_url,
-             "--shed-lag-ms", "0"],
+            [sys.executable, "-m", "kvbaton.cli", "serve", "--insecure", "--listen", self.address, "--store", store_url],
             env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     async def ready(self, timeout_s: float = 60) -> None:
