@@ -27,7 +27,13 @@ the commit) and a plot (``benchmarks/results/fleet_ttft_per_turn.png``):
    turn: TTFT at the client (streamed), which engines served it, the tokens offered and
    the tokens prefill READ back from decode (the connectors' stats). Affinity hit rate =
    later reuse-on turns served by the decode that served (and retained) the turn before.
-   The last turn of every conversation is checked against a single engine.
+   The last turn of every conversation is checked against a single engine. Where each
+   turn's TTFT went: the router's ``Server-Timing`` (lookup, prefill leg, decode to first
+   bytes), the prefill's cached tokens (prefill engines run with
+   ``--enable-prompt-tokens-details``) and the connector's ``reuse_offer`` lines (the
+   prefill's own prefix-cache hit vs what decode offered). ``--prefill-kv-mib`` /
+   ``--decode-kv-mib`` size the engines' KV caches: small prefill caches make the case
+   reuse exists for (a prefill that no longer holds the conversation).
 """
 
 from __future__ import annotations
@@ -51,7 +57,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 
-from kvbaton.services.router.choice import ROLE_DECODE, ROLE_PREFILL, Fleet
+from kvbaton.services.router.choice import ROLE_DECODE, ROLE_PREFILL, Fleet, PrefillHint
 from kvbaton.stack.fleet_stack import FleetStack, stream_tokens, wait_leased
 from kvbaton.stack.pd_stack import stop_group, wait_port
 from kvbaton.stack.ports import free_port
@@ -60,6 +66,16 @@ from kvbaton.tinymodel import ensure_tiny_model
 PY = sys.executable
 BLOCK = 128
 RESULTS = ROOT / "benchmarks" / "results"
+
+
+def server_timing(value: str) -> dict[str, float]:
+    """``lookup;dur=1.2, prefill;dur=30.5`` → ``{"lookup": 1.2, "prefill": 30.5}``."""
+    out: dict[str, float] = {}
+    for part in value.split(","):
+        name, _, rest = part.strip().partition(";")
+        if name and rest.startswith("dur="):
+            out[name] = float(rest[4:])
+    return out
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -81,9 +97,10 @@ def decision_cost(n_prefill: int, n_decode: int, calls: int = 20000) -> dict[str
     times = []
     for k in range(calls):
         holder = f"d{rnd.randrange(n_decode)}" if k % 2 else ""
+        hint = PrefillHint(f"p{rnd.randrange(n_prefill)}", 4000) if k % 2 else None
         now = time.monotonic()
         t0 = time.perf_counter_ns()
-        fleet.choose(now, holder)
+        fleet.choose(now, holder, hint=hint, prompt_tokens=5000, reuse_tokens=4000 if holder else 0)
         times.append((time.perf_counter_ns() - t0) / 1000)
     return {"engines": n_prefill + n_decode, "calls": calls, "p50_us": round(_pct(times, 0.5), 2),
             "p99_us": round(_pct(times, 0.99), 2), "max_us": round(max(times), 2)}
@@ -168,6 +185,7 @@ def conversation(stack: FleetStack, router: str, conv: str, reuse: bool, seed: i
     for turn in range(1, args.turns + 1):
         with lock:
             marks = {p: stack.event_count(p) for p in stack.prefill_ids}
+            smarks = {p: stack.event_count(p, "scheduler") for p in stack.prefill_ids}
         body = {"model": "tiny", "prompt": prompt, "max_tokens": args.output_tokens, "temperature": 0.0,
                 "ignore_eos": True}
         res = stream_tokens(f"{router}/v1/completions", body, {"X-Session-ID": conv} if reuse else {})
@@ -176,6 +194,10 @@ def conversation(stack: FleetStack, router: str, conv: str, reuse: bool, seed: i
                "ttft_ms": round(res["ttft_s"] * 1000, 1), "total_ms": round(res["total_s"] * 1000, 1),
                "prefill": h.get("X-Kvbaton-Prefill"), "decode": h.get("X-Kvbaton-Decode"),
                "attempts": int(h.get("X-Kvbaton-Attempts", 1)), "offered_tokens": int(h.get("X-Kvbaton-Reuse-Tokens", 0)),
+               # Where the TTFT went (the router's Server-Timing: lookup, prefill leg, decode
+               # leg to first bytes) and how much of the prompt prefill did not compute.
+               "timing_ms": server_timing(h.get("Server-Timing", "")),
+               "prefill_cached_tokens": int(h.get("X-Kvbaton-Prefill-Cached-Tokens", -1)),
                "prompt": prompt, "output": res["token_ids"]}
         time.sleep(args.think_s)  # the agent thinks; the connector's stats land meanwhile
         reads = [e for p in stack.prefill_ids for e in stack.events(p, "reuse_read", since=marks[p])
@@ -183,6 +205,12 @@ def conversation(stack: FleetStack, router: str, conv: str, reuse: bool, seed: i
         rec["reads"] = len(reads)
         rec["read_tokens"] = sum(int(e["num_blocks"]) for e in reads) * BLOCK
         rec["read_ms"] = [round(float(e["duration_s"]) * 1000, 2) for e in reads]
+        offers = [e for p in stack.prefill_ids for e in stack.events(p, "reuse_offer", since=smarks[p],
+                                                                     part="scheduler")
+                  if e["conversation_id"] == conv] if reuse else []
+        # What prefill's own prefix cache held of the history when decode's was offered.
+        rec["reuse_offers"] = [{k: e[k] for k in ("local_hit_tokens", "reusable_tokens", "read_tokens", "decision")}
+                               for e in offers]
         if reuse and turn < args.turns:
             full = (len(prompt) + args.output_tokens - 1) // BLOCK * BLOCK
             t_lease = time.monotonic()
@@ -196,9 +224,16 @@ def conversation(stack: FleetStack, router: str, conv: str, reuse: bool, seed: i
 def run_fleet(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     model = ensure_tiny_model(args.model_dir)
     t0 = time.monotonic()
+    mib = 1024 * 1024
+    role_args = {"prefill": ["--enable-prompt-tokens-details"], "decode": []}
+    if args.prefill_kv_mib:
+        role_args["prefill"] += ["--kv-cache-memory-bytes", str(args.prefill_kv_mib * mib)]
+    if args.decode_kv_mib:
+        role_args["decode"] += ["--kv-cache-memory-bytes", str(args.decode_kv_mib * mib)]
     with FleetStack(model, workdir, n_prefill=2, n_decode=2, mode=args.mode,
                     extra_config={"lease_ttl_s": 120, "kv_recompute_threshold": args.recompute_threshold},
-                    engine_args=["--max-num-seqs", "16", "--max-model-len", str(args.max_model_len)]) as stack:
+                    engine_args=["--max-num-seqs", "16", "--max-model-len", str(args.max_model_len)],
+                    role_args=role_args) as stack:
         stack.wait_routers_see(2, 2)
         stack.warm_up()
         started_s = time.monotonic() - t0
@@ -234,15 +269,39 @@ def run_fleet(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
 def summarise(fleet: dict[str, Any], turns_n: int) -> dict[str, Any]:
     per_turn = []
     turns = fleet["turns"]
+    prev_prefill: dict[str, str] = {}
     for k in range(1, turns_n + 1):
         on = [t for t in turns if t["reuse"] and t["turn"] == k]
         off = [t for t in turns if not t["reuse"] and t["turn"] == k]
+        def med(ts: list[dict[str, Any]], f: Any) -> float | None:
+            xs = [x for x in map(f, ts) if x is not None]
+            return round(statistics.median(xs), 1) if xs else None
+
         per_turn.append({
             "turn": k, "prompt_tokens": round(statistics.mean(t["prompt_tokens"] for t in on)),
             "ttft_on_ms": round(statistics.median(t["ttft_ms"] for t in on), 1),
             "ttft_off_ms": round(statistics.median(t["ttft_ms"] for t in off), 1),
             "reads_on": sum(t["reads"] for t in on), "read_tokens_on": sum(t["read_tokens"] for t in on),
-            "convs": len(on)})
+            "convs": len(on),
+            # The breakdown (medians): the prefill leg (queue + READ + compute), decode to
+            # first bytes (pull READ + first token), prompt tokens prefill did not compute.
+            "prefill_on_ms": med(on, lambda t: t.get("timing_ms", {}).get("prefill")),
+            "prefill_off_ms": med(off, lambda t: t.get("timing_ms", {}).get("prefill")),
+            "decode_on_ms": med(on, lambda t: t.get("timing_ms", {}).get("decode")),
+            "decode_off_ms": med(off, lambda t: t.get("timing_ms", {}).get("decode")),
+            "cached_on": med(on, lambda t: t["prefill_cached_tokens"] if t.get("prefill_cached_tokens", -1) >= 0
+                             else None),
+            "cached_off": med(off, lambda t: t["prefill_cached_tokens"] if t.get("prefill_cached_tokens", -1) >= 0
+                              else None),
+            # Later reuse-on turns whose prefill already held the history (no READ needed).
+            "local_hits_on": sum(1 for t in on for o in t.get("reuse_offers", ())
+                                 if o["local_hit_tokens"] >= o["reusable_tokens"] > 0)
+            if any("reuse_offers" in t for t in on) else None,
+            "same_prefill_on": sum(1 for t in on if prev_prefill.get(t["conv"]) == t["prefill"]),
+            "same_prefill_off": sum(1 for t in off if prev_prefill.get(t["conv"]) == t["prefill"]),
+        })
+        for t in on + off:
+            prev_prefill[t["conv"]] = t["prefill"]
     on_later = sorted((t for t in turns if t["reuse"]), key=lambda t: (t["conv"], t["turn"]))
     hits = total = 0
     for a, b in zip(on_later, on_later[1:]):
@@ -250,7 +309,11 @@ def summarise(fleet: dict[str, Any], turns_n: int) -> dict[str, Any]:
             total += 1
             hits += a["decode"] == b["decode"]
     last = per_turn[-1]
+    # Less noisy than one turn's median of a few conversations: every later turn's TTFT.
+    later_on = [t["ttft_ms"] for t in turns if t["reuse"] and t["turn"] > 1]
+    later_off = [t["ttft_ms"] for t in turns if not t["reuse"] and t["turn"] > 1]
     return {"per_turn": per_turn, "affinity_hits": hits, "affinity_later_turns": total,
+            "later_turns_on_over_off": round(statistics.median(later_on) / statistics.median(later_off), 3),
             "affinity_hit_rate": round(hits / total, 3) if total else None,
             "longest_turn_on_over_off": round(last["ttft_on_ms"] / last["ttft_off_ms"], 3),
             "retries": sum(t["attempts"] - 1 for t in turns)}
@@ -282,18 +345,34 @@ def plot(summary: dict[str, Any], path: Path) -> None:
 
 
 def markdown(result: dict[str, Any]) -> str:
-    """The README's tables, from a results file (``--table results/fleet.json``)."""
-    s, cfg = result["summary"], result["config"]
+    """The README's tables, from a results file (``--table results/fleet.json``); the
+    summary is recomputed from the file's turns (files from before a column have "–")."""
+    cfg = result["config"]
+    s = summarise(result["fleet"], cfg["turns"])
     lines = [f"{cfg['convs']} conversations with reuse + {cfg['convs']} without, concurrently, {cfg['turns']} turns "
              f"(+{cfg['new_tokens']} tokens a turn, {cfg['output_tokens']} out), {cfg['mode']}; "
              f"commit `{result['commit'][:7]}`",
+             f"prefill KV cache {cfg.get('prefill_kv_mib') or 64} MiB, decode {cfg.get('decode_kv_mib') or 64} MiB "
+             f"per engine; load average {result['machine']['loadavg_start'][0]:.1f} → "
+             f"{result['machine']['loadavg_end'][0]:.1f}",
              "", "| turn | prompt tokens | TTFT reuse on (ms, median) | TTFT reuse off (ms, median) "
-                 "| reuse READs | tokens read back |", "|---|---|---|---|---|---|"]
+                 "| reuse READs | tokens read back | prefill leg on / off (ms) | decode to 1st byte on / off (ms) "
+                 "| prompt tokens not computed on / off | on: prefill held history | same prefill as last turn on / off |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def f0(x: float | None) -> str:
+        return "–" if x is None else f"{x:.0f}"
     for p in s["per_turn"]:
         lines.append(f"| {p['turn']} | {p['prompt_tokens']} | {p['ttft_on_ms']:.0f} | {p['ttft_off_ms']:.0f} "
-                     f"| {p['reads_on']} | {p['read_tokens_on']} |")
+                     f"| {p['reads_on']} | {p['read_tokens_on']} "
+                     f"| {f0(p.get('prefill_on_ms'))} / {f0(p.get('prefill_off_ms'))} "
+                     f"| {f0(p.get('decode_on_ms'))} / {f0(p.get('decode_off_ms'))} "
+                     f"| {f0(p.get('cached_on'))} / {f0(p.get('cached_off'))} "
+                     f"| {'–' if p.get('local_hits_on') is None else p['local_hits_on']} | {p.get('same_prefill_on', '–')} / {p.get('same_prefill_off', '–')} |")
     lines += ["", f"Affinity: {s['affinity_hits']}/{s['affinity_later_turns']} later turns on the decode holding "
-                  f"their KV; longest turn TTFT on/off = {s['longest_turn_on_over_off']}; retries "
+                  f"their KV; longest turn TTFT on/off = {s['longest_turn_on_over_off']}"
+                  + (f" (all later turns, median: {s['later_turns_on_over_off']})" if "later_turns_on_over_off" in s
+                     else "") + f"; retries "
                   f"{s['retries']}; last turns equal to a single engine: "
                   f"{sum(result['fleet']['last_turns_equal_single'])}/{len(result['fleet']['last_turns_equal_single'])}.",
               "", "| router cost | p50 | p99 |", "|---|---|---|"]
@@ -328,6 +407,10 @@ def main() -> int:
                     help="engines' context (the tiny model allows 8192 positions)")
     ap.add_argument("--mode", choices=("pull", "push"), default="pull")
     ap.add_argument("--recompute-threshold", type=int, default=64)
+    ap.add_argument("--prefill-kv-mib", type=int, default=0,
+                    help="prefill engines' KV cache (MiB; 0 = the stack's 64): small = a prefix cache that "
+                         "cannot hold every conversation")
+    ap.add_argument("--decode-kv-mib", type=int, default=0, help="decode engines' KV cache (MiB; 0 = 64)")
     ap.add_argument("--overhead-requests", type=int, default=300)
     ap.add_argument("--model-dir", type=Path,
                     default=Path(os.environ.get("KVBATON_TINY_MODEL", ROOT / ".cache/tiny-model")))

@@ -166,7 +166,14 @@ class KvbatonScheduler:
         hashes = offer.block_hashes[: len(offer.block_ids)]
         k = reusable_blocks(request.prompt_token_ids or (), self.block_size, hashes)
         ext = k * self.block_size - num_computed_tokens
-        if ext < max(1, self.settings.kv_recompute_threshold):
+        claim = ext >= max(1, self.settings.kv_recompute_threshold)
+        # Why a reuse turn did or did not READ: how much of the history this prefill's own
+        # prefix cache already held (then a READ cannot win) and how much decode offered.
+        self._stats.record("reuse_offer", conversation_id=offer.conversation_id, request_id=request.request_id,
+                           prompt_tokens=int(request.num_prompt_tokens), local_hit_tokens=int(num_computed_tokens),
+                           reusable_tokens=k * self.block_size, read_tokens=max(ext, 0) if claim else 0,
+                           decision="read" if claim else ("below_threshold" if k else "no_match"))
+        if not claim:
             params.pop(P.REUSE, None)
             self.reuse_stats["reuse_below_threshold" if k else "reuse_no_match"] += 1
             if ext > 0:  # reusable tokens beyond the local hit, too few to be worth a READ

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -46,6 +46,8 @@ class FleetStack(StackBase):
         n_cp: control-plane processes (replicas over the same store; etcd only).
         extra_config: extra ``kv_connector_extra_config`` for every engine.
         engine_args: extra vLLM arguments for every engine.
+        role_args: extra vLLM arguments by role (``{"prefill": [...], "decode": [...]}``),
+            after ``engine_args`` (a later flag wins: e.g. a smaller prefill KV cache).
         router_args: extra router arguments (e.g. ``["--slack", "2"]``).
         static_routers: routers get ``--prefill ID=URL`` / ``--decode ID=URL`` lists instead
             of discovering engines (a fleet without discovery).
@@ -58,6 +60,7 @@ class FleetStack(StackBase):
                  n_routers: int = 1, mode: str = "pull", store: str = "memory://", n_cp: int = 1,
                  timeout_s: float = 20.0, extra_config: dict[str, Any] | None = None,
                  engine_args: Sequence[str] = (), router_args: Sequence[str] = (),
+                 role_args: Mapping[str, Sequence[str]] | None = None,
                  static_routers: bool = False, startup_timeout_s: float = 600.0,
                  security: StackSecurity | None = None) -> None:
         super().__init__(workdir, startup_timeout_s=startup_timeout_s, security=security)
@@ -69,6 +72,7 @@ class FleetStack(StackBase):
         self.timeout_s = timeout_s
         self.extra_config = dict(extra_config or {})
         self.engine_args = list(engine_args)
+        self.role_args = {k: list(v) for k, v in (role_args or {}).items()}
         self.router_args = list(router_args)
         self.static_routers = static_routers
         self.prefill_ids = [f"p{i}" for i in range(n_prefill)]
@@ -91,7 +95,8 @@ class FleetStack(StackBase):
                                            **(sec.connector_config(eid) if sec else {}), **self.extra_config})
             self.engines[eid] = VllmServer(
                 self.model, port=port, served_model_name="tiny", startup_timeout_s=self.startup_timeout_s,
-                extra_args=[*small_engine_args(), *self.engine_args, "--kv-transfer-config", cfg],
+                extra_args=[*small_engine_args(), *self.engine_args, *self.role_args.get(role, ()),
+                            "--kv-transfer-config", cfg],
                 env={"VLLM_CPU_OMP_THREADS_BIND": "0" if role == "prefill" else "1"},
                 log_path=self.workdir / f"{eid}.log")
         self._servers = list(self.engines.values())
@@ -144,7 +149,8 @@ class FleetStack(StackBase):
 def stream_tokens(url: str, body: dict[str, Any], headers: dict[str, str] | None = None,
                   timeout_s: float = 120.0) -> dict[str, Any]:
     """Stream ``/v1/completions`` (``return_token_ids``) and return the output token ids,
-    the time to the first token, the total time and the router's ``X-Kvbaton-*`` headers.
+    the time to the first token, the total time and the router's ``X-Kvbaton-*`` and
+    ``Server-Timing`` headers.
     Raises ``urllib.error.HTTPError`` on a non-200 answer."""
     import urllib.request
 
@@ -155,7 +161,8 @@ def stream_tokens(url: str, body: dict[str, Any], headers: dict[str, str] | None
     ttft = -1.0
     ids: list[int] = []
     with urllib.request.urlopen(req, timeout=timeout_s) as r:
-        kv_headers = {k: v for k, v in r.headers.items() if k.lower().startswith("x-kvbaton-")}
+        kv_headers = {k: v for k, v in r.headers.items()
+                      if k.lower().startswith("x-kvbaton-") or k.lower() == "server-timing"}
         for raw in r:
             line = raw.decode().strip()
             if not line.startswith("data:") or line == "data: [DONE]":

@@ -1,5 +1,5 @@
 """``python -m kvbaton.services.router [--prefill [ID=]URL ...] [--decode [ID=]URL ...] --mode pull|push --port P
-[--control-plane H:P [--no-discover]] [--slack N] [--otlp-endpoint URL] [--tls-ca F --tls-cert F --tls-key F
+[--control-plane H:P [--no-discover]] [--slack N] [--load-poll-s S] [--otlp-endpoint URL] [--tls-ca F --tls-cert F --tls-key F
 --token T | --token-file F]``.
 
 Engines: every ``--prefill`` / ``--decode`` given (repeatable; ``ID=URL`` names the engine
@@ -38,6 +38,10 @@ def main(argv: list[str] | None = None) -> None:
                          "this many requests beyond the least loaded decode (default 4)")
     ap.add_argument("--suspect-s", type=float, default=5.0,
                     help="after a transport error, send an engine nothing new for this long (default 5)")
+    ap.add_argument("--load-poll-s", type=float, default=0.0,
+                    help="every this many seconds read each engine's running + waiting requests from its "
+                         "/metrics, so that load other routers put on it counts too (default 0: off, "
+                         "this router's own counts only)")
     ap.add_argument("--no-retry", action="store_true",
                     help="do not re-send a request whose engine failed before answering")
     ap.add_argument("--mode", choices=("pull", "push"), default="pull")
@@ -69,7 +73,7 @@ def main(argv: list[str] | None = None) -> None:
             ap.error("give --prefill and --decode engines, or --control-plane to discover them")
         web.run_app(build_app(args.prefill, args.decode, args.mode, control_plane=args.control_plane,
                               discover=discover, slack=args.slack, suspect_s=args.suspect_s,
-                              retry=not args.no_retry, security=creds,
+                              retry=not args.no_retry, security=creds, load_poll_s=args.load_poll_s,
                               prefill_engine_id=args.prefill_engine_id, decode_engine_id=args.decode_engine_id),
                     host=args.host, port=args.port, print=None, access_log=None)
     finally:

@@ -4,8 +4,9 @@ Engines: static lists (``--prefill [ID=]URL`` any number of times, same for ``--
 and/or every engine the registrar lists with a ``serve_url`` (``WatchEngines``: an engine
 whose registration ends gets nothing new as soon as the event arrives; a draining one gets
 nothing new). Per request the router chooses a prefill and a decode engine with
-``choice.Fleet`` (least outstanding prefill tokens; the decode holding the conversation's KV
-unless it is overloaded beyond the slack, else the least loaded).
+``choice.Fleet`` (least prefill work in tokens, counting that the prefill which served a
+conversation's last turn holds its history in its prefix cache; the decode holding the
+conversation's KV unless it is overloaded beyond the slack, else the least loaded).
 
 Pull: the prompt goes to the chosen prefill with ``max_tokens=1`` and ``kv_transfer_params =
 {"do_remote_decode": true, "transfer_id": ...}``; prefill's response carries the
@@ -36,7 +37,10 @@ Observability: ``/metrics`` (Prometheus text) exports ``kvbaton_router_*``
 (``kvbaton.services.metrics.RouterMetrics``); ``/kvbaton/stats`` counts; ``/kvbaton/fleet``
 the engines (role, URL, draining, suspect, outstanding load) and the decision cost. Every
 answer carries ``X-Kvbaton-Prefill`` / ``X-Kvbaton-Decode`` (engine ids) and
-``X-Kvbaton-Reuse-Tokens`` (tokens offered to prefill from decode's retained KV). With
+``X-Kvbaton-Reuse-Tokens`` (tokens offered to prefill from decode's retained KV), a
+``Server-Timing`` header (``lookup``, ``prefill``, ``decode`` to first bytes, ms: where the
+time to first token went) and, when prefill engines run with ``--enable-prompt-tokens-details``,
+``X-Kvbaton-Prefill-Cached-Tokens`` (prompt tokens prefill did not compute). With
 tracing on (``kvbaton.services.tracing``) each request is a ``kvbaton.router.request`` span
 with a child per engine leg, whose ``traceparent`` goes to the engine as an HTTP header and
 as ``kv_transfer_params["traceparent"]`` (the connector forwards it on its gRPC calls).
@@ -70,6 +74,7 @@ from .choice import (
     Choice,
     Engine,
     Fleet,
+    PrefillHint,
     estimate_prompt_tokens,
 )
 
@@ -85,6 +90,8 @@ STATUS_CLIENT_GONE = "499"
 CONVERSATION_HEADERS = ("X-Conversation-Id", "X-Session-ID")
 #: How many decision times ``/kvbaton/fleet`` summarises (p50/p99).
 _DECISIONS_KEPT = 4096
+#: Conversations whose last prefill this router remembers (least recently used forgotten).
+PREFILL_HINTS_KEPT = 65536
 
 
 class _StreamBroken(Exception):
@@ -114,6 +121,7 @@ class _Opened:
     complete: bool
     engine: Engine
     t0: float  # perf_counter at the leg's start
+    first_s: float = 0.0  # seconds from the leg's start to its first bytes
 
 
 def parse_engine_spec(spec: str) -> tuple[str, str]:
@@ -159,6 +167,26 @@ def conversation_of(body: dict[str, Any], headers: Any) -> str:
     return next(iter(named.values()), "")
 
 
+def add_timing(headers: dict[str, str], name: str, seconds: float) -> None:
+    """Append ``name;dur=<ms>`` to the answer's ``Server-Timing`` header (the standard
+    header browsers and proxies show): where a request's time to first token went
+    (``lookup`` of the conversation's KV, the ``prefill`` leg, ``decode`` to first bytes)."""
+    entry = f"{name};dur={seconds * 1000:.1f}"
+    prev = headers.get("Server-Timing")
+    headers["Server-Timing"] = f"{prev}, {entry}" if prev else entry
+
+
+def prefill_cached_tokens(answer: Any) -> int | None:
+    """Prompt tokens prefill did not compute (its prefix-cache hit plus tokens READ from a
+    decode), from vLLM's ``usage.prompt_tokens_details.cached_tokens``; None when the
+    engine does not report it (``--enable-prompt-tokens-details`` is off)."""
+    try:
+        n = answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+    except (KeyError, TypeError):
+        return None
+    return int(n) if isinstance(n, int) else None
+
+
 def _error(status: int, message: str, kind: str) -> web.Response:
     return web.json_response({"error": {"message": message, "type": kind, "code": status}}, status=status)
 
@@ -170,7 +198,7 @@ class Router:
                  mode: str = "pull", *, timeout_s: float = 300.0, control_plane: str = "",
                  lookup_timeout_s: float = 1.0, metrics: RouterMetrics | None = None,
                  discover: bool | None = None, slack: int = 4, suspect_s: float = 5.0,
-                 retry: bool = True, security: Any = None) -> None:
+                 retry: bool = True, security: Any = None, load_poll_s: float = 0.0) -> None:
         if mode not in ("pull", "push"):
             raise ValueError(f"mode must be pull or push, got {mode!r}")
         prefills = [prefill_url] if isinstance(prefill_url, str) else list(prefill_url)
@@ -194,14 +222,21 @@ class Router:
         # kvbaton.security.ClientSecurity for the control plane (None: from the environment).
         self.security = security
         self._watch: asyncio.Task[None] | None = None
+        # Every this many seconds, the engines' own request counts (0: this router's only).
+        self.load_poll_s = load_poll_s
+        self._poll: asyncio.Task[None] | None = None
         self.discovered = asyncio.Event()
         self.stats: dict[str, Any] = {
             "conversation_turns": 0, "reuse_offered": 0, "reuse_unavailable": 0, "reuse_holder_unusable": 0,
             "retries": 0, "no_engine": 0, "decode_affinity": 0, "decode_no_history": 0,
             "decode_holder_overloaded": 0, "decode_holder_unavailable": 0,
+            "prefill_cached": 0, "prefill_least_work": 0,
             "served": collections.Counter()}
         # Wall time (what a request waits) and this thread's CPU time (the work itself: on a
         # loaded machine the wall time also holds the moments the process was not running).
+        # Conversation -> the prefill that served its last turn here (a cache hint, so it may
+        # live in one router: another replica without it only loses the hint, see choice.py).
+        self.prefill_hints: collections.OrderedDict[str, PrefillHint] = collections.OrderedDict()
         self.decisions_ns: collections.deque[int] = collections.deque(maxlen=_DECISIONS_KEPT)
         self.decisions_cpu_ns: collections.deque[int] = collections.deque(maxlen=_DECISIONS_KEPT)
         self.metrics = metrics or router_metrics()
@@ -223,6 +258,10 @@ class Router:
 
     async def start(self, app: web.Application) -> None:
         self._session = aiohttp.ClientSession(timeout=self.timeout)
+        if self.load_poll_s > 0:
+            from .engine_load import poll_engine_loads
+
+            self._poll = asyncio.create_task(poll_engine_loads(self.fleet, self._session, self.load_poll_s))
         if self.control_plane:
             from kvbaton.security import ClientSecurity
 
@@ -239,9 +278,10 @@ class Router:
                     log.warning("no engine listing from the control plane yet; serving on static engines only")
 
     async def stop(self, app: web.Application) -> None:
-        if self._watch is not None:
-            self._watch.cancel()
-            await asyncio.gather(self._watch, return_exceptions=True)
+        for task in (self._watch, self._poll):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         if self._session is not None:
             await self._session.close()
         if self._kv is not None:
@@ -379,9 +419,23 @@ class Router:
             body["kv_transfer_params"][params.TRACEPARENT] = tp
         return {tracing.TRACEPARENT: tp}
 
-    def _choose(self, holder: str, exclude: set[str]) -> Choice:
+    def _hint(self, conv: str) -> PrefillHint | None:
+        return self.prefill_hints.get(conv) if conv else None
+
+    def _remember_prefill(self, conv: str, engine: Engine, tokens: int) -> None:
+        """After a turn's prefill answered: its prefix cache now holds this prompt."""
+        if not conv:
+            return
+        self.prefill_hints[conv] = PrefillHint(engine.engine_id, tokens)
+        self.prefill_hints.move_to_end(conv)
+        while len(self.prefill_hints) > PREFILL_HINTS_KEPT:
+            self.prefill_hints.popitem(last=False)
+
+    def _choose(self, holder: str, exclude: set[str], hint: PrefillHint | None = None, tokens: int = 0,
+                reuse_tokens: int = 0) -> Choice:
         c0, t0 = time.thread_time_ns(), time.perf_counter_ns()
-        choice = self.fleet.choose(time.monotonic(), holder, exclude)
+        choice = self.fleet.choose(time.monotonic(), holder, exclude, hint=hint, prompt_tokens=tokens,
+                                   reuse_tokens=reuse_tokens)
         dt = time.perf_counter_ns() - t0
         self.decisions_ns.append(dt)
         self.decisions_cpu_ns.append(time.thread_time_ns() - c0)
@@ -403,9 +457,12 @@ class Router:
             return _error(400, str(exc), "BadRequestError")
         tracing.set_attributes(sp, **{tracing.ATTR_CONVERSATION_ID: conv})
         reuse = None
+        lookup_s = 0.0
         if conv:
             self.stats["conversation_turns"] += 1
+            t_lookup = time.perf_counter()
             reuse = await self._reuse_for(conv)
+            lookup_s = time.perf_counter() - t_lookup
         holder = str(reuse["engine_id"]) if reuse else ""
         tokens = estimate_prompt_tokens(body)
         exclude: set[str] = set()
@@ -415,7 +472,8 @@ class Router:
                 # Its holder is gone, draining or failing: a READ would only fail and recompute.
                 self.stats["reuse_holder_unusable"] += 1
                 reuse = None
-            choice = self._choose(holder, exclude)
+            choice = self._choose(holder, exclude, self._hint(conv), tokens,
+                                  int(reuse["num_tokens"]) if reuse else 0)
             if choice.prefill is None or choice.decode is None:
                 self.stats["no_engine"] += 1
                 missing = "prefill" if choice.prefill is None else "decode"
@@ -423,6 +481,7 @@ class Router:
             if attempt == 0:
                 if choice.reason is not None:
                     self.stats[f"decode_{choice.reason.value}"] += 1
+                self.stats[f"prefill_{choice.prefill_reason.value}"] += 1
                 if conv:
                     self.stats["reuse_offered" if reuse else "reuse_unavailable"] += 1
             transfer_id = uuid.uuid4().hex  # fresh per dispatch: a retry is a new transfer
@@ -433,6 +492,8 @@ class Router:
             headers = {"X-Kvbaton-Prefill": choice.prefill.engine_id, "X-Kvbaton-Decode": choice.decode.engine_id,
                        "X-Kvbaton-Reuse-Tokens": str(reuse["num_tokens"] if reuse else 0),
                        "X-Kvbaton-Attempts": str(attempt + 1)}
+            if conv:
+                add_timing(headers, "lookup", lookup_s)
             run = self._pull if self.mode == "pull" else self._push
             out = await run(request, path, body, transfer_id, conv, reuse, choice, tokens, headers)
             if isinstance(out, _Retry):
@@ -466,7 +527,7 @@ class Router:
             tracing.ATTR_TRANSFER_ID: transfer_id, tracing.ATTR_MODE: self.mode, "url.full": url})
 
     async def _post_prefill(self, engine: Engine, path: str, pb: dict[str, Any], transfer_id: str,
-                            tokens: int) -> tuple[int, bytes, str]:
+                            tokens: int, conv: str = "") -> tuple[int, bytes, str]:
         """The prefill leg (raises the transport error); counted as outstanding work on ``engine``."""
         url = f"{engine.url}{path}"
         t0 = time.perf_counter()
@@ -476,7 +537,10 @@ class Router:
             try:
                 async with self.session.post(url, json=pb, headers=self._trace_leg(pb)) as r:
                     tracing.set_attributes(sp, **{"http.response.status_code": r.status})
-                    return r.status, await r.read(), r.content_type or "application/json"
+                    raw = await r.read()
+                    if r.status == 200:
+                        self._remember_prefill(conv, engine, tokens)
+                    return r.status, raw, r.content_type or "application/json"
             finally:
                 self.fleet.end_prefill(engine, tokens)
                 self.metrics.request_seconds.labels(self.mode, "prefill").observe(time.perf_counter() - t0)
@@ -488,17 +552,23 @@ class Router:
         pb = self._prefill_body(body, transfer_id, "", reuse)
         if named(choice.decode):  # the pull hold is bound to the decode that will read it
             pb["kv_transfer_params"][params.DECODE_ENGINE_ID] = choice.decode.engine_id
+        t_prefill = time.perf_counter()
         try:
-            status, raw, ctype = await self._post_prefill(choice.prefill, path, pb, transfer_id, tokens)
+            status, raw, ctype = await self._post_prefill(choice.prefill, path, pb, transfer_id, tokens, conv)
         except _UPSTREAM_ERRORS as exc:
             return _Retry(choice.prefill, ROLE_PREFILL, self._upstream_failed("prefill", transfer_id, exc))
+        add_timing(headers, "prefill", time.perf_counter() - t_prefill)
         if status != 200:
             self.metrics.upstream_errors.labels("prefill").inc()
             return web.Response(status=status, body=raw, content_type=ctype, headers=headers)
         try:
-            ktp = json.loads(raw).get("kv_transfer_params")
+            answer = json.loads(raw)
+            ktp = answer.get("kv_transfer_params")
         except (json.JSONDecodeError, AttributeError):
-            ktp = None
+            answer, ktp = None, None
+        cached = prefill_cached_tokens(answer)
+        if cached is not None:
+            headers["X-Kvbaton-Prefill-Cached-Tokens"] = str(cached)
         if (refused := params.version_error(ktp)):
             log.error("prefill's kv_transfer_params refused for %s: %s", transfer_id, refused)
             self.metrics.upstream_errors.labels("prefill").inc()
@@ -531,7 +601,7 @@ class Router:
             db["kv_transfer_params"][params.PREFILL_ENGINE_ID] = choice.prefill.engine_id
         if conv:
             db["kv_transfer_params"][params.CONVERSATION_ID] = conv
-        ptask = asyncio.create_task(self._post_prefill(choice.prefill, path, pb, transfer_id, tokens))
+        ptask = asyncio.create_task(self._post_prefill(choice.prefill, path, pb, transfer_id, tokens, conv))
         dtask = asyncio.create_task(self._open_decode(choice.decode, path, db, transfer_id))
         prefill_counted = False
         try:
@@ -585,6 +655,7 @@ class Router:
                         opened = _Opened(r, await r.read(), True, engine, t0)
                     else:
                         opened = _Opened(r, await r.content.readany(), False, engine, t0)
+                    opened.first_s = time.perf_counter() - t0
                     ok = True
                     return opened
                 finally:
@@ -608,6 +679,8 @@ class Router:
         """Pass the decode answer's status, headers and body (streamed chunk by chunk) back."""
         r, engine = opened.r, opened.engine
         resp: web.StreamResponse | None = None
+        headers = dict(headers)
+        add_timing(headers, "decode", opened.first_s)
         try:
             if opened.complete:
                 return web.Response(status=r.status, body=opened.first,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -99,6 +100,23 @@ def test_prefill_recomputes_below_threshold_or_on_mismatch(prefill: KvbatonSched
     r = _req("r4", history + [1] * 50, {"reuse": bad})
     assert prefill.get_num_new_matched_tokens(r, 0) == (0, False)  # another block size
     assert prefill.reuse_stats["reuse_claimed"] == 0
+
+
+def test_every_reuse_offer_leaves_a_stats_line_with_the_local_hit(tmp_path) -> None:
+    """Why a reuse turn READ or not (``<engine>.scheduler.jsonl``): what prefill's own prefix
+    cache held of the history, what decode offered, and the decision."""
+    sched = KvbatonScheduler(KvbatonSettings(control_plane="127.0.0.1:1", engine_id="p0",
+                                             stats_dir=str(tmp_path)), BS)
+    history = list(range(10, 10 + 3 * BS))
+    sched.get_num_new_matched_tokens(_req("a", history + [1] * 50, {"reuse": _reuse(history, [3, 4, 5])}), BS)
+    sched.get_num_new_matched_tokens(_req("b", history + [1] * 50, {"reuse": _reuse(history, [3, 4, 5])}), 3 * BS)
+    sched.get_num_new_matched_tokens(_req("c", [9] * 400, {"reuse": _reuse(history, [3, 4, 5])}), 0)
+    lines = [json.loads(x) for x in (tmp_path / "p0.scheduler.jsonl").read_text().splitlines()]
+    got = [(e["request_id"], e["local_hit_tokens"], e["reusable_tokens"], e["read_tokens"], e["decision"])
+           for e in lines if e["event"] == "reuse_offer"]
+    assert got == [("a", BS, 3 * BS, 2 * BS, "read"), ("b", 3 * BS, 3 * BS, 0, "below_threshold"),
+                   ("c", 0, 0, 0, "no_match")]
+    assert all(e["conversation_id"] == "c1" for e in lines if e["event"] == "reuse_offer")
 
 
 # ---------------------------------------------------------------------------- decode retention

@@ -10,6 +10,8 @@ from kvbaton.services.router.choice import (
     ROLE_PREFILL,
     DecodeReason,
     Fleet,
+    PrefillHint,
+    PrefillReason,
     estimate_prompt_tokens,
 )
 
@@ -172,3 +174,75 @@ async def test_discovery_relists_after_a_broken_watch_and_forgets_engines_gone_m
     assert set(fleet.engines) == {"p0"} and not fleet.holder_usable("d1", 0.0)
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
+
+
+def test_conversation_stays_on_the_prefill_holding_its_history_while_that_saves_work():
+    f = _fleet()
+    hint = PrefillHint("p1", cached_tokens=5000)
+    # Idle fleet: the prefill that served the last turn (only 1000 new tokens to compute).
+    c = f.choose(0.0, hint=hint, prompt_tokens=6000)
+    assert (c.prefill.engine_id, c.prefill_reason) == ("p1", PrefillReason.CACHED)
+    # Busy with less than the 5000 tokens the stay saves: still p1.
+    f.start_prefill(f.engines["p1"], 4000)
+    assert f.choose(0.0, hint=hint, prompt_tokens=6000).prefill.engine_id == "p1"
+    # Busier than that: recomputing the history elsewhere is quicker.
+    f.start_prefill(f.engines["p1"], 2000)
+    c = f.choose(0.0, hint=hint, prompt_tokens=6000)
+    assert (c.prefill.engine_id, c.prefill_reason) == ("p0", PrefillReason.LEAST_WORK)
+
+
+def test_history_readable_from_decode_makes_the_other_prefill_cheap():
+    f = _fleet()
+    hint = PrefillHint("p1", cached_tokens=5000)
+    f.start_prefill(f.engines["p1"], 1000)
+    # Without retained KV the stay saves 5000 tokens: p1 despite its queue.
+    assert f.choose(0.0, hint=hint, prompt_tokens=6000).prefill.engine_id == "p1"
+    # Decode retains the history: p0 READs it (cost 0.1 a token) instead of waiting.
+    c = f.choose(0.0, hint=hint, prompt_tokens=6000, reuse_tokens=5000)
+    assert (c.prefill.engine_id, c.prefill_reason) == ("p0", PrefillReason.LEAST_WORK)
+    # Equal otherwise, the prefill holding the history wins the tie (no READ at all).
+    f.end_prefill(f.engines["p1"], 1000)
+    assert f.choose(0.0, hint=hint, prompt_tokens=6000, reuse_tokens=5000).prefill.engine_id == "p1"
+
+
+def test_a_hint_for_an_engine_gone_or_excluded_is_ignored():
+    f = _fleet()
+    c = f.choose(0.0, hint=PrefillHint("p9", 5000), prompt_tokens=6000)
+    assert c.prefill is not None and c.prefill_reason is PrefillReason.LEAST_WORK
+    c = f.choose(0.0, exclude={"p1"}, hint=PrefillHint("p1", 5000), prompt_tokens=6000)
+    assert c.prefill.engine_id == "p0"
+
+
+def test_engines_own_counts_show_other_routers_work_while_fresh():
+    f = _fleet(slack=1)
+    f.start_decode(f.engines["d1"])  # this router: d0 idle, d1 one request
+    f.report_load("d0", 3, now=0.0, ttl_s=2.0)  # d0 says 3 running + waiting: another router's
+    assert f.choose(1.0).decode.engine_id == "d1"  # 1 < 3
+    c = f.choose(1.0, holder_id="d0")
+    assert (c.decode.engine_id, c.reason) == ("d1", DecodeReason.HOLDER_OVERLOADED)  # 3 > 1 + 1
+    f.report_load("d1", 0, now=0.0, ttl_s=2.0)  # a report lagging this router's own count
+    assert f.engines["d1"].decode_load(1.0) == 1
+    assert f.choose(2.5).decode.engine_id == "d0"  # reports stale: own counts only (0 < 1)
+    # Prefill: another router's requests weigh a typical prompt each.
+    for _ in range(4):
+        f.start_prefill(f.engines["p1"], 1000)
+        f.end_prefill(f.engines["p1"], 1000)
+    f.start_prefill(f.engines["p1"], 500)
+    f.report_load("p0", 2, now=0.0, ttl_s=2.0)
+    assert f.engines["p0"].prefill_load(1.0, f.typical_prompt_tokens) > 1500
+    assert f.choose(1.0, prompt_tokens=100).prefill.engine_id == "p1"
+    assert f.choose(3.0, prompt_tokens=100).prefill.engine_id == "p0"
+    snap = {e["engine_id"]: e for e in f.snapshot(1.0)}
+    assert snap["p0"]["reported_requests"] == 2 and snap["p1"]["reported_requests"] is None
+
+
+def test_engine_request_counts_from_metrics_text():
+    from kvbaton.services.router.engine_load import engine_requests
+
+    text = ('# HELP vllm:num_requests_running x\n'
+            'vllm:num_requests_running{engine="0",model_name="m"} 2.0\n'
+            'vllm:num_requests_running{engine="1",model_name="m"} 1.0\n'
+            'vllm:num_requests_waiting{engine="0",model_name="m"} 4.0\n'
+            'vllm:num_requests_waiting_by_reason{engine="0",reason="capacity"} 4.0\n')
+    assert engine_requests(text) == 7
+    assert engine_requests("process_cpu_seconds_total 3.0\n") is None

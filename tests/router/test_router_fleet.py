@@ -34,6 +34,12 @@ class Engine:
         self.bodies: list[dict] = []
         self.die = False
         self.hold: asyncio.Event | None = None  # answer only once set (an engine still working)
+        self.running = 0  # what its /metrics says (requests another router put on it)
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        return web.Response(text=f'vllm:num_requests_running{{engine="0",model_name="m"}} {self.running}.0\n'
+                                 f'vllm:num_requests_waiting{{engine="0",model_name="m"}} 0.0\n'
+                                 f'vllm:num_requests_waiting_by_reason{{reason="capacity"}} 9.0\n')
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -54,6 +60,7 @@ class Engine:
             return resp
         return web.json_response({"id": "c", "object": "text_completion", "model": "m",
                                   "choices": [{"index": 0, "text": self.name, "finish_reason": "length"}],
+                                  "usage": {"prompt_tokens": 9, "prompt_tokens_details": {"cached_tokens": 7}},
                                   "kv_transfer_params": ktp})
 
 
@@ -77,6 +84,7 @@ class Fleet:
         app = web.Application()
         app.router.add_post("/v1/completions", eng.handle)
         app.router.add_post("/v1/chat/completions", eng.handle)
+        app.router.add_get("/metrics", eng.metrics)
         runner, url = await _serve(app)
         self.runners.append(runner)
         self.urls[name] = url
@@ -168,6 +176,46 @@ async def test_static_fleet_spreads_load_and_names_engines(fleet, mode):
     assert all(len(fleet.engines[n].bodies) == 2 for n in ("p0", "p1", "d0", "d1"))
 
 
+async def test_a_conversation_stays_on_its_prefill_and_answers_say_where_time_went(fleet):
+    p = [await fleet.engine(n) for n in ("p0", "p1")]
+    d = await fleet.engine("d0")
+    router = await fleet.router([f"p0={p[0]}", f"p1={p[1]}"], [f"d0={d}"], "pull", control_plane="")
+    served: dict[str, list[str]] = {"a": [], "b": [], "": []}
+    for _ in range(3):
+        for conv in ("a", "b", "", ""):
+            status, headers, _ = await fleet.post(router, {"prompt": [5] * 400, "max_tokens": 2},
+                                                  {"X-Session-ID": conv} if conv else {})
+            assert status == 200
+            served[conv].append(headers["X-Kvbaton-Prefill"])
+            timing = headers["Server-Timing"]
+            assert "prefill;dur=" in timing and "decode;dur=" in timing
+            assert ("lookup;dur=" in timing) == bool(conv)
+            assert headers["X-Kvbaton-Prefill-Cached-Tokens"] == "7"
+    # Each conversation keeps the prefill whose prefix cache holds its history; requests
+    # without a conversation still go by load alone (they alternate).
+    assert len(set(served["a"])) == 1 and len(set(served["b"])) == 1 and served["a"] != served["b"]
+    assert set(served[""]) == {"p0", "p1"}
+    async with fleet.session.get(router + "/kvbaton/stats") as r:
+        stats = await r.json()
+    assert stats["prefill_cached"] == 4 and stats["prefill_least_work"] == 2 + 6
+
+
+async def test_engines_own_counts_steer_around_another_routers_load(fleet):
+    p = await fleet.engine("p0")
+    d = [await fleet.engine(n) for n in ("d0", "d1")]
+    fleet.engines["d0"].running = 3  # busy with another router's requests
+    router = await fleet.router([f"p0={p}"], [f"d0={d[0]}", f"d1={d[1]}"], "pull", control_plane="",
+                                load_poll_s=0.05)
+
+    async def polled() -> bool:
+        return (await _fleet_of(fleet, router))["d0"]["reported_requests"] == 3
+    await _until(polled)
+    for _ in range(3):
+        status, headers, _ = await fleet.post(router, {"prompt": "x", "max_tokens": 1})
+        assert status == 200 and headers["X-Kvbaton-Decode"] == "d1"
+        await _until(polled)  # the poll after the answer (a finished request voids the last report)
+
+
 async def test_conversation_headers_reach_decode_and_conflicts_are_400(fleet):
     p, d = await fleet.engine("p0"), await fleet.engine("d0")
     router = await fleet.router(p, d, "pull", control_plane="")
@@ -245,6 +293,10 @@ async def test_discovery_follows_registrations_drain_and_affinity_across_two_rou
                                               num_tokens=32, tokens_per_block=16)))
     await kv.call(kv.lease.Grant, lease_pb2.GrantRequest(conversation_id="agent-1", engine_id="d1", ttl_ms=30_000,
                                                          num_blocks=2, retention_id=reg.retained.retention_id))
+    # One request without a conversation on router 1: its next choice is the other prefill.
+    # Each router then keeps the conversation on the prefill it chose (its own cache hint),
+    # so the two routers serve it from different prefills, each offered d1's blocks.
+    assert (await fleet.post(routers[1], {"prompt": "x", "max_tokens": 1}))[1]["X-Kvbaton-Prefill"] == "p0"
     prefills = set()
     for i in range(6):
         status, headers, _ = await fleet.post(routers[i % 2], {"prompt": "turn", "max_tokens": 1},
