@@ -61,21 +61,29 @@ class Message:
 @dataclasses.dataclass(frozen=True)
 class Done(Message):
     """Decode → prefill: done with (or gave up on) ``transfer_id``: free the held blocks.
-    Rides on decode's READ (NIXL delivers it after the data) or goes alone."""
+    Rides on decode's READ (NIXL delivers it after the data) or goes alone.
+
+    ``readers``: how many decode ranks read from the receiving prefill rank (tensor
+    parallelism): that rank frees only once a ``Done`` from each of them arrived."""
 
     KIND: ClassVar[str] = "done"
     transfer_id: str
+    readers: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
 class Pushed(Message):
     """Prefill → decode, on the push WRITE (after the data): the blocks are complete.
-    ``fingerprints``: the writer's (``verify_kv``), encoded by :class:`Fingerprints`."""
+    ``fingerprints``: the writer's (``verify_kv``), encoded by :class:`Fingerprints`.
+    ``nbytes``: what this writer rank wrote into the receiving rank; ``writers``: how many
+    prefill ranks write into it (tensor parallelism): the receiving decode rank's blocks
+    are complete only once a ``Pushed`` from each of them arrived."""
 
     KIND: ClassVar[str] = "push"
     transfer_id: str
     nbytes: int
     fingerprints: str = ""
+    writers: int = 1
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,6 +16,7 @@ import queue
 import time
 from typing import TYPE_CHECKING, Any
 
+from kvbaton.kvgeometry import EngineKv
 from kvbaton.v1 import common_pb2, registrar_pb2
 
 from .control import ControlThread, complete_request, rendezvous_call, role_of, security_of
@@ -42,7 +43,7 @@ class KvbatonWorker:
         self.tp_rank = tp_rank
         self.tp_size = max(int(tp_size), 1)
         self.total_kv_heads = int(total_kv_heads)  # the model's (0: unknown), published with the rank
-        self.stats = StatsLog(settings.stats_dir, settings.engine_id)
+        self.stats = StatsLog(settings.stats_dir, settings.engine_id, tp_rank=tp_rank if tp_size > 1 else None)
         self._control: ControlThread | None = None
         self._xfer: TransferLoop | None = None
         self._expect_send: set[str] = set()  # held on the scheduler side for a transfer
@@ -72,6 +73,8 @@ class KvbatonWorker:
             rank.staging.CopyFrom(common_pb2.KvStaging(base_addr=si.base_addr, slot_bytes=si.slot_bytes,
                                                        num_slots=si.num_slots, mem_type=si.mem_type,
                                                        device_id=si.device_id))
+        # what the per-rank plan with each peer is computed from (flows/peers.py)
+        self._xfer.ctx.peers.me = EngineKv.from_rank(rank)
         self._control.register_rank(rank, self.settings.ttl_ms)
         inbox = self._xfer.inbox
         self._control.subscribe(self.settings.engine_id, self.tp_rank,

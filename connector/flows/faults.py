@@ -15,6 +15,8 @@ class Faults:
     ``corrupt_landed[mode]`` = how many loads of that mode get their first landed block
     corrupted after the owner fingerprinted it (before the reader verifies);
     ``delay_reuse_read_s`` = how long a reuse READ waits, pin held, before it is posted;
+    ``delay_push_write_s`` = how long a matched push WRITE waits before it is posted (a
+    test kills a prefill rank in that window);
     ``delay_staged_serve_s`` = how long an owner waits before answering a staged READ
     request (past the reader's deadline: exercises the reader's cancel);
     ``kill_at_reuse_read`` = true: the reader SIGKILLs its whole engine (process group)

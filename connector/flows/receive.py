@@ -57,7 +57,8 @@ class ReceiveFlow:
         self.verifier = verifier
         self.staged = staged
         self.loads: list[Load] = []
-        self._push_arrived: dict[str, tuple[float, wire.Pushed]] = {}
+        # push: writer agent -> its Pushed, per transfer (TP: one per prefill rank writing to us)
+        self._push_arrived: dict[str, tuple[float, dict[str, wire.Pushed]]] = {}
         self._push_failed: dict[str, tuple[float, str]] = {}  # rendezvous said the push is off
 
     @property
@@ -68,8 +69,11 @@ class ReceiveFlow:
         self.loads.append(Load(req_id, spec, now + self.ctx.settings.timeout_s, now))
 
     def on_pushed(self, peer: str, msg: wire.Pushed) -> None:
-        self.ctx.stats.record("notif", transfer_id=msg.transfer_id, peer=peer, kind="push")
-        self._push_arrived[msg.transfer_id] = (time.monotonic(), msg)
+        """One writer rank's WRITE into our blocks is complete (its data came first)."""
+        self.ctx.stats.record("notif", transfer_id=msg.transfer_id, peer=peer, kind="push", nbytes_in=msg.nbytes,
+                              writers=msg.writers)
+        got = self._push_arrived.setdefault(msg.transfer_id, (time.monotonic(), {}))
+        got[1][peer] = msg
 
     def on_reuse_served(self, peer: str, msg: wire.ReuseServed) -> None:
         """Decode only counts it: the blocks belong to the lease, not to the reader."""
@@ -155,14 +159,20 @@ class ReceiveFlow:
 
     def _step_push(self, ld: Load, now: float) -> bool:
         tid = ld.spec.transfer_id
-        arrived = self._push_arrived.pop(tid, None)
-        if arrived is not None:
-            msg = arrived[1]
-            ld.nbytes = msg.nbytes
+        arrived = self._push_arrived.get(tid)
+        # Complete only once every writer rank's WRITE landed: one notification per writer
+        # (a prefill with more ranks than ours writes our heads from several ranks).
+        if arrived is not None and len(arrived[1]) >= max(m.writers for m in arrived[1].values()):
+            del self._push_arrived[tid]
+            msgs = list(arrived[1].values())
+            msg = msgs[0]
+            ld.nbytes = sum(m.nbytes for m in msgs)
             # a staged push completed (every chunk scattered) before its message was sent
             if self.staged is not None and self.staged.completed_push(push_xfer_id(tid)):
                 ld.strategy = "pack"
             if self.verifier.enabled:
+                if len(msgs) > 1:
+                    raise KvIntegrityError("verify_kv is not built for tensor-parallel pushes (several writers)")
                 if not msg.fingerprints:
                     raise KvIntegrityError("the writer sent no fingerprints (verify_kv off there?)")
                 ld.fp_owner = Fingerprints.decode(msg.fingerprints, ())
@@ -176,12 +186,25 @@ class ReceiveFlow:
 
     def _release_only(self, ld: Load, now: float) -> bool:
         """Nothing to read (aborted, or all cached locally): tell prefill to free now."""
-        got = self.ctx.peers.lookup(ld.spec.remote_engine_id, ld, now)
+        eid = ld.spec.remote_engine_id
+        got = self.ctx.peers.lookup_engine(eid, ld, now)
         if got is None:
             return False
-        self.ctx.notify(got[0], wire.Done(ld.spec.transfer_id))
+        for agent, readers in self._owner_ranks(eid):
+            self.ctx.notify(agent, wire.Done(ld.spec.transfer_id, readers))
         self.finish(ld, ok=True, reason="release-only")
         return True
+
+    def _owner_ranks(self, engine_id: str) -> list[tuple[str, int]]:
+        """(agent, readers) of each rank of a looked-up owner that this rank reads from:
+        rank 0 alone without tensor parallelism."""
+        peers = self.ctx.peers
+        peer = peers.lookup_engine(engine_id, _NoWait(), 0.0)
+        assert peer is not None
+        if not peers.per_rank(engine_id):
+            return [(peer.ranks[0].agent, 1)]
+        m = peers.mapping(engine_id, peer_owns=True)
+        return [(peer.ranks[s].agent, m.readers_of(s)) for s in sorted({p.src_rank for p in m.into(self.ctx.tp_rank)})]
 
     def _pinned(self, ld: Load, now: float) -> bool:
         """Reuse: pin the lease the router looked up, and check it still protects the
@@ -223,7 +246,7 @@ class ReceiveFlow:
         if ld.begun:
             return True
         if ld.begin_future is None:
-            req = begin_read_request(ld.spec, self.ctx.settings.engine_id, ld.req_id)
+            req = begin_read_request(ld.spec, self.ctx.settings.engine_id, ld.req_id, self.ctx.peers.tp_size)
             # Over the engine's session like offers and completions (a traced one as its
             # own unary call; a server without sessions, or without BeginRead in them,
             # gets unary calls: kvbaton.client).
@@ -246,6 +269,8 @@ class ReceiveFlow:
             if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
                 raise RuntimeError(f"read fenced by the ledger: {exc.details()}") from None
             raise RuntimeError(f"BeginRead failed: {exc.code().name}: {exc.details()}") from None
+        if state.phase == rpb.TRANSFER_PHASE_FAILED:  # another rank of ours failed this read already
+            raise RuntimeError(f"read fenced by the ledger: {state.reason or 'the read failed'}")
         ld.begun, ld.ledger_attempt = True, int(state.attempt)
         return True
 
@@ -258,7 +283,7 @@ class ReceiveFlow:
         nbytes = mv.nbytes if mv is not None and ok else 0
         req = rpb.ReportOutcomeRequest(
             transfer_id=ledger_transfer_id(ld.spec, ld.req_id), attempt=ld.ledger_attempt,
-            outcome=rpb.Outcome(engine_id=self.ctx.settings.engine_id, tp_rank=0, success=ok, bytes=nbytes,
+            outcome=rpb.Outcome(engine_id=self.ctx.settings.engine_id, tp_rank=self.ctx.tp_rank, success=ok, bytes=nbytes,
                                 error=reason[:500], duration_us=int((time.monotonic() - ld.t0) * 1e6)))
         ld.ledger_attempt = None
         fut = self.ctx.control.submit(rendezvous_call("ReportOutcome", req, ld.spec.traceparent))
@@ -321,10 +346,12 @@ class ReceiveFlow:
             cancel = rpb.CancelRequest(transfer_id=spec.transfer_id, engine_id=self.ctx.settings.engine_id,
                                        reason=f"decode gave up: {reason}"[:200])
             self.ctx.control.submit(rendezvous_call("Cancel", cancel, spec.traceparent, retries=1))
-        # Let prefill free now rather than at its timeout (best effort).
-        if ld.peer and self.ctx.ep is not None and self.ctx.peers.known(spec.remote_engine_id):
+        # Let prefill free now rather than at its timeout (best effort): every owner rank
+        # this rank reads from (each counts its readers' Done messages).
+        if ld.move is not None and self.ctx.ep is not None and self.ctx.peers.known(spec.remote_engine_id):
             try:
-                self.ctx.notify(ld.peer, wire.Done(spec.transfer_id))
+                for agent, readers in self._owner_ranks(spec.remote_engine_id):
+                    self.ctx.notify(agent, wire.Done(spec.transfer_id, readers))
             except Exception:  # best effort: prefill frees at its own timeout
                 log.debug("failure notif not sent", exc_info=True)
 
@@ -348,19 +375,30 @@ def ledger_transfer_id(spec: LoadSpec, request_id: str) -> str:
     return spec.transfer_id
 
 
-def begin_read_request(spec: LoadSpec, engine_id: str, request_id: str) -> rpb.BeginReadRequest:
+def begin_read_request(spec: LoadSpec, engine_id: str, request_id: str, readers: int = 1) -> rpb.BeginReadRequest:
     """``BeginRead`` for a pull (generation: the hold's attempt, always 0 from this
-    connector) or a reuse READ (generation: the retention_id the router looked up)."""
+    connector) or a reuse READ (generation: the retention_id the router looked up).
+
+    Every tensor-parallel rank of the reader sends the same request (the ledger answers a
+    repeat with the recorded state) and reports its own outcome: ``readers`` = our TP size."""
     if spec.mode == MODE_REUSE:
         src = spec.reuse
         assert src is not None
         return rpb.BeginReadRequest(transfer_id=ledger_transfer_id(spec, request_id), kind=rpb.TRANSFER_KIND_REUSE,
                                     reader_engine_id=engine_id, block_ids=spec.local_block_ids,
                                     generation=src.retention_id, conversation_id=src.conversation_id,
-                                    source_block_ids=spec.remote_block_ids, request_id=request_id)
+                                    source_block_ids=spec.remote_block_ids, request_id=request_id,
+                                    readers=readers)
     return rpb.BeginReadRequest(transfer_id=spec.transfer_id, kind=rpb.TRANSFER_KIND_PULL,
-                                reader_engine_id=engine_id,
+                                reader_engine_id=engine_id, readers=readers,
                                 block_ids=spec.ledger_block_ids or spec.local_block_ids, request_id=request_id)
+
+
+class _NoWait:
+    """A waiter for a lookup already cached (never pending)."""
+
+    peer_future: Any = None
+    deadline: float = 0.0
 
 
 def _answered(fut: Any, now: float, deadline: float, what: str) -> bool:

@@ -46,6 +46,7 @@ class Held:
     t0: float
     match: Any = None  # push: the rendezvous TransferState once matched
     move: Move | None = None
+    delay_until: float = 0.0  # test-only fault: the push WRITE held back until then
 
 
 class SendFlow:
@@ -57,6 +58,8 @@ class SendFlow:
         self._early_done: dict[str, float] = {}  # Done messages that arrived before the SendSpec
         self._early_matches: dict[str, tuple[float, Any]] = {}  # MATCH before the SendSpec
         self._early_ended: dict[str, tuple[float, str, str]] = {}  # FAILED before the SendSpec
+        self._done_from: dict[str, set[str]] = {}  # pull: reader agents whose Done arrived (TP)
+        self._done_from_t: dict[str, float] = {}
 
     @property
     def busy(self) -> bool:
@@ -84,8 +87,17 @@ class SendFlow:
         self.held[tid] = held
 
     def on_done(self, peer: str, msg: wire.Done) -> None:
+        """A reader rank is done with (or gave up on) our blocks: free once every reader
+        rank of ours said so (``msg.readers``: one unless decode runs more ranks than us)."""
         tid = msg.transfer_id
         self.ctx.stats.record("notif", transfer_id=tid, peer=peer)
+        seen = self._done_from.setdefault(tid, set())
+        seen.add(peer)
+        if len(seen) < max(msg.readers, 1):
+            self._done_from_t.setdefault(tid, time.monotonic())
+            return
+        self._done_from.pop(tid, None)
+        self._done_from_t.pop(tid, None)
         held = self.held.pop(tid, None)
         if held is None:
             self._early_done[tid] = time.monotonic()
@@ -153,6 +165,10 @@ class SendFlow:
         for tid, (t, _, _) in list(self._early_ended.items()):
             if now - t > max_age_s:
                 del self._early_ended[tid]
+        for tid, t in list(self._done_from_t.items()):
+            if now - t > max_age_s:
+                del self._done_from_t[tid]
+                self._done_from.pop(tid, None)
 
     # ------------------------------------------------------------------ push WRITEs
     def progress(self, now: float) -> None:
@@ -171,6 +187,8 @@ class SendFlow:
                 self.ctx.report("sent", held.req_id, not err)
 
     def _step_write(self, tid: str, held: Held, now: float) -> bool:
+        if held.move is None and self._fault_delay(tid, held, now):
+            return False
         if held.move is None:
             offer = held.match.offer
             local = tuple(held.spec.block_ids)
@@ -183,6 +201,18 @@ class SendFlow:
             held.move = Move("WRITE", offer.engine_id, local[skip:], remote[skip:], held.deadline,
                              message=lambda mv: self._pushed(tid, local, skip, mv))
         return self.mover.step(held.move, now)
+
+    def _fault_delay(self, tid: str, held: Held, now: float) -> bool:
+        """Test-only (``delay_push_write_s``): hold the matched push WRITE back, so a test
+        can kill a rank mid-push. True while held back."""
+        if not self.ctx.faults.path:
+            return False
+        if not held.delay_until:
+            held.delay_until = now + self.ctx.faults.value("delay_push_write_s")
+            if held.delay_until > now:
+                self.ctx.stats.record("fault_delay", transfer_id=tid, req_id=held.req_id,
+                                      delay_s=round(held.delay_until - now, 3))
+        return now < held.delay_until
 
     def _pushed(self, tid: str, local: tuple[int, ...], skip: int, mv: Move) -> wire.Message | None:
         """The push's message; with ``verify_kv`` it waits for our fingerprints (µs to ms)."""
@@ -208,6 +238,8 @@ class SendFlow:
                               strategy=mv.strategy if mv is not None else "runs", chunks=chunks)
         m = self.ctx.metrics
         m.transfers.labels(MODE_PUSH, "prefill", outcome(ok, error)).inc()
+        if ok and mv is not None and mv.parts == []:
+            return  # a rank whose heads another rank writes (replicas): not a writer, no outcome
         if ok:
             m.transfer_bytes.labels(MODE_PUSH, "write").inc(nbytes)
             if mv is not None and mv.t_post:

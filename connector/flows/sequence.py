@@ -8,7 +8,16 @@ path, :mod:`.staged`) or runs (one NIXL READ/WRITE with the message as its notif
 may be stale: it died or restarted) and raise.
 
 Push WRITE (:mod:`.send`), pull READ and reuse READ (:mod:`.receive`) differ only in what
-they pass in: the op, the deadline, the message and the hook. A caller that catches an
+they pass in: the op, the deadline, the message and the hook.
+
+Tensor parallelism (either engine TP > 1): the plan is per rank. This rank moves the heads
+:class:`~kvbaton.connector.transfer.tp_mapping.TpMapping` gives it — a WRITE goes to every
+peer rank holding heads we own (``out_of``), a READ comes from every peer rank owning heads
+we hold (``into``) — as one :class:`Part` per peer rank, each one NIXL transfer carrying its
+own copy of the message (with that part's bytes and the receiving side's fan-in:
+``Pushed.writers`` / ``Done.readers``). These moves use runs only (the pack path stages
+whole blocks between rank 0s), and ``verify_kv`` (whole-block fingerprints) is refused
+for them. A caller that catches an
 exception from :meth:`Mover.step` calls :meth:`Mover.abort` (releases what is in flight).
 """
 
@@ -21,12 +30,15 @@ import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from .. import wire
 from ..settings import STAGING_ALWAYS, STAGING_NEVER
 from ..transfer.descriptors import Op, TransferPlan, plan_transfer
 from ..transfer.nixl_agent import Transfer
 from ..transfer.staging import choose_strategy
 from .context import FlowContext
+from .peers import PeerEngine
 
 if TYPE_CHECKING:  # pragma: no cover
     from .staged import SendJob, StagedFlow
@@ -74,10 +86,25 @@ class Move:
     chunks: int = 0  # staged WRITE: chunks it was cut into
     t_post: float = 0.0  # when the data was posted (kvbaton_connector_transfer_seconds)
     done: bool = False
+    #: per-rank moves (TP > 1 on either side): one per peer rank; None: the whole-block path
+    parts: list[Part] | None = None
 
     @property
     def posted(self) -> bool:
-        return self.xfer is not None or self.job is not None or bool(self.staged_xid)
+        return (self.xfer is not None or self.job is not None or bool(self.staged_xid)
+                or any(p.xfer is not None or p.done for p in self.parts or ()))
+
+
+@dataclasses.dataclass
+class Part:
+    """This rank's share of a :class:`Move` with one peer rank (tensor parallelism)."""
+
+    peer_rank: int
+    agent: str
+    plan: TransferPlan
+    fan_in: int  # WRITE: writers of the peer rank; READ: readers of the peer (owner) rank
+    xfer: Transfer | None = None
+    done: bool = False
 
 
 class Mover:
@@ -91,6 +118,8 @@ class Mover:
         """One look; True once the data is in place (the message sent). Raises on failure."""
         if mv.done:
             return True
+        if mv.parts is not None and mv.msg is not None:
+            return self._poll_parts(mv, now)
         if mv.xfer is not None:
             return self._poll_runs(mv, now)
         if mv.job is not None or mv.staged_xid:
@@ -104,6 +133,8 @@ class Mover:
             if mv.before_post is not None:
                 mv.before_post(mv)
             mv.t_post = time.monotonic()
+        if mv.parts is not None:
+            return self._post_parts(mv, now)
         if mv.strategy == "pack":
             return self._start_staged(mv, now)
         try:
@@ -120,6 +151,10 @@ class Mover:
         if mv.xfer is not None:
             self.ctx.endpoint.release(mv.xfer)
             mv.xfer = None
+        for part in mv.parts or ():
+            if part.xfer is not None:
+                self.ctx.endpoint.release(part.xfer)
+                part.xfer = None
         if self.staged is not None:
             if mv.job is not None:
                 self.staged.abandon(mv.job)
@@ -130,10 +165,13 @@ class Mover:
 
     # ------------------------------------------------------------------ steps
     def _plan(self, mv: Move, now: float) -> bool:
-        got = self.ctx.peers.lookup(mv.engine_id, mv, now)
-        if got is None:
+        peer = self.ctx.peers.lookup_engine(mv.engine_id, mv, now)
+        if peer is None:
             return False
-        mv.peer, remote_layout = got
+        if self.ctx.peers.per_rank(mv.engine_id):
+            self._plan_parts(mv, peer)
+            return True
+        mv.peer, remote_layout = peer.ranks[0].agent, peer.ranks[0].layout
         mv.plan = plan_transfer(self.ctx.layout, list(mv.local), remote_layout, list(mv.remote), op=mv.op,
                                 coalesce=True)
         mv.nbytes, mv.num_descs = mv.plan.nbytes, mv.plan.num_descs
@@ -142,6 +180,74 @@ class Mover:
                                     local_pool=self.staged is not None and self.staged.has_pool,
                                     remote_pool=self.ctx.peers.staging(mv.engine_id) is not None)
         return True
+
+    def _plan_parts(self, mv: Move, peer: PeerEngine) -> None:
+        """Per rank: one :class:`Part` per peer rank this rank exchanges heads with."""
+        peers, me = self.ctx.peers, self.ctx.tp_rank
+        if self.ctx.fp is not None:
+            raise RuntimeError("verify_kv is not built for tensor-parallel moves (whole-block fingerprints)")
+        reading = mv.op == "READ"
+        m = peers.mapping(mv.engine_id, peer_owns=reading)
+        pieces = m.into(me) if reading else m.out_of(me)
+        by_peer: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}
+        for piece in pieces:
+            other = piece.src_rank if reading else piece.dst_rank
+            pl = peer.ranks[other].layout
+            if reading:  # the peer owns: descs come back (owner rows, receiver rows)
+                rem, loc = m.descs(piece, pl, mv.remote, self.ctx.layout, mv.local)
+            else:
+                loc, rem = m.descs(piece, self.ctx.layout, mv.local, pl, mv.remote)
+            by_peer.setdefault(other, []).append((loc, rem))
+        mv.parts = []
+        for other, rows in sorted(by_peer.items()):
+            loc = np.concatenate([r[0] for r in rows])
+            rem = np.concatenate([r[1] for r in rows])
+            plan = TransferPlan(loc, rem, int(loc[:, 1].sum()), len(loc), self.ctx.layout.nixl_mem_type,
+                                peer.ranks[other].layout.nixl_mem_type)
+            fan_in = m.readers_of(other) if reading else m.writers_of(other)
+            mv.parts.append(Part(other, peer.ranks[other].agent, plan, fan_in))
+        mv.peer = mv.parts[0].agent if len(mv.parts) == 1 else ""
+        mv.nbytes = sum(p.plan.nbytes for p in mv.parts)
+        mv.num_descs = sum(p.plan.num_descs for p in mv.parts)
+        mv.strategy = "runs"
+
+    def _post_parts(self, mv: Move, now: float) -> bool:
+        assert mv.parts is not None and mv.msg is not None
+        ep = self.ctx.endpoint
+        try:
+            for part in mv.parts:
+                if part.plan.num_descs == 0:
+                    part.done = True
+                    continue
+                raw = wire.encode(_for_part(mv.msg, part))
+                part.xfer = ep.write(part.plan, part.agent, raw) if mv.op == "WRITE" else ep.read(
+                    part.plan, part.agent, raw)
+        except Exception:
+            self.ctx.peers.forget(mv.engine_id)  # metadata may be stale (a peer rank restarted)
+            raise
+        return self._poll_parts(mv, now)
+
+    def _poll_parts(self, mv: Move, now: float) -> bool:
+        """Every part DONE → the move is done; any part ERR or late → it fails (all of it)."""
+        ep = self.ctx.endpoint
+        what = "WRITE to" if mv.op == "WRITE" else "READ from"
+        for part in mv.parts or ():
+            if part.done or part.xfer is None:
+                continue
+            st = ep.state(part.xfer)
+            if st == "DONE":
+                ep.release(part.xfer)
+                part.xfer, part.done = None, True
+            elif st == "ERR":
+                self.ctx.peers.forget(mv.engine_id)
+                raise RuntimeError(f"NIXL {what} {part.agent} (rank {part.peer_rank}) failed")
+        if all(p.done for p in mv.parts or ()):
+            mv.done = True
+            return True
+        if now >= mv.deadline:
+            late = [p.agent for p in mv.parts or () if not p.done]
+            raise TimeoutError(f"NIXL {what} {', '.join(late)} not done after {self.ctx.settings.timeout_s}s")
+        return False
 
     def _poll_runs(self, mv: Move, now: float) -> bool:
         assert mv.xfer is not None
@@ -198,6 +304,17 @@ class Mover:
         self.ctx.notify(mv.peer, mv.msg)
         mv.done = True
         return True
+
+
+def _for_part(msg: wire.Message, part: Part) -> wire.Message:
+    """The move's message as one peer rank gets it: that part's bytes and fan-in."""
+    if isinstance(msg, wire.Pushed):
+        return dataclasses.replace(msg, nbytes=part.plan.nbytes, writers=part.fan_in)
+    if isinstance(msg, wire.Done):
+        return dataclasses.replace(msg, readers=part.fan_in)
+    if isinstance(msg, wire.ReuseServed):
+        return dataclasses.replace(msg, nbytes=part.plan.nbytes)
+    return msg
 
 
 def push_xfer_id(transfer_id: str) -> str:

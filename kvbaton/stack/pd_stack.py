@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import os
 import time
 import urllib.error
 import urllib.request
@@ -115,6 +116,19 @@ def revoke_lease(cp_address: str, conversation_id: str, reason: str = "test done
                 await kv.lease.Revoke(lease_pb2.RevokeRequest(conversation_id=conversation_id, reason=reason),
                                       timeout=5)
     asyncio.run(go())
+
+
+def _cores(tp: int, first: int) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for an engine: one core, or one core per TP rank
+    (``0|1``: rank 0 on core 0, rank 1 on core 1; ranks share cores beyond the machine's)."""
+    n = os.cpu_count() or 1
+    if tp <= 1:
+        return str(first % n)
+    return "|".join(str((first + r) % n) for r in range(tp))
+
+
+def _tp_args(tp: int) -> list[str]:
+    return ["--tensor-parallel-size", str(tp)] if tp > 1 else []
 
 
 # ---------------------------------------------------------------------- HTTP
@@ -215,6 +229,10 @@ class PdStack(StackBase):
         security: mutual TLS + tokens everywhere (:class:`StackSecurity`, kvbaton only);
             the routers then also name the pair (``--prefill-engine-id``/``--decode-engine-id``:
             under tokens a push must be bound to both engines).
+        prefill_tp, decode_tp: ``--tensor-parallel-size`` of each engine; a TP > 1 engine gets
+            one core per rank (``VLLM_CPU_OMP_THREADS_BIND="0|1"``).
+        engine_env, engine_nice: extra environment and the niceness of both engines'
+            process trees (a TP > 1 engine spins between steps; see tests/e2e/test_tp_vllm.py).
 
     Use as a context manager; :meth:`stop` is idempotent and stops everything started,
     also after a failed start.
@@ -226,7 +244,8 @@ class PdStack(StackBase):
                  prefill_id: str = "p0", decode_id: str = "d0",
                  extra_config: dict[str, Any] | None = None, prefill_args: Sequence[str] = (),
                  router_control_plane: bool = False, store: str | None = None,
-                 security: StackSecurity | None = None) -> None:
+                 security: StackSecurity | None = None, prefill_tp: int = 1, decode_tp: int = 1,
+                 engine_env: dict[str, str] | None = None, engine_nice: int = 0) -> None:
         if connector != "kvbaton" and connector not in NIXL_VARIANTS:
             raise ValueError(f"connector must be kvbaton or one of {list(NIXL_VARIANTS)}, got {connector!r}")
         if security is not None and connector != "kvbaton":
@@ -242,6 +261,9 @@ class PdStack(StackBase):
         self.prefill_args = list(prefill_args)
         self.router_control_plane = router_control_plane  # routers get --control-plane (reuse)
         self.store = store
+        self.tp = {"prefill": max(int(prefill_tp), 1), "decode": max(int(decode_tp), 1)}
+        self.engine_env = dict(engine_env or {})  # extra environment for both engines
+        self.engine_nice = engine_nice  # both engines' process trees (VllmServer ``nice``)
         self.p: VllmServer | None = None
         self.d: VllmServer | None = None
         self.routers: dict[str, str] = {}  # mode -> base URL
@@ -255,7 +277,10 @@ class PdStack(StackBase):
         return self.p, self.d
 
     def _start(self) -> None:
-        envs: list[dict[str, str]] = [{"VLLM_CPU_OMP_THREADS_BIND": "0"}, {"VLLM_CPU_OMP_THREADS_BIND": "1"}]
+        envs: list[dict[str, str]] = [{"VLLM_CPU_OMP_THREADS_BIND": _cores(self.tp["prefill"], 0)},
+                                      {"VLLM_CPU_OMP_THREADS_BIND": _cores(self.tp["decode"], 1)}]
+        for env in envs:
+            env.update(self.engine_env)
         if self.connector == "kvbaton":
             self.cp_address = self._start_control_plane("cp", self.store)
             sec = self.security
@@ -272,9 +297,10 @@ class PdStack(StackBase):
         self.p, self.d = (
             VllmServer(self.model, extra_args=[*small_engine_args(), *self.engine_args,
                                                *(self.prefill_args if name == "prefill" else ()),
+                                               *_tp_args(self.tp[name]),
                                                "--kv-transfer-config", c],
                        env=env, log_path=self.workdir / f"{name}.log", served_model_name="tiny",
-                       startup_timeout_s=self.startup_timeout_s)
+                       startup_timeout_s=self.startup_timeout_s, nice=self.engine_nice)
             for name, c, env in (("prefill", configs[0], envs[0]), ("decode", configs[1], envs[1])))
         self._servers = [self.p, self.d]
         self._start_servers()

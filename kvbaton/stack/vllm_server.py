@@ -141,8 +141,12 @@ class VllmServer:
         startup_timeout_s: float = 600.0,
         python: str | None = None,
         served_model_name: str | None = None,
+        nice: int = 0,
     ) -> None:
         self.model = str(model)
+        #: niceness of the server's whole process tree (children inherit it): a TP > 1 engine's
+        #: processes spin between steps, which can starve a control plane on a small machine
+        self.nice = int(nice)
         self.host = host
         self.port = port if port is not None else free_port(host)
         self.extra_args = list(extra_args)
@@ -207,6 +211,7 @@ class VllmServer:
                 stderr=subprocess.STDOUT,
                 env=self._environ(),
                 start_new_session=True,  # own process group: stop() kills the tree
+                preexec_fn=(lambda: os.nice(self.nice)) if self.nice else None,
             )
         self.pgid = self.proc.pid  # session leader: pgid == pid
         _LIVE.add(self)

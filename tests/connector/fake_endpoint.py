@@ -39,6 +39,7 @@ class FakeXfer:
     nbytes: int
     state: str = "PROC"
     released: bool = False
+    plan: Any = None  # the TransferPlan posted (descriptor rows)
 
 
 class FakeEndpoint:
@@ -63,7 +64,7 @@ class FakeEndpoint:
     def _post(self, op: str, plan: Any, peer: str, notif: bytes) -> FakeXfer:
         if self.post_error is not None:
             raise self.post_error
-        x = FakeXfer(op, peer, notif, int(plan.nbytes))
+        x = FakeXfer(op, peer, notif, int(plan.nbytes), plan=plan)
         self.xfers.append(x)
         return x
 
@@ -112,8 +113,9 @@ class FakeControl:
 
     def get_engine(self, engine_id: str) -> concurrent.futures.Future[Any]:
         fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        if engine_id in self.ranks:
-            fut.set_result(registrar_pb2.GetEngineResponse(ranks=[self.ranks[engine_id]]))
+        if engine_id in self.ranks:  # one rank, or a list of every rank (tensor parallelism)
+            got = self.ranks[engine_id]
+            fut.set_result(registrar_pb2.GetEngineResponse(ranks=got if isinstance(got, list) else [got]))
         self.lookups.append(fut)
         return fut
 

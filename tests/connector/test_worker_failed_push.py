@@ -1,7 +1,7 @@
 """A push the rendezvous FAILED (refused at the match as incompatible, a rank failed, no
 outcome in time): prefill frees the request's blocks at once, also when the failure came
 before its SendSpec; decode stops waiting for a WRITE; outcomes carry the worker's own rank;
-a TP > 1 peer is refused before anything moves (the per-rank data path is not wired yet)."""
+a TP > 1 peer whose ranks have not all registered is refused before anything moves."""
 
 from __future__ import annotations
 
@@ -61,9 +61,9 @@ def test_outcome_carries_this_workers_rank() -> None:
     assert rep.outcome.tp_rank == 1
 
 
-def test_a_tensor_parallel_peer_is_refused_before_anything_moves() -> None:
+def test_a_tensor_parallel_peer_missing_a_rank_is_refused_before_anything_moves() -> None:
     r = Rig()
-    r.control.ranks["d0"].tp_size = 2  # decode registered its real TP size
+    r.control.ranks["d0"].tp_size = 2  # decode's rank 1 has not registered (yet)
     r.send.on_send("req", _send("t:1:with:colons"), T0)
     r.send.on_event("t:1:with:colons", _match())
     r.send.progress(T0)
@@ -71,4 +71,4 @@ def test_a_tensor_parallel_peer_is_refused_before_anything_moves() -> None:
     assert not r.ep.xfers
     assert r.results() == [("sent", "req", False, ())]
     (rep,) = r.control.requests("ReportOutcomeRequest")
-    assert not rep.outcome.success and "tensor-parallel KV transfer" in rep.outcome.error
+    assert not rep.outcome.success and "has no registered rank(s) [1]" in rep.outcome.error
