@@ -10,7 +10,7 @@ For 1k/4k/16k tokens of a Qwen3-32B-shaped cache (64 layers, 8 KV heads × 128, 
   registered slot, one NIXL WRITE per chunk, one scatter kernel per chunk on the
   receiver, pipelined (a staged READ is a pull request answered by a staged WRITE).
   ``pack@shipped`` uses the pools an engine allocates by default
-  (:func:`staging.default_pool`), ``pack@2GiB`` the 256 MiB × 4 slots reference; the
+  (:func:`staging.default_pool`), ``pack@2GiB`` the same path with 2 GiB (8 shared slots of 256 MiB); the
   table gives each one's staging memory per engine;
 * ``runs``      — one NIXL descriptor per coalesced run (per region);
 * ``per_block`` — one NIXL descriptor per block (per region);
@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import importlib
 import os
 import statistics
@@ -94,6 +95,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="pool for the two-senders case (empty: skip)")
     p.add_argument("--trace", default="shipped,2GiB",
                    help="pools traced chunk by chunk (one fragmented WRITE, largest size)")
+    p.add_argument("--profile", default="",
+                   help="pools whose one fragmented WRITE (largest size) runs under cProfile on both "
+                        "sides (text files next to --out)")
     p.add_argument("--nospin", action="store_true",
                    help="also measure the shipped pool with spin off (sleep backoff polling)")
     p.add_argument("--cpu", action="store_true",
@@ -157,35 +161,57 @@ def enable_peer_access() -> None:
 
 
 MiB = 1 << 20
-REF_POOL = PoolDefaults(slot_bytes=256 * MiB, slots=4, send_slots=4, target_chunks=16)
+# the reference: the same path (one pool shared by both directions, as shipped) with 2 GiB
+REF_POOL = PoolDefaults(slot_bytes=256 * MiB, slots=4, send_slots=4, target_chunks=16, shared=True)
+
+
+#: variants of a pool, as name suffixes: the same pools, one protocol setting changed
+VARIANTS = {"-nospin": "sleep-backoff polling",
+            "-noahead": "gather only once a receive slot is idle (before gather-ahead)"}
+
+
+def base_pool(name: str) -> tuple[str, str]:
+    """``(pool, variant suffix or "")`` of a pool name such as ``shipped-noahead``."""
+    for suf in VARIANTS:
+        if name.endswith(suf):
+            return name.removesuffix(suf), suf
+    return name, ""
 
 
 def pool_by_name(name: str) -> PoolDefaults:
     """``shipped`` (what an engine allocates by default), ``2GiB`` (the reference), or
-    ``SLOTMiBxRECVxSENDxCHUNKS``."""
+    ``SLOTMiBxRECVxSENDxCHUNKS`` (optionally with a :data:`VARIANTS` suffix)."""
+    name = base_pool(name)[0]
+    # "-split": two pools (receive, send) instead of one shared by both directions
+    split = name.endswith("-split")
+    name = name.removesuffix("-split")
     if name == "shipped":
-        return default_pool("cuda")
-    if name == "2GiB":
-        return REF_POOL
-    slot, recv, send, chunks = (int(x) for x in name.split("x"))
-    return PoolDefaults(slot_bytes=slot * MiB, slots=recv, send_slots=send, target_chunks=chunks)
+        p = default_pool("cuda")
+    elif name == "2GiB":
+        p = REF_POOL
+    else:  # SLOTxRECVxSENDxCHUNKS[s]: "s" = one shared pool
+        shared = name.endswith("s")
+        slot, recv, send, chunks = (int(x) for x in name.removesuffix("s").split("x"))
+        p = PoolDefaults(slot_bytes=slot * MiB, slots=recv, send_slots=send, target_chunks=chunks, shared=shared)
+    return dataclasses.replace(p, shared=False) if split else p
 
 
 def pool_kw(pool: PoolDefaults, no_kernel: bool = False) -> dict[str, Any]:
     """StagedPeer arguments for a pool, as the worker builds them."""
     return dict(slot_bytes=pool.slot_bytes, num_slots=pool.slots, send_slots=pool.send_slots,
                 target_chunks=pool.target_chunks, min_chunk_bytes=min(4 * MiB, pool.slot_bytes),
-                use_kernel=False if no_kernel else None)
+                use_kernel=False if no_kernel else None, shared=pool.shared)
 
 
 def pool_label(name: str) -> str:
     p = pool_by_name(name)
-    return (f"{name}: {p.slots}+{p.send_slots} × {p.slot_bytes // MiB} MiB "
+    slots = (f"{p.slots + p.send_slots} shared" if p.shared else f"{p.slots}+{p.send_slots}")
+    return (f"{name}: {slots} × {p.slot_bytes // MiB} MiB "
             f"= {p.total_bytes // MiB} MiB/engine, ~{p.target_chunks} chunks")
 
 
 def all_pools(args: argparse.Namespace) -> list[str]:
-    names = ["shipped"] + [p for x in (args.pools, args.sweep_pools, args.two_senders, args.trace)
+    names = ["shipped"] + [base_pool(p)[0] for x in (args.pools, args.sweep_pools, args.two_senders, args.trace)
                            for p in x.split(",") if p]
     return list(dict.fromkeys(names))
 
@@ -207,8 +233,10 @@ class Pools:
         self.active._on_notif(peer, msg)
 
     def use(self, name: str, spin: bool = True) -> StagedPeer:
-        self.active = self.peers[name]
-        self.active.spin = spin and self.active.cuda
+        base, variant = base_pool(name)
+        self.active = self.peers[base]
+        self.active.spin = spin and self.active.cuda and variant != "-nospin"
+        self.active.gather_ahead = variant != "-noahead"
         return self.active
 
     def close(self) -> None:
@@ -257,7 +285,21 @@ def _engine_main(role: str, args: argparse.Namespace, tokens: int, dev_index: in
             elif cmd == "trace":
                 assert sb is not None
                 old, sb.trace = sb.trace, ([] if rest[0] else None)
-                conn.send(old)
+                gpu, sb.gpu_trace = sb.gpu_trace, []
+                conn.send((old or [], gpu))
+            elif cmd == "profile":  # cProfile on (True) / off (False: its top functions)
+                import cProfile
+                import io
+                import pstats
+                if rest[0]:
+                    prof = cProfile.Profile()
+                    prof.enable()
+                    conn.send("ok")
+                else:
+                    prof.disable()
+                    buf = io.StringIO()
+                    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(30)
+                    conn.send(buf.getvalue())
             elif cmd == "clear":
                 for t in cache:
                     t.zero_()
@@ -510,10 +552,13 @@ class GpuBench:
         """One fragmented staged WRITE with both sides tracing: where a chunk's time goes."""
         self.clear_dst()
         self.sa.trace = []
+        self.a.post_times = []
         self._call("trace", True)
         r = self.run_once("WRITE", "pack", sids, dids)
-        tb = self._call("trace", False) or []
+        posts, self.a.post_times = self.a.post_times, None
+        tb, gb = self._call("trace", False) or ([], [])
         ta, self.sa.trace = self.sa.trace or [], None
+        ga, self.sa.gpu_trace = self.sa.gpu_trace, []
         ev: dict[str, dict[int, float]] = {}
         for t, what, seq in ta + tb:
             ev.setdefault(what, {})[seq] = t
@@ -525,15 +570,54 @@ class GpuBench:
             return round(statistics.median(xs) * 1e6, 1) if xs else None
 
         out["grant_wait_us"] = round((ev.get("grant", {}).get(0, 0) - ev.get("send", {}).get(0, 0)) * 1e6, 1)
+        # sender: gather launched → seen done → receive slot in hand → WRITE posted → done
+        out["gather_seen_us"] = med("pack", "packed")
+        out["packed_to_slot_us"] = med("packed", "posting")
+        out["post_call_us"] = med("posting", "post")
+        # of which: descriptor lists + NIXL request creation, and the post (transfer) call
+        out["post_init_us"] = round(statistics.median(p[0] for p in posts) * 1e6, 1) if posts else None
+        out["post_xfer_us"] = round(statistics.median(p[1] for p in posts) * 1e6, 1) if posts else None
         out["gather_to_post_us"] = med("pack", "post")
         out["post_to_write_done_us"] = med("post", "wrote")
         out["post_to_chunk_at_receiver_us"] = med("post", "chunk")
         out["chunk_to_scattered_ack_us"] = med("chunk", "acked")
+        # receiver: notification handled → scatter launched → seen done → ack sent
+        out["scatter_launch_us"] = med("chunk", "unpack")
+        out["scatter_seen_us"] = med("unpack", "scattered")
+        out["ack_call_us"] = med("scattered", "acked")
         out["ack_to_sender_us"] = med("acked", "ack")
         out["slot_cycle_us"] = med("pack", "ack")
+        out["recv_slot_cycle_us"] = med("posting", "ack")  # a receive slot: taken → back
+        for kind in ("gather", "scatter"):  # GPU time of each kernel (CUDA timing events)
+            xs = [us for k, _, us in ga + gb if k == kind]
+            out[f"{kind}_gpu_us"] = round(statistics.median(xs), 1) if xs else None
         posts = sorted(ev.get("post", {}).values())
         gaps = [b - a for a, b in zip(posts, posts[1:])]
         out["post_interval_us"] = round(statistics.median(gaps) * 1e6, 1) if gaps else None
+        return out
+
+    def profile(self, sids: np.ndarray, dids: np.ndarray, out_dir: Path) -> dict[str, Any]:
+        """One fragmented staged WRITE with both sides under cProfile (CPU time per function,
+        top by own time): where each side's thread spends a chunk's CPU time."""
+        import cProfile
+        import io
+        import pstats
+
+        self.clear_dst()
+        self._call("profile", True)
+        pr = cProfile.Profile()
+        pr.enable()
+        r = self.run_once("WRITE", "pack", sids, dids)
+        pr.disable()
+        recv_txt = self._call("profile", False)
+        buf = io.StringIO()
+        pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(30)
+        out = {"pool": self.pool, "tokens": self.tokens, "ms": round(r["ms"], 3), "chunks": r["num_descs"]}
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for side, txt in (("sender", buf.getvalue()), ("receiver", recv_txt)):
+            path = out_dir / f"profile_{self.pool}_{self.tokens}_{side}.txt"
+            path.write_text(f"# one fragmented staged WRITE, {out}, {side} side under cProfile\n{txt}")
+            out[side] = path.name
         return out
 
     def raw_copy(self) -> float:
@@ -639,7 +723,7 @@ def _pack_row(bench: GpuBench, tokens: int, op: str, pattern: str, pool: str, si
     row = datapath._row(tokens, op, pattern, f"pack@{pool}", statistics.median(times),
                         bench.nbytes, descs, 0.0, ok, times)
     row.update(policy_choice=policy, raw_copy_ratio=round(base_ms / row["ms"], 3), pool=pool,
-               staging_mib=pool_by_name(pool.removesuffix("-nospin")).total_bytes // MiB, **extra)
+               staging_mib=pool_by_name(pool).total_bytes // MiB, **extra)
     print(datapath._fmt(row) + f"  {row['raw_copy_ratio']:.0%} of raw", flush=True)
     if not ok:
         raise SystemExit(f"verification FAILED: {row}")
@@ -737,6 +821,11 @@ def run_suite(args: argparse.Namespace, tokens: int, src: torch.device, dst: tor
                     t = bench.trace(sids, dids)
                     traces.append(t)
                     print(f"trace {t}", flush=True)
+                for pool in [p for p in args.profile.split(",") if p]:
+                    bench.use_pool(pool)
+                    t = bench.profile(sids, dids, Path(args.out).parent)
+                    traces.append(dict(t, profile=True))
+                    print(f"profile {t}", flush=True)
                 bench.use_pool("shipped")
                 kernels = [dict(k, tokens=tokens) for k in bench.kernels(sids, dids)]
                 for k in kernels:
@@ -755,9 +844,9 @@ def _path_name(r: dict[str, Any]) -> str:
     s = r["strategy"]
     if s.startswith("pack@"):
         pool = r.get("pool", s[5:])
-        base = pool.removesuffix("-nospin")
-        tag = "connector, shipped defaults" if base == "shipped" else "connector"
-        label = pool_label(base) + (", sleep-backoff polling" if pool.endswith("-nospin") else "")
+        base, variant = base_pool(pool)
+        tag = "connector, shipped defaults" if pool == "shipped" else "connector"
+        label = pool_label(base) + (f", {VARIANTS[variant]}" if variant else "")
         two = " — two senders at once" if r.get("two_senders") else ""
         return f"{tag}: staged pack ({label}){two}"
     return NAMES.get(s, s)
@@ -811,14 +900,23 @@ def markdown(rows: list[dict[str, Any]], kernels: list[dict[str, Any]], env: dic
                          f"{r['num_descs']} | {r['ms']:.2f} | {r['gbps']:.1f} | "
                          f"{r['raw_copy_ratio']:.0%} |")
     if traces:
-        keys = ["grant_wait_us", "gather_to_post_us", "post_to_write_done_us",
-                "post_to_chunk_at_receiver_us", "chunk_to_scattered_ack_us", "ack_to_sender_us",
-                "slot_cycle_us", "post_interval_us"]
+        keys = ["grant_wait_us", "gather_gpu_us", "gather_seen_us", "packed_to_slot_us", "post_call_us",
+                "post_init_us", "post_xfer_us", "post_to_write_done_us", "post_to_chunk_at_receiver_us", "scatter_launch_us",
+                "scatter_gpu_us", "scatter_seen_us", "ack_call_us", "chunk_to_scattered_ack_us",
+                "ack_to_sender_us", "recv_slot_cycle_us", "slot_cycle_us", "post_interval_us"]
         lines += ["", "Where a staged WRITE's time goes (one fragmented WRITE, both sides traced; "
-                  "medians over chunks, µs):", "",
+                  "medians over chunks, µs). Sender: gather_gpu (the gather kernel's GPU time), "
+                  "gather_seen (launch → its event seen done), packed_to_slot (→ a receive slot "
+                  "in hand), post_call (the NIXL post itself), post_to_write_done. Receiver: "
+                  "post_to_chunk_at_receiver (post → the chunk's notification handled), "
+                  "scatter_launch, scatter_gpu, scatter_seen (launch → event seen done), ack_call; "
+                  "ack_to_sender; recv_slot_cycle (a receive slot taken for a post → its ack back "
+                  "at the sender), slot_cycle (gather launch → ack):", "",
                   "| tokens | pool | ms | chunks | " + " | ".join(k.removesuffix("_us") for k in keys) + " |",
                   "|---:|---|---:|---:|" + "---:|" * len(keys)]
         for t in traces:
+            if t.get("profile"):
+                continue
             lines.append(f"| {t['tokens']} | {t['pool']} | {t['ms']} | {t['chunks']} | "
                          + " | ".join(str(t.get(k)) for k in keys) + " |")
     if kernels:

@@ -122,13 +122,15 @@ class KvbatonSettings:
         "vLLM's block sizes), `always` packs whenever the peer has a pool, `never` allocates no staging memory "
         "and always moves runs. Safe with any number of engines packing into one at once: the receiver grants "
         "its staging slots. Memory per engine: `staging_slot_bytes` × (`staging_slots` + `staging_send_slots`) "
-        "on the KV's device, by default 256 MiB of HBM on GPUs, 16 MiB on host memory.",
+        "on the KV's device, by default 256 MiB of HBM on GPUs (one pool of 4 × 64 MiB shared by sends and "
+        "receives, at most 3 slots each way), 16 MiB on host memory (separate receive and send pools).",
         choices=(STAGING_AUTO, STAGING_ALWAYS, STAGING_NEVER))
     staging_slot_bytes: int = setting(
         0, "Size of one staging slot (never smaller than one block); a chunk is at most one slot.",
         shown="0 (64 MiB on GPUs, 2 MiB on host memory)")
     staging_slots: int = setting(
-        0, "Receive slots, granted by this engine to the engines that send to it.",
+        0, "Receive slots, granted by this engine to the engines that send to it (on GPUs the two counts "
+        "only size the one shared pool).",
         shown="0 (2 on GPUs, 4 on host memory)")
     staging_send_slots: int = setting(
         0, "Send slots (a send slot is reused as soon as its WRITE is done).",

@@ -40,6 +40,7 @@ import torch
 
 from ..settings import STAGING_NEVER
 from ..transfer.nixl_agent import NixlEndpoint
+from ..transfer.pools import default_pool
 from ..transfer.staging import GPU_POLL_MAX_S, PREFIX, StagedPeer, StagedSend, StagingInfo
 from .context import FlowContext, error_text
 from .peers import engine_of_agent
@@ -123,7 +124,7 @@ class StagedFlow:
         try:
             self.peer = StagedPeer(ep, self._tensors, layout, slot_bytes=slot, num_slots=nslots,
                                    send_slots=nsend, target_chunks=chunks, min_chunk_bytes=min(4 << 20, slot),
-                                   on_complete=self._on_complete)
+                                   shared=default_pool(layout.device).shared, on_complete=self._on_complete)
         except Exception:  # no pool: runs only (published as absent)
             log.exception("kvbaton: staging pool not available; moving KV with coalesced runs only")
             self.peer = None

@@ -13,6 +13,7 @@ class PoolDefaults:
     slots: int          # receive slots (granted to senders)
     send_slots: int     # send slots (a slot is free again once its WRITE is done)
     target_chunks: int  # chunks a transfer aims to be cut into (at most a slot each)
+    shared: bool = False  # one pool of slots + send_slots for both directions (StagedPeer(shared=))
 
     @property
     def total_bytes(self) -> int:
@@ -24,7 +25,7 @@ class PoolDefaults:
 # fastest shape within 256 MiB per engine at 1k, 4k and 16k tokens. Few, large chunks:
 # each chunk's round trip (gather, WRITE, notification, scatter, ack) costs ~0.5-0.8 ms
 # there, so slots in flight, not bytes, bound the rate.
-GPU_POOL = PoolDefaults(slot_bytes=64 << 20, slots=2, send_slots=2, target_chunks=4)
+GPU_POOL = PoolDefaults(slot_bytes=64 << 20, slots=2, send_slots=2, target_chunks=4, shared=True)
 HOST_POOL = PoolDefaults(slot_bytes=2 << 20, slots=4, send_slots=4, target_chunks=16)
 
 

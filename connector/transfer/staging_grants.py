@@ -56,9 +56,18 @@ class SlotGrants:
     """The receive pool's slot ownership. All methods run on the endpoint's owner thread."""
 
     def __init__(self, num_slots: int, *, margin_s: float = 2.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, local: str | None = None) -> None:
+        """``local``: the pool is shared with our own sends, granted as the grantee
+        ``local``. Then our sends hold at most ``num_slots - 1`` slots and the peers'
+        grants together at most ``num_slots - 1`` too, so each side always has a slot to
+        make progress with: two engines sending to each other at once could otherwise each
+        grant the other its whole pool and wait forever for a slot of their own (our
+        gathered chunks hold our slots until the peer has a slot for them)."""
         if num_slots <= 0:
             raise ValueError("a staging pool needs at least one slot")
+        if local is not None and num_slots < 2:
+            raise ValueError("a pool shared by both directions needs at least two slots")
+        self.local = local
         self.num_slots = int(num_slots)
         self.margin_s = float(margin_s)
         self._clock = clock
@@ -152,6 +161,15 @@ class SlotGrants:
         fair = self._fair()
         return any(len(h.slots) < min(h.useful(), fair) for h in self._active.values() if h is not g)
 
+    def _room(self, g: _Grant) -> int:
+        """How many more slots ``g`` may hold (the shared pool's caps, see ``local``)."""
+        if self.local is None:
+            return self.num_slots
+        cap = self.num_slots - 1
+        if g.peer == self.local:
+            return cap - len(g.slots)
+        return cap - sum(len(h.slots) for h in self._active.values() if h.peer != self.local)
+
     def _finish(self, key: Key) -> list[Handout]:
         g = self._active.pop(key, None)
         if g is None:
@@ -165,19 +183,24 @@ class SlotGrants:
         grants that could use more (fewest slots first)."""
         given: dict[Key, list[int]] = {}
         now = self._clock() if self._free and self._waiting else 0.0
-        while self._free and self._waiting:
-            key, g = next(iter(self._waiting.items()))
-            del self._waiting[key]
+        for key, g in list(self._waiting.items()):
+            if not self._free:
+                break
             if now >= g.deadline:  # its sender has given up by now
+                del self._waiting[key]
                 continue
+            room = self._room(g)
+            if room <= 0:  # the shared pool's cap: it waits (others behind it may not)
+                continue
+            del self._waiting[key]
             self._active[key] = g
-            n = max(1, min(g.useful(), self._fair(), len(self._free)))
+            n = max(1, min(g.useful(), self._fair(), len(self._free), room))
             for _ in range(n):
                 s = self._free.popleft()
                 g.slots.add(s)
                 given.setdefault(key, []).append(s)
         while self._free:
-            hungry = [g for g in self._active.values() if len(g.slots) < g.useful()]
+            hungry = [g for g in self._active.values() if len(g.slots) < g.useful() and self._room(g) > 0]
             if not hungry:
                 break
             g = min(hungry, key=lambda h: len(h.slots))

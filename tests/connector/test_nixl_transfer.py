@@ -120,6 +120,34 @@ def test_handle_is_released_once(pair: Pair) -> None:
         pair.a.state(x)  # using a released NIXL handle would segfault
 
 
+def test_repost_moves_the_new_bytes_with_the_new_notification(pair: Pair) -> None:
+    """A finished request posted again moves what its source holds now and delivers the
+    new notification; a request still in flight or released cannot be posted again."""
+    import time
+
+    plan = plan_transfer(pair.la, [3], pair.lb, [5])
+    for t in pair.tb:
+        t.zero_()
+    x = pair.a.write(plan, pair.b.name, b"rp-1")
+    if pair.a.state(x) == "PROC":  # on loopback it may be done already
+        with pytest.raises(RuntimeError, match="not finished"):
+            pair.a.repost(x, b"rp-x")
+    deadline = time.monotonic() + 10
+    while pair.a.state(x) != "DONE":
+        pair.b.poll_notifs()
+        assert time.monotonic() < deadline
+    assert pair.b.wait_notif(pair.a.name, b"rp-1", timeout_s=10) == b"rp-1"
+    for t in pair.ta:  # new source bytes for the second post
+        t.view(torch.int16).select(pair.block_dim, 3).add_(1)
+    pair.a.repost(x, b"rp-2")
+    pair.a.wait(x, timeout_s=10, idle=pair.b.poll_notifs)  # releases it
+    assert pair.b.wait_notif(pair.a.name, b"rp-2", timeout_s=10) == b"rp-2"
+    for got, want in zip(blocks(pair.tb, [5], pair.block_dim), blocks(pair.ta, [3], pair.block_dim)):
+        assert torch.equal(got, want)
+    with pytest.raises(RuntimeError, match="released"):
+        pair.a.repost(x, b"rp-3")
+
+
 def test_peer_errors(pair: Pair) -> None:
     plan = plan_transfer(pair.la, [0], pair.lb, [0])
     with pytest.raises(KeyError, match="add_peer"):

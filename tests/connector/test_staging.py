@@ -112,7 +112,8 @@ def test_choose_strategy() -> None:
 
 # ---------------------------------------------------------------------- over NIXL
 class StagedPair:
-    def __init__(self, shape_first: str, slot_bytes: int, num_slots: int) -> None:
+    def __init__(self, shape_first: str, slot_bytes: int, num_slots: int,
+                 send_slots: int | None = None, shared: bool = False) -> None:
         pytest.importorskip("nixl")
         from kvbaton.connector.transfer.nixl_agent import NixlEndpoint
         from kvbaton.connector.transfer.staging import StagedPeer
@@ -123,10 +124,20 @@ class StagedPair:
         self.ta, self.tb = kv(shape_first, True), kv(shape_first, False)
         self.la = KvLayout.from_tensors(self.ta, TPB)
         self.lb = KvLayout.from_tensors(self.tb, TPB)
-        self.sa = StagedPeer(self.a, self.ta, self.la, slot_bytes=slot_bytes, num_slots=num_slots)
-        self.sb = StagedPeer(self.b, self.tb, self.lb, slot_bytes=slot_bytes, num_slots=num_slots)
+        self.sa = StagedPeer(self.a, self.ta, self.la, slot_bytes=slot_bytes, num_slots=num_slots,
+                             send_slots=send_slots, shared=shared)
+        self.sb = StagedPeer(self.b, self.tb, self.lb, slot_bytes=slot_bytes, num_slots=num_slots,
+                             send_slots=send_slots, shared=shared)
         self.a.add_peer(self.b.name, self.b.metadata())
         self.b.add_peer(self.a.name, self.a.metadata())
+
+    def send_verified(self, n: int, seed: int, xfer_id: str) -> None:
+        """A staged WRITE of ``n`` random blocks of A into random blocks of B, checked."""
+        rng = np.random.default_rng(seed)
+        src, dst = rng.permutation(NUM_BLOCKS)[:n], rng.permutation(NUM_BLOCKS)[:n]
+        self.sa.send(self.b.name, self.sb.info(), src, dst, xfer_id, timeout_s=20, idle=self.b.poll_notifs)
+        assert self.sb.completed.pop(xfer_id) == self.a.name
+        assert checksum(self.tb, dst, self.bd) == checksum(self.ta, src, self.bd)
 
     def close(self) -> None:
         for s in (self.sa, self.sb):
@@ -138,13 +149,15 @@ class StagedPair:
 @pytest.mark.nixl
 @pytest.mark.parametrize("shape_first", ["kv", "block"])
 @pytest.mark.parametrize("kind", ["contiguous", "fragmented"])
-def test_staged_write_and_read(shape_first: str, kind: str) -> None:
+@pytest.mark.parametrize("shared", [False, True])
+def test_staged_write_and_read(shape_first: str, kind: str, shared: bool) -> None:
     # 5 blocks per slot, 3 slots: 50 blocks → 10 chunks, every slot reused ≥ 3 times
     block_bytes = LAYERS * 2 * TPB * 2 * 8 * 2
-    p = StagedPair(shape_first, slot_bytes=5 * block_bytes + 17, num_slots=3)
+    p = StagedPair(shape_first, slot_bytes=5 * block_bytes + 17, num_slots=3, shared=shared)
     try:
-        pool = p.sa.send_pool  # bounded: 3 slots, rounded up to 256 B alignment only
-        assert pool.buffer.numel() == 3 * pool.slot_bytes and pool.slot_bytes < 6 * block_bytes
+        pool = p.sa.send_pool  # bounded: 3 slots (shared: 3 + 3), rounded up to 256 B alignment only
+        assert (pool is p.sa.recv_pool) is shared
+        assert pool.buffer.numel() == (6 if shared else 3) * pool.slot_bytes and pool.slot_bytes < 6 * block_bytes
         rng = np.random.default_rng(11)
         if kind == "contiguous":
             src, dst = np.arange(5, 55), np.arange(20, 70)
@@ -171,6 +184,141 @@ def test_staged_write_and_read(shape_first: str, kind: str) -> None:
             pytest.fail("pull request never arrived")
         assert p.sb.wait_complete("x2", timeout_s=10) == p.a.name
         assert checksum(p.tb, dst2, p.bd) == checksum(p.ta, src2, p.bd)
+    finally:
+        p.close()
+
+
+@pytest.mark.nixl
+@pytest.mark.parametrize("ahead", [True, False])
+def test_send_gathers_ahead_of_receive_slots(ahead: bool) -> None:
+    """A free send slot is packed at once, before the receiver has a slot for its chunk:
+    with one receive slot and three send slots, chunk 1 is gathered while chunk 0 is still
+    waiting for its ack (the old order, ``gather_ahead=False``, packed a chunk only once a
+    receive slot was idle: the gather sat on every receive slot's round trip). Every byte
+    still lands where it belongs."""
+    block_bytes = LAYERS * 2 * TPB * 2 * 8 * 2
+    p = StagedPair("kv", slot_bytes=2 * block_bytes, num_slots=1, send_slots=3)
+    try:
+        p.sa.gather_ahead = ahead
+        p.sa.trace = []
+        p.send_verified(16, 5, "ga")
+        at = {(what, seq): t for t, what, seq in p.sa.trace}
+        assert p.sa.last_send_chunks >= 4
+        # chunks are still posted one by one, in order, into the one receive slot
+        posts = [at[("post", c)] for c in range(p.sa.last_send_chunks)]
+        assert posts == sorted(posts)
+        assert all(at[("ack", c)] < at[("post", c + 1)] for c in range(p.sa.last_send_chunks - 1))
+        # the gathers of chunks 1 and 2 start before chunk 0 is acked only when gathering ahead
+        assert (at[("pack", 1)] < at[("ack", 0)]) is ahead
+        assert (at[("pack", 2)] < at[("ack", 0)]) is ahead
+        assert not p.sb.grants.busy and p.sb.grants.free_slots() == 1
+    finally:
+        p.close()
+
+
+@pytest.mark.nixl
+@pytest.mark.parametrize("reuse", [True, False])
+def test_staged_send_posts_slot_pair_requests_again(reuse: bool) -> None:
+    """Each chunk's WRITE goes from a send slot into a receive slot: with ``reuse_requests``
+    the request made for a (send slot, receive slot, size) is posted again for later
+    chunks instead of a new one per chunk, and every byte still lands (the chunk
+    notifications carry each chunk's own slot and sequence number)."""
+    block_bytes = LAYERS * 2 * TPB * 2 * 8 * 2
+    p = StagedPair("kv", slot_bytes=2 * block_bytes, num_slots=2, send_slots=2)
+    try:
+        p.sa.reuse_requests = reuse
+        p.a.post_times = []
+        p.send_verified(40, 9, "rr")
+        n = p.sa.last_send_chunks
+        assert len(p.a.post_times) == n >= 12
+        made = sum(1 for init_s, _ in p.a.post_times if init_s > 0)
+        # at most 2 × 2 slot pairs × 2 chunk sizes (the last chunk is shorter)
+        assert made <= 8 if reuse else made == n
+        assert not p.sb.grants.busy and p.sb.grants.free_slots() == 2
+    finally:
+        p.close()
+
+
+@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="Linux timer slack")
+def test_timer_slack_is_per_thread() -> None:
+    import threading
+
+    from kvbaton.connector.transfer.timerslack import set_timer_slack, timer_slack
+
+    before, got = timer_slack(), []
+
+    def run() -> None:
+        got.append(set_timer_slack(2000))
+        got.append(timer_slack())
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join(10)
+    assert got == [True, 2000]
+    assert timer_slack() == before  # the calling thread's own slack is unchanged
+    with pytest.raises(ValueError):
+        set_timer_slack(0)
+
+
+@pytest.mark.nixl
+def test_shared_pool_both_directions_at_once() -> None:
+    """One pool per engine for both directions: a lone send has every slot of both pools
+    in flight (its own for packing, all of the receiver's), and two engines sending to
+    each other at once share each pool through the grants (our sends are a grantee like
+    any peer) without deadlock; every byte lands and both pools are whole again."""
+    from kvbaton.connector.transfer.staging import LOCAL
+
+    block_bytes = LAYERS * 2 * TPB * 2 * 8 * 2
+    p = StagedPair("kv", slot_bytes=2 * block_bytes, num_slots=2, send_slots=2, shared=True)
+    try:
+        for t in p.ta:  # A's blocks 0..39 → B's 40..79, B's 0..39 → A's 40..79
+            t[:, 40:].zero_()
+        for t in p.tb:
+            t.view(torch.uint8)[:, :40].copy_(torch.randint(0, 256, t.view(torch.uint8)[:, :40].shape,
+                                                          dtype=torch.uint8))
+            t[:, 40:].zero_()
+        rng = np.random.default_rng(2)
+        a_src, b_dst = rng.permutation(40), 40 + rng.permutation(40)
+        b_src, a_dst = rng.permutation(40), 40 + rng.permutation(40)
+        want_b = checksum(p.ta, a_src, p.bd)
+        want_a = checksum(p.tb, b_src, p.bd)
+        # alone: A's send holds 3 of its 4 slots and 3 of B's 4 (each side keeps one for
+        # the other direction: see SlotGrants(local=))
+        most = {"local": 0, "remote": 0}
+        job = p.sa.start_send(p.b.name, p.sb.info(), a_src[:20], b_dst[:20], "solo", timeout_s=20)
+        deadline = time.monotonic() + 20
+        while not job.step():
+            p.sa.progress()
+            p.sb.progress()
+            most["local"] = max(most["local"], len(p.sa.grants.slots_of(LOCAL, "solo")))
+            most["remote"] = max(most["remote"], len(p.sb.grants.slots_of(p.a.name, "solo")))
+            assert time.monotonic() < deadline
+        job.close()
+        assert most == {"local": 3, "remote": 3}
+        # both directions at once, stepped from one thread (each engine's owner thread)
+        jobs = [p.sa.start_send(p.b.name, p.sb.info(), a_src, b_dst, "ab", timeout_s=30),
+                p.sb.start_send(p.a.name, p.sa.info(), b_src, a_dst, "ba", timeout_s=30)]
+        done = [False, False]
+        deadline = time.monotonic() + 30
+        while not all(done):
+            p.sa.progress()
+            p.sb.progress()
+            for i, j in enumerate(jobs):
+                done[i] = done[i] or j.step()
+            assert time.monotonic() < deadline, "the two directions stalled each other"
+        for j in jobs:
+            j.close()
+        for _ in range(100):  # the last acks/releases
+            p.sa.progress()
+            p.sb.progress()
+            if not (p.sa.grants.busy or p.sb.grants.busy):
+                break
+            time.sleep(0.002)
+        assert checksum(p.tb, b_dst, p.bd) == want_b
+        assert checksum(p.ta, a_dst, p.bd) == want_a
+        for sp in (p.sa, p.sb):
+            assert not sp.grants.busy and sp.grants.free_slots() == 4
+            assert sp.dropped_chunks == 0
     finally:
         p.close()
 
@@ -249,7 +397,8 @@ def test_take_pull_hands_out_requests_in_order() -> None:
 
 @pytest.mark.nixl
 @pytest.mark.parametrize("mode", ["write", "pull"])
-def test_two_senders_into_one_receiver_at_once(mode: str) -> None:
+@pytest.mark.parametrize("shared", [False, True])
+def test_two_senders_into_one_receiver_at_once(mode: str, shared: bool) -> None:
     """Two engines pack into one receiver at the same time (each on its own thread, as two
     prefill engines would): the receiver's grants keep their slots apart, so every byte
     lands where it belongs (checksums), and the receiver's pool is whole again after."""
@@ -259,10 +408,12 @@ def test_two_senders_into_one_receiver_at_once(mode: str) -> None:
     from kvbaton.connector.transfer.staging import StagedPeer
 
     block_bytes = LAYERS * 2 * TPB * 2 * 8 * 2
-    p = StagedPair("kv", slot_bytes=3 * block_bytes, num_slots=3)
+    p = StagedPair("kv", slot_bytes=3 * block_bytes, num_slots=3, shared=shared)
     c = NixlEndpoint(f"SC{next(_names)}", net_devices="lo", ucx_tls="tcp,self,sm")
     tc = kv("kv", True)
-    sc = StagedPeer(c, tc, KvLayout.from_tensors(tc, TPB), slot_bytes=3 * block_bytes, num_slots=3)
+    sc = StagedPeer(c, tc, KvLayout.from_tensors(tc, TPB), slot_bytes=3 * block_bytes, num_slots=3,
+                    shared=shared)
+    pool = p.sb.recv_pool.num_slots
     c.add_peer(p.b.name, p.b.metadata())
     p.b.add_peer(c.name, c.metadata())
     try:
@@ -301,7 +452,7 @@ def test_two_senders_into_one_receiver_at_once(mode: str) -> None:
         deadline = time.monotonic() + 60
         while any(t.is_alive() for t in threads):
             p.sb.progress()
-            holders = {p.sb.grants.holder(s) for s in range(3)} - {None}
+            holders = {p.sb.grants.holder(s) for s in range(pool)} - {None}
             both_active.append(len(holders) == 2)
             assert time.monotonic() < deadline, "senders did not finish"
             time.sleep(0.0005)
@@ -316,7 +467,7 @@ def test_two_senders_into_one_receiver_at_once(mode: str) -> None:
         rest = np.setdiff1d(np.arange(NUM_BLOCKS), dst)
         assert all(int(t.index_select(p.bd, torch.from_numpy(rest)).abs().sum()) == 0 for t in p.tb)
         assert any(both_active)  # the two really shared the pool at some point
-        assert not p.sb.grants.busy and p.sb.grants.free_slots() == 3
+        assert not p.sb.grants.busy and p.sb.grants.free_slots() == pool
         assert p.sb.dropped_chunks == 0
     finally:
         sc.close()

@@ -6,6 +6,7 @@ Skipped without a GPU (CI); run on a GPU machine with the nixl wheels installed.
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import numpy as np
 import pytest
@@ -36,6 +37,27 @@ def kv(shape_first: str, fill: bool, heads: int = 2, head: int = 8) -> list[torc
             t.view(torch.uint8).copy_(torch.randint(0, 256, t.view(torch.uint8).shape,
                                                     dtype=torch.uint8, device="cuda"))
     return ts
+
+
+def cuda_pair(slot_blocks: int, **kw: Any) -> tuple[Any, ...]:
+    """Two NIXL agents with a CUDA KV cache each (A filled, B zeroed) and a StagedPeer of
+    ``slot_blocks``-block slots on each: ``(a, b, sa, sb, va, vb)`` (vX: region views)."""
+    pytest.importorskip("nixl")
+    try:
+        from kvbaton.connector.transfer.nixl_agent import NixlEndpoint
+        from kvbaton.connector.transfer.staging import StagedPeer
+    except ImportError:
+        from connector.transfer.nixl_agent import NixlEndpoint  # type: ignore[no-redef]
+        from connector.transfer.staging import StagedPeer  # type: ignore[no-redef]
+    a, b = NixlEndpoint(f"GA{next(_names)}"), NixlEndpoint(f"GB{next(_names)}")
+    ta, tb = kv("kv", True), kv("kv", False)
+    la, lb = KvLayout.from_tensors(ta, TPB), KvLayout.from_tensors(tb, TPB)
+    kw = dict(slot_bytes=slot_blocks * la.bytes_per_block * la.num_regions, target_chunks=64,
+              min_chunk_bytes=0, **kw)
+    sa, sb = StagedPeer(a, ta, la, **kw), StagedPeer(b, tb, lb, **kw)
+    a.add_peer(b.name, b.metadata())
+    b.add_peer(a.name, a.metadata())
+    return a, b, sa, sb, region_byte_views(ta, la), region_byte_views(tb, lb)
 
 
 @pytest.mark.parametrize("shape_first", ["kv", "block"])
@@ -71,24 +93,9 @@ def test_kernel_matches_torch(shape_first: str, head: int) -> None:
 
 @pytest.mark.nixl
 @pytest.mark.parametrize("kernel", [True, False])
-def test_staged_write_and_read_cuda(kernel: bool) -> None:
-    pytest.importorskip("nixl")
-    try:
-        from kvbaton.connector.transfer.nixl_agent import NixlEndpoint
-        from kvbaton.connector.transfer.staging import StagedPeer
-    except ImportError:
-        from connector.transfer.nixl_agent import NixlEndpoint  # type: ignore[no-redef]
-        from connector.transfer.staging import StagedPeer  # type: ignore[no-redef]
-    a, b = NixlEndpoint(f"GA{next(_names)}"), NixlEndpoint(f"GB{next(_names)}")
-    ta, tb = kv("kv", True), kv("kv", False)
-    la, lb = KvLayout.from_tensors(ta, TPB), KvLayout.from_tensors(tb, TPB)
-    block_bytes = la.bytes_per_block * la.num_regions
-    kw = dict(slot_bytes=5 * block_bytes, num_slots=2, target_chunks=64, min_chunk_bytes=0,
-              use_kernel=kernel)
-    sa, sb = StagedPeer(a, ta, la, **kw), StagedPeer(b, tb, lb, **kw)
-    a.add_peer(b.name, b.metadata())
-    b.add_peer(a.name, a.metadata())
-    va, vb = region_byte_views(ta, la), region_byte_views(tb, lb)
+@pytest.mark.parametrize("shared", [False, True])  # True: one pool for both directions (the GPU default)
+def test_staged_write_and_read_cuda(kernel: bool, shared: bool) -> None:
+    a, b, sa, sb, va, vb = cuda_pair(5, num_slots=2, use_kernel=kernel, shared=shared)
 
     def same(src: np.ndarray, dst: np.ndarray) -> bool:
         s, d = torch.from_numpy(src).cuda(), torch.from_numpy(dst).cuda()
@@ -102,8 +109,8 @@ def test_staged_write_and_read_cuda(kernel: bool) -> None:
         assert sa.last_send_chunks >= 10  # slots reused
         assert sb.wait_complete("w1", timeout_s=10) == a.name
         assert same(src, dst)
-        for t in tb:
-            t.zero_()
+        for v in vb:  # B's blocks (every region) back to zero
+            v.zero_()
         src2, dst2 = rng.permutation(NUM_BLOCKS)[:33], rng.permutation(NUM_BLOCKS)[:33]
         sb.request_pull(a.name, src2, dst2, "r1")
         for _ in range(2000):
@@ -189,3 +196,36 @@ def test_two_senders_into_one_receiver_cuda() -> None:
             p.close()
         for e in eps:
             e.close()
+
+
+@pytest.mark.nixl
+@pytest.mark.parametrize("ahead", [True, False])
+def test_gather_ahead_and_trace_cuda(ahead: bool) -> None:
+    """On CUDA too, a free send slot is gathered before the receiver has a slot for it
+    (one receive slot, three send slots), chunks are still posted in order one at a time,
+    every byte lands, and tracing records each gather's and scatter's GPU time."""
+    a, b, sa, sb, va, vb = cuda_pair(2, num_slots=1, send_slots=3)
+    try:
+        sa.gather_ahead = ahead
+        sa.trace, sb.trace = [], []
+        rng = np.random.default_rng(4)
+        src, dst = rng.permutation(NUM_BLOCKS)[:16], rng.permutation(NUM_BLOCKS)[:16]
+        sa.send(b.name, sb.info(), src, dst, "ga", timeout_s=30, idle=sb.progress)
+        assert sb.wait_complete("ga", timeout_s=10) == a.name
+        s, d = torch.from_numpy(src).cuda(), torch.from_numpy(dst).cuda()
+        assert all(torch.equal(x.index_select(0, s).view(torch.uint8), y.index_select(0, d).view(torch.uint8))
+                   for x, y in zip(va, vb))
+        n = sa.last_send_chunks
+        assert n >= 4
+        at = {(what, seq): t for t, what, seq in sa.trace}
+        assert all(at[("ack", c)] < at[("post", c + 1)] for c in range(n - 1))
+        assert (at[("pack", 1)] < at[("ack", 0)]) is ahead
+        gathers = [us for k, _, us in sa.gpu_trace if k == "gather"]
+        scatters = [us for k, _, us in sb.gpu_trace if k == "scatter"]
+        assert len(gathers) == n and len(scatters) == n
+        assert all(us > 0 for us in gathers + scatters)
+    finally:
+        sa.close()
+        sb.close()
+        a.close()
+        b.close()

@@ -58,6 +58,31 @@ def test_two_senders_never_share_a_slot_and_both_progress() -> None:
     assert len(held(g, "a", "x")) == 4
 
 
+def test_shared_pool_keeps_a_slot_for_each_direction() -> None:
+    """A pool shared with our own sends (grantee "" here): our sends hold at most N-1
+    slots and the peers together at most N-1, so neither direction can take the whole
+    pool while the other waits for a slot forever (two engines sending to each other)."""
+    g = SlotGrants(4, local="")
+    (h,) = g.request("peer1", "x", want=8, ttl_s=10)
+    assert len(h.slots) == 3 and g.free_slots() == 1  # one kept for our own sends
+    assert g.request("peer2", "y", want=8, ttl_s=10) == []  # the peers' 3 are taken: waits
+    (mine,) = g.request("", "s", want=8, ttl_s=10)  # our send still gets the kept slot
+    assert (mine.peer, len(mine.slots)) == ("", 1)
+    # peer1's scattered chunk goes to the waiting peer2 (peers stay at 3 in all)
+    keep, handed = g.chunk_done("peer1", "x", sorted(h.slots)[0], nchunks=20)
+    assert not keep and [(x.peer, len(x.slots)) for x in handed] == [("peer2", 1)]
+    peers = held(g, "peer1", "x") | held(g, "peer2", "y")
+    assert len(peers) == 3 and not peers & held(g, "", "s")
+    # alone, our send holds at most 3 of 4 as well
+    g2 = SlotGrants(4, local="")
+    (m2,) = g2.request("", "s", want=8, ttl_s=10)
+    assert len(m2.slots) == 3
+    (p2,) = g2.request("peer", "x", want=8, ttl_s=10)
+    assert len(p2.slots) == 1
+    with pytest.raises(ValueError, match="two slots"):
+        SlotGrants(1, local="")
+
+
 def test_waiters_are_served_in_order_and_a_finished_grant_frees_everything() -> None:
     g = SlotGrants(2)
     g.request("a", "x", want=2, ttl_s=10)
