@@ -214,6 +214,10 @@ async def open_loop(kv: KvbatonClient, peer: KvbatonClient, stubs: list, *, path
     }
     if sent:
         result["calls_per_batch"] = sum(c for c, _ in sent) / max(sum(b for _, b in sent), 1)
+        # Shed calls the session clients sent again after the server's retry hint (their
+        # final answers are in "answers"; the wait is in the latency).
+        result["shed_retries"] = sum(x.stats.get("shed_retries", 0) - b.get("shed_retries", 0)
+                                     for x, b in zip(sessions, before))
     return result
 
 

@@ -157,12 +157,13 @@ class ControlThread:
 
 
 # Rendezvous RPC name -> the session method that sends the same request (kvbaton.client).
-_SESSION_METHODS = {"Offer": "offer", "Complete": "complete", "ReportOutcome": "report_outcome", "Cancel": "cancel"}
+_SESSION_METHODS = {"Offer": "offer", "Complete": "complete", "ReportOutcome": "report_outcome", "Cancel": "cancel",
+                    "BeginRead": "begin_read"}
 
 
 def rendezvous_call(method: str, req: Any, traceparent: str | None = None,
                     *, retries: int = 3) -> Callable[[KvbatonClient], Awaitable[Any]]:
-    """``fn`` for :meth:`ControlThread.submit` sending one offer/completion/outcome/cancel.
+    """``fn`` for :meth:`ControlThread.submit` sending one offer/completion/outcome/cancel/BeginRead.
 
     Untraced calls go over the client's ``Rendezvous/Session`` stream (one per engine
     process, batched; the client falls back to unary calls where the server has no

@@ -14,6 +14,7 @@ import json
 import sys
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import grpc
 from google.protobuf import json_format
@@ -197,6 +198,19 @@ def _client(args):
     return security.from_args(args).client(args.addr, timeout_s=args.timeout)
 
 
+def loop_runner(choice: str) -> Any:
+    """What runs the server's main coroutine for ``--event-loop``: uvloop's ``run`` for
+    "uvloop" and, where uvloop imports, for "auto"; else ``asyncio.run`` ("asyncio", or
+    "auto" without uvloop). None: "uvloop" asked for and not installed."""
+    if choice in ("auto", "uvloop"):
+        try:
+            import uvloop
+        except ImportError:
+            return None if choice == "uvloop" else asyncio.run
+        return uvloop.run
+    return asyncio.run
+
+
 def _serve(args) -> int:
     from kvbaton import logs
     from kvbaton.services.server import ALL_SERVICES, ServerConfig, serve
@@ -217,16 +231,12 @@ def _serve(args) -> int:
         config.metrics_address = f"{host}:{args.metrics_port}"
     if args.web_port is not None:
         config.web_address = f"{host}:{args.web_port}"
+    run = loop_runner(args.event_loop)
+    if run is None:
+        print("kvbaton serve: --event-loop uvloop needs the uvloop package (pip install uvloop)", file=sys.stderr)
+        return 2
     try:
-        if args.event_loop == "uvloop":
-            try:
-                import uvloop
-            except ImportError:
-                print("kvbaton serve: --event-loop uvloop needs the uvloop package (pip install uvloop)", file=sys.stderr)
-                return 2
-            uvloop.run(serve(config))
-        else:
-            asyncio.run(serve(config))
+        run(serve(config))
     except KeyboardInterrupt:
         pass
     except (ValueError, OSError) as exc:  # bad configuration: say what, not a traceback
@@ -256,8 +266,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--rate-limit", type=float, default=0.0, help="requests/s per client (0: off)")
     s.add_argument("--max-streams-per-client", type=int, default=256)
     s.add_argument("--default-lease-ttl-ms", type=int, default=30_000)
-    s.add_argument("--event-loop", choices=("asyncio", "uvloop"), default="asyncio",
-                   help="the server's event loop; uvloop costs less CPU per call (needs the uvloop package)")
+    s.add_argument("--event-loop", choices=("auto", "asyncio", "uvloop"), default="auto",
+                   help="the server's event loop: uvloop costs less CPU per call (the uvloop package, installed "
+                        "with kvbaton on Linux and macOS); auto (default): uvloop where importable, else asyncio")
     s.add_argument("--shed-lag-ms", type=float, default=20.0,
                    help="refuse new transfers (RESOURCE_EXHAUSTED) while the server's event loop runs more than "
                         "this many ms behind; 0: never (default %(default)s)")

@@ -36,8 +36,72 @@ log = structlog.get_logger(__name__)
 
 # Initial metadata of the control plane's streams (services/api/incarnation.py).
 STORE_INCARNATION_METADATA = "kvbaton-store-incarnation"
+_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+_INVALID = grpc.StatusCode.INVALID_ARGUMENT.value[0]
 _RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED,
               grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN)
+
+
+# A RESOURCE_EXHAUSTED answer's trailing metadata: ms to wait before sending the call again
+# (services/api/status.py; a session result carries it as ``retry_after_ms``).
+RETRY_AFTER_METADATA = "kvbaton-retry-after-ms"
+
+
+def retry_after_s(exc: grpc.aio.AioRpcError) -> float | None:
+    """The server's retry hint of a refused call, in seconds (None: it sent none)."""
+    trailing = exc.trailing_metadata()
+    value = trailing.get(RETRY_AFTER_METADATA) if isinstance(trailing, grpc.aio.Metadata) else None
+    if value is None:
+        return None
+    try:
+        return max(0.0, int(value) / 1000)
+    except (TypeError, ValueError):
+        return None
+
+
+class ShedBackoff:
+    """When to send again a call the server shed (RESOURCE_EXHAUSTED), within the call's
+    deadline.
+
+    A shed call is retried after ``max(hint, delay)`` times a jitter in [1, 1.5), the
+    delay doubling from ``base_s`` up to ``cap_s`` with each refusal, so that clients shed
+    together do not come back together and a refusal that keeps coming is asked about
+    less and less often. ``hint`` is the server's (overload, rate limit, full queue: it
+    knows roughly when capacity returns). Without a hint (an older server, or a limit that
+    waiting does not lift soon, e.g. too many pins) only ``unhinted`` retries are made. A
+    wait that would end past the deadline is not started: the refusal is the answer.
+    INVALID_ARGUMENT, PERMISSION_DENIED and other refusals never come here: they are final.
+    """
+
+    def __init__(self, budget_s: float, *, base_s: float = 0.02, cap_s: float = 1.0, unhinted: int = 2,
+                 clock: Callable[[], float] = time.monotonic, rng: Callable[[], float] = random.random) -> None:
+        self.clock = clock
+        self.rng = rng
+        self.deadline = clock() + budget_s
+        self.delay = base_s
+        self.cap_s = cap_s
+        self.unhinted = unhinted
+        self.retries = 0  # waits handed out so far
+
+    def next_wait(self, hint_s: float | None) -> float | None:
+        """Seconds to wait before the next try, or None: give up (answer the refusal)."""
+        if hint_s is None:
+            if self.unhinted <= 0:
+                return None
+            self.unhinted -= 1
+            hint_s = 0.0
+        wait = max(hint_s, self.delay) * (1 + 0.5 * self.rng())
+        self.delay = min(self.delay * 2, self.cap_s)
+        if self.clock() + wait >= self.deadline:
+            return None
+        self.retries += 1
+        return wait
+
+    def remaining(self, default_s: float) -> float:
+        """The timeout of the next try: what is left of the deadline once a call was shed."""
+        if not self.retries:
+            return default_s
+        return max(0.001, min(default_s, self.deadline - self.clock()))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +168,7 @@ class KvbatonClient:
         self._index = 0
         self._renewer: _RenewalBatcher | None = None
         self._session: RendezvousSession | None = None
+        self.shed_retries = 0  # calls sent again after a RESOURCE_EXHAUSTED (ShedBackoff)
         # The store incarnation the control plane announced last (stream initial metadata):
         # a change means the embedded store restarted and everything it held is gone.
         self.store_incarnation = ""
@@ -196,19 +261,30 @@ class KvbatonClient:
         (``kvbaton.services.tracing.grpc_metadata``)."""
         delay = 0.05
         service, name = self._route(method)
-        for attempt in range(retries + 1):
+        shed = ShedBackoff(self.timeout_s)
+        attempt = 0
+        while True:
             try:
                 # Resolved on every attempt: a reconnect replaces the stubs.
-                return await getattr(getattr(self, service), name)(request, timeout=self.timeout_s, metadata=metadata)
+                return await getattr(getattr(self, service), name)(request, timeout=shed.remaining(self.timeout_s),
+                                                                   metadata=metadata)
             except grpc.aio.AioRpcError as exc:
-                if exc.code() not in _RETRYABLE or attempt == retries:
+                if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    wait = shed.next_wait(retry_after_s(exc))
+                    if wait is None:
+                        raise
+                    self.shed_retries += 1
+                    log.debug("client.shed_retry", method=name, wait_ms=round(wait * 1000), reason=(exc.details() or "")[:200])
+                    await asyncio.sleep(wait)
+                    continue
+                if exc.code() not in _RETRYABLE or attempt == retries or (shed.retries and shed.remaining(1.0) <= 0.001):
                     raise
                 log.info("client.retry", code=exc.code().name, address=self.address, attempt=attempt)
                 if exc.code() == grpc.StatusCode.UNAVAILABLE and len(self.addresses) > 1:
                     await self.reconnect()
                 await asyncio.sleep(delay * (1 + random.random()))
                 delay = min(delay * 2, 1.0)
-        raise AssertionError("unreachable")
+                attempt += 1
 
     _STUBS = {"Registrar": "registrar", "Rendezvous": "rendezvous", "Lease": "lease"}
 
@@ -418,7 +494,11 @@ class RendezvousSession:
     sessions (UNIMPLEMENTED) is spoken to with unary calls instead.
     """
 
-    _UNARY = {"offer": "Offer", "complete": "Complete", "report_outcome": "ReportOutcome", "cancel": "Cancel"}
+    _UNARY = {"offer": "Offer", "complete": "Complete", "report_outcome": "ReportOutcome", "cancel": "Cancel",
+              "begin_read": "BeginRead"}
+    # What a server answers to a session call type it does not know (an older one, for
+    # begin_read): "session call has no body (...)". That type then goes as unary calls.
+    _NO_BODY = "session call has no body"
     _RETRYABLE_CODES = frozenset(c.value[0] for c in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED))
 
     def __init__(self, client: KvbatonClient, *, retries: int = 3, max_batch: int = 512) -> None:
@@ -426,9 +506,11 @@ class RendezvousSession:
         self.retries = retries
         self.max_batch = max_batch
         self.unary_fallback = False
+        self.unary_bodies: set[str] = set()  # call types this server's sessions do not know
         self.reconnects = 0
         # Batches and calls each way (how well calls are being batched).
-        self.stats = {"sent_batches": 0, "sent_calls": 0, "received_batches": 0, "received_results": 0}
+        self.stats = {"sent_batches": 0, "sent_calls": 0, "received_batches": 0, "received_results": 0,
+                      "shed_retries": 0}
         self._seq = 0
         self._queue: collections.deque[rendezvous_pb2.SessionCall] = collections.deque()
         self._waiting: dict[int, asyncio.Future] = {}
@@ -448,12 +530,18 @@ class RendezvousSession:
     async def cancel(self, req: rendezvous_pb2.CancelRequest) -> rendezvous_pb2.TransferState:
         return await self._call("cancel", req)
 
+    async def begin_read(self, req: rendezvous_pb2.BeginReadRequest) -> rendezvous_pb2.TransferState:
+        """A pull or reuse READ's ledger entry (``Rendezvous/BeginRead``) on the session."""
+        return await self._call("begin_read", req)
+
     async def _call(self, body: str, req):
-        if self.unary_fallback:
+        if self.unary_fallback or body in self.unary_bodies:
             return await self.client.call(getattr(self.client.rendezvous, self._UNARY[body]), req)
         loop = asyncio.get_running_loop()
         delay = 0.05
-        for attempt in range(self.retries + 1):
+        shed = ShedBackoff(self.client.timeout_s)
+        attempt = 0
+        while True:
             self._seq += 1
             seq = self._seq
             fut = loop.create_future()
@@ -463,6 +551,17 @@ class RendezvousSession:
             timer = loop.call_later(self.client.timeout_s * 2, _expire, fut, self.client.timeout_s * 2)
             try:
                 result = await fut
+            except grpc.aio.AioRpcError as exc:
+                # The stream itself was refused (the rate limit charges opening it too):
+                # waited for and sent again like a refused call.
+                if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    raise
+                wait = shed.next_wait(retry_after_s(exc))
+                if wait is None:
+                    raise
+                self.stats["shed_retries"] += 1
+                await asyncio.sleep(wait)
+                continue
             finally:
                 timer.cancel()
                 self._waiting.pop(seq, None)
@@ -470,12 +569,25 @@ class RendezvousSession:
                 return await self.client.call(getattr(self.client.rendezvous, self._UNARY[body]), req)
             if result.code == 0:
                 return result.rendezvous if body in ("offer", "complete") else result.state
+            if result.code == _INVALID and result.reason.startswith(self._NO_BODY):
+                # An older server: it has sessions but not this call type.
+                log.info("client.session_call_unknown", call=body, address=self.client.address)
+                self.unary_bodies.add(body)
+                return await self.client.call(getattr(self.client.rendezvous, self._UNARY[body]), req)
+            if result.code == _EXHAUSTED:
+                wait = shed.next_wait(result.retry_after_ms / 1000 if result.retry_after_ms else None)
+                if wait is None:
+                    raise _status_error(result.code, result.reason)
+                self.stats["shed_retries"] += 1
+                log.debug("client.session_shed_retry", call=body, wait_ms=round(wait * 1000), reason=result.reason[:200])
+                await asyncio.sleep(wait)
+                continue
             if result.code not in self._RETRYABLE_CODES or attempt == self.retries:
                 raise _status_error(result.code, result.reason)
             log.info("client.session_retry", code=result.code, reason=result.reason[:200], attempt=attempt)
             await asyncio.sleep(delay * (1 + random.random()))
             delay = min(delay * 2, 1.0)
-        raise AssertionError("unreachable")
+            attempt += 1
 
     def _settle_all(self, seqs, value=None, exc: BaseException | None = None) -> None:
         for seq in seqs:
@@ -500,7 +612,7 @@ class RendezvousSession:
                     if mine != self._generation:
                         return  # a broken stream's iterator must not take the new stream's work
                     self._wakeup.clear()
-                    while self._queue:
+                    while self._queue and mine == self._generation:
                         batch: list[rendezvous_pb2.SessionCall] = []
                         while self._queue and len(batch) < self.max_batch:
                             call = self._queue.popleft()
@@ -565,6 +677,9 @@ class RendezvousSession:
                     await self.client.reconnect(if_channel=channel)
             finally:
                 watch.stop()
+                # This stream is over: its request iterator (gRPC may still be waiting on
+                # it) must not take calls made during the backoff below into a dead stream.
+                self._generation += 1
             self.reconnects += 1
             # Unanswered calls go out again, in their order, on the new stream.
             self._queue.extendleft(c for _, c in sorted(sent.items(), reverse=True))
@@ -621,7 +736,7 @@ class _RenewalBatcher:
                     if mine != self._generation:
                         return  # a broken stream's iterator must not take the new stream's work
                     self._wakeup.clear()
-                    while self._queue:
+                    while self._queue and mine == self._generation:
                         batch, self._queue = self._queue[: self.max_batch], self._queue[self.max_batch :]
                         batch = [(r, f) for r, f in batch if not f.done()]
                         if not batch:
@@ -656,6 +771,7 @@ class _RenewalBatcher:
             finally:
                 watch.stop()
                 noted.cancel()
+                self._generation += 1  # (as in RendezvousSession: renewals made during the backoff wait for the next stream)
             if watch.stuck:
                 log.warning("client.keepalive_stuck", timeout_s=self.client.timeout_s, address=self.client.address)
                 if len(self.client.addresses) > 1:

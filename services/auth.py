@@ -198,6 +198,7 @@ SESSION_BODIES = {
     "complete": "/kvbaton.v1.Rendezvous/Complete",
     "report_outcome": "/kvbaton.v1.Rendezvous/ReportOutcome",
     "cancel": "/kvbaton.v1.Rendezvous/Cancel",
+    "begin_read": "/kvbaton.v1.Rendezvous/BeginRead",
 }
 
 
@@ -250,3 +251,11 @@ class RateLimiter:
             self._buckets.clear()  # bounded memory: forget idle clients (they start full)
         self._buckets[client] = (tokens, now)
         return ok
+
+    def retry_after_ms(self, client: str, cost: float = 1.0) -> int:
+        """How long until ``client``'s bucket holds ``cost`` again (the hint sent with a
+        refusal), at least 1 ms."""
+        tokens, updated = self._buckets.get(client, (self.burst, self.clock()))
+        tokens = min(self.burst, tokens + (self.clock() - updated) * self.rate)
+        missing = min(cost, self.burst) - tokens
+        return max(1, int(missing / self.rate * 1000) + 1) if self.rate > 0 else 1000

@@ -224,9 +224,11 @@ class ReceiveFlow:
             return True
         if ld.begin_future is None:
             req = begin_read_request(ld.spec, self.ctx.settings.engine_id, ld.req_id)
-            md = grpc_metadata(ld.spec.traceparent)
+            # Over the engine's session like offers and completions (a traced one as its
+            # own unary call; a server without sessions, or without BeginRead in them,
+            # gets unary calls: kvbaton.client).
             ld.begin_future = self.ctx.control.submit(
-                lambda c: c.call(c.rendezvous.BeginRead, req, retries=1, metadata=md))
+                rendezvous_call("BeginRead", req, ld.spec.traceparent or None, retries=1))
         if not _answered(ld.begin_future, now, ld.deadline, "Rendezvous.BeginRead"):
             return False
         fut, ld.begin_future = ld.begin_future, None

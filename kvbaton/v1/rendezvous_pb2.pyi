@@ -277,18 +277,20 @@ class SessionRequest(_message.Message):
     def __init__(self, calls: _Optional[_Iterable[_Union[SessionCall, _Mapping]]] = ...) -> None: ...
 
 class SessionCall(_message.Message):
-    __slots__ = ("seq", "offer", "complete", "report_outcome", "cancel")
+    __slots__ = ("seq", "offer", "complete", "report_outcome", "cancel", "begin_read")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     OFFER_FIELD_NUMBER: _ClassVar[int]
     COMPLETE_FIELD_NUMBER: _ClassVar[int]
     REPORT_OUTCOME_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
+    BEGIN_READ_FIELD_NUMBER: _ClassVar[int]
     seq: int
     offer: OfferRequest
     complete: CompleteRequest
     report_outcome: ReportOutcomeRequest
     cancel: CancelRequest
-    def __init__(self, seq: _Optional[int] = ..., offer: _Optional[_Union[OfferRequest, _Mapping]] = ..., complete: _Optional[_Union[CompleteRequest, _Mapping]] = ..., report_outcome: _Optional[_Union[ReportOutcomeRequest, _Mapping]] = ..., cancel: _Optional[_Union[CancelRequest, _Mapping]] = ...) -> None: ...
+    begin_read: BeginReadRequest
+    def __init__(self, seq: _Optional[int] = ..., offer: _Optional[_Union[OfferRequest, _Mapping]] = ..., complete: _Optional[_Union[CompleteRequest, _Mapping]] = ..., report_outcome: _Optional[_Union[ReportOutcomeRequest, _Mapping]] = ..., cancel: _Optional[_Union[CancelRequest, _Mapping]] = ..., begin_read: _Optional[_Union[BeginReadRequest, _Mapping]] = ...) -> None: ...
 
 class SessionResponse(_message.Message):
     __slots__ = ("results",)
@@ -297,15 +299,17 @@ class SessionResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[SessionResult, _Mapping]]] = ...) -> None: ...
 
 class SessionResult(_message.Message):
-    __slots__ = ("seq", "code", "reason", "rendezvous", "state")
+    __slots__ = ("seq", "code", "reason", "rendezvous", "state", "retry_after_ms")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     CODE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     RENDEZVOUS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
+    RETRY_AFTER_MS_FIELD_NUMBER: _ClassVar[int]
     seq: int
     code: int
     reason: str
     rendezvous: RendezvousResponse
     state: TransferState
-    def __init__(self, seq: _Optional[int] = ..., code: _Optional[int] = ..., reason: _Optional[str] = ..., rendezvous: _Optional[_Union[RendezvousResponse, _Mapping]] = ..., state: _Optional[_Union[TransferState, _Mapping]] = ...) -> None: ...
+    retry_after_ms: int
+    def __init__(self, seq: _Optional[int] = ..., code: _Optional[int] = ..., reason: _Optional[str] = ..., rendezvous: _Optional[_Union[RendezvousResponse, _Mapping]] = ..., state: _Optional[_Union[TransferState, _Mapping]] = ..., retry_after_ms: _Optional[int] = ...) -> None: ...

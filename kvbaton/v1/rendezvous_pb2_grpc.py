@@ -145,7 +145,7 @@ class RendezvousServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Session(self, request_iterator, context):
-        """An engine's session: offers, completions, outcomes and cancels over one stream, in
+        """An engine's session: offers, completions, outcomes, cancels and BeginReads over one stream, in
         batches. Each call is tagged with the client's `seq` and answered by one result with
         the same `seq` (in any order), with the same semantics as the unary RPC it stands for.
         A call that fails carries its status code and reason in its result; the stream stays

@@ -32,6 +32,7 @@ from ..auth import (
     authorize,
     authorize_session_call,
 )
+from .status import retry_hint
 
 log = structlog.get_logger(__name__)
 
@@ -41,7 +42,9 @@ ANONYMOUS = Principal(name="anonymous", role="operator")
 # with each call of the session (a SessionCall), it returns None (admitted) or (status
 # code, reason) for that call alone, so one refused call does not end the stream. Unset
 # (no tokens, no rate limit): nothing to check.
-MessageGate = Callable[[object], "tuple[grpc.StatusCode, str] | None"]
+# A refusal may add a retry hint in ms (RESOURCE_EXHAUSTED by the rate limit): (code,
+# reason, retry_after_ms).
+MessageGate = Callable[[object], "tuple[grpc.StatusCode, str] | tuple[grpc.StatusCode, str, int] | None"]
 SESSION_GATE: contextvars.ContextVar[MessageGate | None] = contextvars.ContextVar("kvbaton_session_gate", default=None)
 # The authenticated caller of the RPC being served (set by the guard in the RPC's task);
 # None where nothing is checked (no tokens, no mutual TLS, no rate limit).
@@ -144,7 +147,7 @@ class Guard(grpc.aio.ServerInterceptor):
                 guard.refused["rate_limited"] += 1
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                     f"rate limit {self.config.rate_limit:g} requests/s exceeded for "
-                                    f"{principal.name} ({client})")
+                                    f"{principal.name} ({client})", retry_hint(guard.limiter.retry_after_ms(client)))
             if request is not None:
                 reason = authorize(principal, method, request)
                 if reason is not None:
@@ -244,7 +247,8 @@ class Guard(grpc.aio.ServerInterceptor):
                 if limiter is not None and not limiter.allow(client):
                     guard.refused["rate_limited"] += 1
                     return (grpc.StatusCode.RESOURCE_EXHAUSTED,
-                            f"rate limit {config.rate_limit:g} requests/s exceeded for {principal.name} ({client})")
+                            f"rate limit {config.rate_limit:g} requests/s exceeded for {principal.name} ({client})",
+                            limiter.retry_after_ms(client))
                 if check_scope:
                     reason = authorize_session_call(principal, call)
                     if reason is not None:

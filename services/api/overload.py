@@ -33,6 +33,20 @@ CORE_BACKLOG_OPTIONS = [
 ]
 
 
+_SCHEDSTAT = "/proc/thread-self/schedstat"
+
+
+def thread_cpu_and_wait() -> tuple[float, float]:
+    """(seconds this thread ran on a CPU, seconds it waited runnable on a run queue), from
+    Linux's schedstat; (thread CPU time, 0) where that cannot be read."""
+    try:
+        with open(_SCHEDSTAT) as f:
+            on_cpu, waiting, _ = f.read().split()
+        return int(on_cpu) / 1e9, int(waiting) / 1e9
+    except (OSError, ValueError):
+        return time.thread_time(), 0.0
+
+
 class LoopLag:
     """Whether the event loop is past capacity, from two signals measured every ``tick_s``:
 
@@ -47,8 +61,11 @@ class LoopLag:
     means the process was starved by others (engines sharing the cores), not that calls
     arrive faster than it takes them: refusing then only turns a few late milliseconds into
     a failed transfer, so it is not shed on. Without a selector to wrap (uvloop), *busy* is the loop thread's CPU
-    time over wall time instead: the same on a machine with a core to spare, lower where
-    other processes take the core (then lag still says when the loop falls behind).
+    time over the wall time it was not waiting for a CPU (``/proc/thread-self/schedstat``:
+    time on a CPU, time runnable on a run queue): a loop that has work all the time is
+    100 % busy however little of a core the machine lets it have, and a starved loop with
+    little to do reads as little busy, as with the selector's measure. Where schedstat
+    cannot be read, CPU time over wall time (lower where other processes take the core).
     """
 
     def __init__(self, *, max_lag_ms: float, max_busy: float = 0.95, lag_busy: float = 0.5,
@@ -90,6 +107,11 @@ class LoopLag:
             return False
         return self.busy >= self.max_busy or self._busy_lag_ms > self.max_lag_ms
 
+    def retry_after_ms(self) -> int:
+        """The retry hint sent with a shed call: about how long the loop has been behind
+        (twice the lag), at least 20 ms and at most a second, jittered by the client."""
+        return int(min(1000.0, max(20.0, 2 * self.lag_ms)))
+
     def refuse(self) -> str | None:
         """None (admit), or the reason to refuse a new transfer with."""
         if not self.overloaded:
@@ -124,15 +146,20 @@ class LoopLag:
 
     async def run(self) -> None:
         measured = self._wrap_selector(asyncio.get_running_loop())
-        last, idle0, cpu0 = self.clock(), self._idle_s, time.thread_time()
+        last, idle0 = self.clock(), self._idle_s
+        cpu0, wait0 = thread_cpu_and_wait()
         while True:
             due = self.clock() + self.tick_s
             await asyncio.sleep(self.tick_s)
-            now, cpu = self.clock(), time.thread_time()
+            now = self.clock()
+            cpu, wait = thread_cpu_and_wait()
             span = max(now - last, 1e-9)
-            busy = 1.0 - (self._idle_s - idle0) / span if measured else (cpu - cpu0) / span
+            if measured:
+                busy = 1.0 - (self._idle_s - idle0) / span
+            else:  # time it could have run: the span less its wait for a CPU
+                busy = min(1.0, (cpu - cpu0) / max(span - (wait - wait0), 1e-9))
             self.observe(max(now - due, 0.0) * 1000, busy)
-            last, idle0, cpu0 = now, self._idle_s, cpu
+            last, idle0, cpu0, wait0 = now, self._idle_s, cpu, wait
 
     def start(self) -> None:
         if self.max_lag_ms > 0 and self._task is None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import grpc
 import structlog
@@ -12,13 +13,14 @@ from kvbaton.v1 import rendezvous_pb2_grpc as pb_grpc
 
 from ..domain import limits
 from ..domain.errors import DomainError, exhausted
+from ..domain.hub import SubscriberOverflow
 from ..domain.rendezvous import RendezvousService
 from ..store import RequestTooLargeError, StoreError
 from . import incarnation
 from .budget import ByteBudget
 from .guard import SESSION_GATE
 from .overload import LoopLag
-from .status import grpc_code, store_unavailable, streaming, too_large, unary, with_heartbeats
+from .status import grpc_code, store_unavailable, streaming, too_large, unary
 
 log = structlog.get_logger(__name__)
 
@@ -26,6 +28,9 @@ HEARTBEAT_S = 5.0
 # Messages of one session being worked on at once; the stream is not read beyond that.
 SESSION_IN_FLIGHT = 1024
 _INVALID = grpc.StatusCode.INVALID_ARGUMENT.value[0]
+# The answer to a session call this server does not know (an empty body, or a newer
+# client's call type: the client then sends that type as unary calls).
+NO_BODY = "session call has no body (offer, complete, report_outcome, cancel or begin_read)"
 
 
 class RendezvousServicer(pb_grpc.RendezvousServicer):
@@ -42,7 +47,7 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
         if load is not None and load.overloaded and self.domain.hub.records.get(self.domain._key(transfer_id)) is None:
             reason = load.refuse()
             if reason is not None:
-                raise exhausted(reason)
+                raise exhausted(reason, retry_after_ms=load.retry_after_ms())
 
     async def _offer(self, r: pb.OfferRequest) -> pb.RendezvousResponse:
         self._admit(r.transfer_id)
@@ -78,18 +83,25 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
         # revision is where the stream starts (events replayed after a restart come next).
         yield pb.RendezvousEvent(type=pb.RendezvousEvent.TYPE_HEARTBEAT, revision=after or self.domain.hub.revision)
 
-        def heartbeat() -> pb.RendezvousEvent:
-            return pb.RendezvousEvent(type=pb.RendezvousEvent.TYPE_HEARTBEAT, revision=self.domain.hub.revision)
+        # Heartbeats come from the hub's idle timer (one per stream every HEARTBEAT_S), not
+        # from a timeout around each event: a busy stream pays nothing per event for them.
+        # A subscriber that fell behind ends quietly (the client resumes from its revision).
+        with contextlib.suppress(SubscriberOverflow):
+            async for event in self.domain.subscribe(r.engine_id, r.tp_rank, after, idle_s=HEARTBEAT_S):
+                if event is None:
+                    yield pb.RendezvousEvent(type=pb.RendezvousEvent.TYPE_HEARTBEAT, revision=self.domain.hub.revision)
+                else:
+                    yield event
 
-        async for event in with_heartbeats(self.domain.subscribe(r.engine_id, r.tp_rank, after), heartbeat, HEARTBEAT_S):
-            yield event
-
-    @unary
-    async def BeginRead(self, r: pb.BeginReadRequest, context):
+    async def _begin_read(self, r: pb.BeginReadRequest) -> pb.TransferState:
         return await self.domain.begin_read(
             kind=r.kind, transfer_id=r.transfer_id, attempt=r.attempt, reader_engine_id=r.reader_engine_id,
             block_ids=r.block_ids, readers=r.readers, generation=r.generation, conversation_id=r.conversation_id,
             source_block_ids=r.source_block_ids, request_id=r.request_id)
+
+    @unary
+    async def BeginRead(self, r: pb.BeginReadRequest, context):
+        return await self._begin_read(r)
 
     @unary
     async def ReportOutcome(self, r: pb.ReportOutcomeRequest, context):
@@ -116,7 +128,8 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
             if gate is not None:
                 refused = gate(call)
                 if refused is not None:
-                    return pb.SessionResult(seq=seq, code=refused[0].value[0], reason=refused[1])
+                    return pb.SessionResult(seq=seq, code=refused[0].value[0], reason=refused[1],
+                                            retry_after_ms=refused[2] if len(refused) > 2 else 0)
             body = call.WhichOneof("body")
             if body == "offer":
                 return pb.SessionResult(seq=seq, rendezvous=await self._offer(call.offer))
@@ -128,10 +141,12 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
             if body == "cancel":
                 c = call.cancel
                 return pb.SessionResult(seq=seq, state=await self.domain.cancel(c.transfer_id, c.attempt, c.engine_id, c.reason))
-            return pb.SessionResult(seq=seq, code=_INVALID,
-                                    reason="session call has no body (offer, complete, report_outcome or cancel)")
+            if body == "begin_read":
+                return pb.SessionResult(seq=seq, state=await self._begin_read(call.begin_read))
+            return pb.SessionResult(seq=seq, code=_INVALID, reason=NO_BODY)
         except DomainError as exc:
-            return pb.SessionResult(seq=seq, code=grpc_code(exc.code).value[0], reason=exc.message)
+            return pb.SessionResult(seq=seq, code=grpc_code(exc.code).value[0], reason=exc.message,
+                                    retry_after_ms=exc.retry_after_ms)
         except RequestTooLargeError as exc:
             return pb.SessionResult(seq=seq, code=_INVALID, reason=too_large(exc))
         except StoreError as exc:
@@ -146,6 +161,7 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
         gate = SESSION_GATE.get()
         loop = asyncio.get_running_loop()
         results: list[pb.SessionResult] = []
+        held = [0]  # bytes of ``results`` reserved in the budget (each answer sized once)
         ready = asyncio.Event()
         working: set[asyncio.Task] = set()
         slots = asyncio.Semaphore(SESSION_IN_FLIGHT)
@@ -158,8 +174,10 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
             # so a client that stops reading stops being read (bounded server memory).
             try:
                 result = await self._session_one(call, gate)
-                await budget.acquire(result.ByteSize())
+                size = result.ByteSize()
+                await budget.acquire(size)
                 results.append(result)
+                held[0] += size
                 ready.set()
             except BaseException:
                 slots.release()
@@ -190,7 +208,7 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
                 if results:
                     batch = results[:]
                     del results[:]
-                    size = sum(r.ByteSize() for r in batch)
+                    size, held[0] = held[0], 0
                     yield pb.SessionResponse(results=batch)
                     budget.release(size)
                     for _ in batch:

@@ -27,8 +27,19 @@ _CODES = {
 }
 
 
+# Trailing metadata of a RESOURCE_EXHAUSTED answer that passes: milliseconds to wait
+# before sending the call again (kvbaton.client honours it; SessionResult.retry_after_ms
+# is the same for a session call).
+RETRY_AFTER_METADATA = "kvbaton-retry-after-ms"
+
+
 def grpc_code(code: Code) -> grpc.StatusCode:
     return _CODES[code]
+
+
+def retry_hint(retry_after_ms: int) -> tuple[tuple[str, str], ...]:
+    """Trailing metadata carrying a retry hint (none for 0)."""
+    return ((RETRY_AFTER_METADATA, str(int(retry_after_ms))),) if retry_after_ms > 0 else ()
 
 
 def store_unavailable(exc: StoreError) -> str:
@@ -49,7 +60,7 @@ def unary(fn: Callable) -> Callable:
         try:
             return await fn(self, request, context)
         except DomainError as exc:
-            await context.abort(_CODES[exc.code], exc.message)
+            await context.abort(_CODES[exc.code], exc.message, retry_hint(exc.retry_after_ms))
         except RequestTooLargeError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, too_large(exc))
         except StoreError as exc:

@@ -21,10 +21,13 @@ class Code(enum.Enum):
 class DomainError(Exception):
     """A refused request: the state is unchanged and the message says why."""
 
-    def __init__(self, code: Code, message: str) -> None:
+    def __init__(self, code: Code, message: str, *, retry_after_ms: int = 0) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        # A refusal that passes (overload, rate, a full queue): how long the client should
+        # wait before trying again. 0: no hint (a limit that waiting does not lift soon).
+        self.retry_after_ms = retry_after_ms
 
     def __repr__(self) -> str:
         return f"DomainError({self.code.value}, {self.message!r})"
@@ -42,8 +45,8 @@ def precondition(message: str) -> DomainError:
     return DomainError(Code.FAILED_PRECONDITION, message)
 
 
-def exhausted(message: str) -> DomainError:
-    return DomainError(Code.RESOURCE_EXHAUSTED, message)
+def exhausted(message: str, *, retry_after_ms: int = 0) -> DomainError:
+    return DomainError(Code.RESOURCE_EXHAUSTED, message, retry_after_ms=retry_after_ms)
 
 
 def denied(message: str) -> DomainError:

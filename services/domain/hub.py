@@ -14,7 +14,7 @@ import asyncio
 import heapq
 import itertools
 from collections.abc import AsyncIterator, Callable, Hashable, Iterable
-from typing import Generic, TypeVar
+from typing import Generic, TypeVar, cast
 
 import structlog
 
@@ -44,13 +44,33 @@ def _size(event: object) -> int:
     return size() if size is not None else 64
 
 
+# Put in a subscriber's queue when it had nothing to deliver for its ``idle_s``: the
+# stream sends a heartbeat then (``PrefixHub.subscribe(idle_s=...)``).
+IDLE = object()
+
+
 class _Subscriber(Generic[E]):
     def __init__(self, route: Route, max_bytes: int = SUBSCRIBER_BYTES) -> None:
         self.route = route
-        self.queue: asyncio.Queue[tuple[int, E] | None] = asyncio.Queue(_SUBSCRIBER_QUEUE)
+        self.queue: asyncio.Queue[tuple[int, E] | object | None] = asyncio.Queue(_SUBSCRIBER_QUEUE)
         self.overflowed = False
         self.bytes = 0
         self.max_bytes = max_bytes
+        self.taken_count = 0  # items handed to the stream (what the idle timer compares)
+        self._timer: asyncio.TimerHandle | None = None
+
+    def watch_idle(self, idle_s: float, seen: int = -1) -> None:
+        """Every ``idle_s``: an ``IDLE`` marker if nothing was taken since the last check.
+        One timer per subscriber every few seconds, rather than a timeout per event (a task
+        and a wait for each event of a busy stream)."""
+        if seen == self.taken_count and self.queue.empty() and not self.overflowed:
+            self.queue.put_nowait(IDLE)
+        self._timer = asyncio.get_running_loop().call_later(idle_s, self.watch_idle, idle_s, self.taken_count)
+
+    def stop_idle(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
     def offer(self, revision: int, event: E, size: int) -> None:
         if self.overflowed:
@@ -143,6 +163,21 @@ class PrefixHub(Generic[T, E]):
         else:
             self.records.pop(kv.key, None)
 
+    def note_write(self, key: bytes, record: T, revision: int) -> None:
+        """Write-through: a record this replica has just written at ``revision``, cached
+        now rather than when the watch brings it back. The next message for the same key
+        (the other side of a transfer, often a moment later) then finds it instead of
+        losing a compare-and-swap on a stale cache (one more store round trip). Only
+        ahead of the watch: what the watch has applied (``revision`` or later) is at least
+        as new, and anything written after ``revision`` still comes through the watch,
+        which overwrites this entry. ``record`` must not be changed afterwards."""
+        if revision <= self.revision:
+            return
+        if self._keep(record):
+            self.records[key] = (record, revision)
+        else:
+            self.records.pop(key, None)
+
     async def _run(self) -> None:
         backoff = 0.05
         while True:
@@ -212,12 +247,22 @@ class PrefixHub(Generic[T, E]):
             return self.revision >= revision
         return True
 
-    async def subscribe(self, route: Route, after_revision: int = 0) -> AsyncIterator[tuple[int, E]]:
+    def subscribe(self, route: Route, after_revision: int = 0) -> AsyncIterator[tuple[int, E]]:
         """Events for ``route``: those after ``after_revision`` (if non-zero), then live ones."""
+        return cast(AsyncIterator[tuple[int, E]], self._subscribe(route, after_revision, 0.0))
+
+    def subscribe_idle(self, route: Route, after_revision: int, idle_s: float) -> AsyncIterator[tuple[int, E | None]]:
+        """``subscribe``, plus ``(revision, None)`` whenever the stream stayed silent for
+        ``idle_s`` (the caller sends a heartbeat then)."""
+        return self._subscribe(route, after_revision, idle_s)
+
+    async def _subscribe(self, route: Route, after_revision: int, idle_s: float) -> AsyncIterator[tuple[int, E | None]]:
         await self._ready.wait()
         sub: _Subscriber[E] = _Subscriber(route)
         self._subs.setdefault(route, set()).add(sub)
         joined_at = self.last_event_revision
+        if idle_s > 0:
+            sub.watch_idle(idle_s)
         try:
             if after_revision and after_revision < joined_at:
                 async with asyncio.timeout(30):
@@ -233,11 +278,16 @@ class PrefixHub(Generic[T, E]):
                 for item in items:
                     if item is None or sub.overflowed:
                         raise SubscriberOverflow(f"{self.name}: subscriber for {route!r} fell behind; resubscribe")
-                    sub.taken(item[1])
-                    if item[0] <= joined_at and after_revision:
+                    sub.taken_count += 1
+                    if item is IDLE:
+                        yield self.revision, None
+                        continue
+                    sub.taken(item[1])  # type: ignore[index]
+                    if item[0] <= joined_at and after_revision:  # type: ignore[index]
                         continue  # already replayed
-                    yield item
+                    yield item  # type: ignore[misc]
         finally:
+            sub.stop_idle()
             subs = self._subs.get(route)
             if subs is not None:
                 subs.discard(sub)

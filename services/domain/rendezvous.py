@@ -65,6 +65,8 @@ PENDING = (OFFERED, COMPLETED)
 TERMINAL = (SUCCEEDED, FAILED, EXPIRED, CANCELLED)
 Ev = pb.RendezvousEvent
 _CAS_RETRIES = 32
+# Retry hint of a refusal for too many pending transfers: slots free as transfers end.
+PENDING_FULL_RETRY_MS = 100
 PUSH, PULL, REUSE = pb.TRANSFER_KIND_PUSH, pb.TRANSFER_KIND_PULL, pb.TRANSFER_KIND_REUSE
 
 
@@ -307,7 +309,7 @@ class RendezvousService:
             superseded = cur is not None and cur.attempt < msg.attempt and cur.phase not in TERMINAL
             if cur is None and len(self.hub.records) >= self.config.max_pending:
                 raise exhausted(f"{len(self.hub.records)} transfers are pending (limit {self.config.max_pending}); "
-                                "retry after some complete or expire")
+                                "retry after some complete or expire", retry_after_ms=PENDING_FULL_RETRY_MS)
             if cur is None or cur.attempt < msg.attempt:
                 new = pb.TransferState(transfer_id=msg.transfer_id, attempt=msg.attempt, updated_at_ms=now)
             else:
@@ -367,6 +369,7 @@ class RendezvousService:
                 fresh = result.values[:1] or None
             else:
                 new.revision = result.revision
+                self.hub.note_write(key, new, result.revision)
                 if superseded:
                     self.metrics.transfers.labels("cancelled", "superseded").inc()
                 if matched and new.phase == MATCHED:
@@ -623,7 +626,8 @@ class RendezvousService:
                     return cur  # the same read again
                 raise precondition(f"transfer {transfer_id} attempt {cur.attempt} already exists")
             if cur is None and len(self.hub.records) >= self.config.max_pending:
-                raise exhausted(f"{len(self.hub.records)} transfers are pending (limit {self.config.max_pending})")
+                raise exhausted(f"{len(self.hub.records)} transfers are pending (limit {self.config.max_pending})",
+                                retry_after_ms=PENDING_FULL_RETRY_MS)
             now = self.clock.now_ms()
             new = pb.TransferState(
                 transfer_id=transfer_id, attempt=attempt, phase=MATCHED, kind=REUSE, generation=generation,
@@ -697,18 +701,21 @@ class RendezvousService:
         out.sort(key=lambda t: (t.updated_at_ms, t.transfer_id))
         return out
 
-    async def subscribe(self, engine_id: str, tp_rank: int, after_revision: int = 0) -> AsyncIterator[pb.RendezvousEvent]:
-        """Pending matches of this engine (when starting fresh), then live events."""
+    async def subscribe(self, engine_id: str, tp_rank: int, after_revision: int = 0, *,
+                        idle_s: float = 0.0) -> AsyncIterator[pb.RendezvousEvent | None]:
+        """Pending matches of this engine (when starting fresh), then live events; with
+        ``idle_s``, None whenever nothing came for that long (time for a heartbeat)."""
         limits.check_engine_id("engine_id", engine_id)
         if not after_revision:
             after_revision = self.hub.revision
             for t, rev in list(self.hub.records.values()):
-                if t.phase == MATCHED and t.completion.engine_id == engine_id and not any(
+                # (A write-through entry ahead of the watch comes as a live event instead.)
+                if rev <= after_revision and t.phase == MATCHED and t.completion.engine_id == engine_id and not any(
                     o.tp_rank == tp_rank for o in t.outcomes
                 ):
                     t.revision = rev
                     yield Ev(type=Ev.TYPE_MATCH, transfer=t, revision=rev)
-        async for _, event in self.hub.subscribe(engine_id, after_revision):
+        async for _, event in self.hub.subscribe_idle(engine_id, after_revision, idle_s):
             yield event
 
     # -- deadlines ---------------------------------------------------------

@@ -21,3 +21,17 @@ async def register(kv, engine_id: str, role=common_pb2.ENGINE_ROLE_DECODE, **kw)
     resp = await kv.call(kv.registrar.RegisterEngine, registrar_pb2.RegisterEngineRequest(
         rank=engine_rank(engine_id, role, **kw)))
     return resp.rank
+
+
+async def serve_rendezvous(servicer):
+    """A bare gRPC server with only ``servicer`` (a fake or older control plane) on a free
+    loopback port: (server, address). The caller stops it (``await server.stop(0)``)."""
+    import grpc
+
+    from kvbaton.v1 import rendezvous_pb2_grpc
+
+    server = grpc.aio.server()
+    rendezvous_pb2_grpc.add_RendezvousServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, f"127.0.0.1:{port}"

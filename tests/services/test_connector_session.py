@@ -48,4 +48,4 @@ async def test_calls_go_over_one_session_and_traced_ones_stay_unary(kv, control)
 
 def test_only_session_calls_are_accepted():
     with pytest.raises(ValueError):
-        rendezvous_call("BeginRead", pb.CancelRequest())
+        rendezvous_call("GetTransfer", pb.GetTransferRequest())

@@ -157,3 +157,52 @@ def test_loop_lag_sheds_only_while_behind():
     assert load.refuse() is None
     assert load.shed == 2
     assert not LoopLag(max_lag_ms=0).overloaded  # 0: never shed
+
+
+def test_on_uvloop_a_saturated_loop_reads_busy_and_an_idle_one_does_not():
+    """uvloop has no selector to time: busy is CPU time over the time the thread was not
+    waiting for a CPU (schedstat), so a loop with work all the time reads saturated even
+    when the machine gives it only part of a core, and an idle one reads idle."""
+    import time
+
+    uvloop = pytest.importorskip("uvloop")
+
+    async def main() -> tuple[float, list[bool]]:
+        load = LoopLag(max_lag_ms=20, tick_s=0.01, window=3)
+        load.start()
+        await asyncio.sleep(0.3)
+        idle = load.busy
+        loop = asyncio.get_running_loop()
+        stop = time.monotonic() + 0.6
+
+        def spin() -> None:  # callbacks back to back, 3 ms each: calls queued faster than served
+            t = time.monotonic()
+            while time.monotonic() - t < 0.003:
+                pass
+            if time.monotonic() < stop:
+                loop.call_soon(spin)
+
+        loop.call_soon(spin)
+        seen = []
+        while time.monotonic() < stop:
+            await asyncio.sleep(0.02)
+            seen.append(load.overloaded)
+        await load.stop()
+        return idle, seen
+
+    idle, seen = uvloop.run(main())
+    assert idle < 0.5, idle
+    assert any(seen), seen
+
+
+def test_serve_picks_uvloop_where_it_imports_and_falls_back_to_asyncio(monkeypatch):
+    import sys
+
+    from kvbaton.cli import loop_runner
+
+    uvloop = pytest.importorskip("uvloop")
+    assert loop_runner("auto") is uvloop.run and loop_runner("uvloop") is uvloop.run
+    assert loop_runner("asyncio") is asyncio.run
+    monkeypatch.setitem(sys.modules, "uvloop", None)  # as if not installed: the import fails
+    assert loop_runner("auto") is asyncio.run
+    assert loop_runner("uvloop") is None  # asked for by name: `serve` says so and exits 2

@@ -254,11 +254,73 @@ async def test_pending_transfers_are_bounded(kv, engines, plane):
     plane.rendezvous.config.max_pending = 3
     for i in range(3):
         await kv.call(kv.rendezvous.Offer, offer(f"b{i}"))
-    with pytest.raises(grpc.aio.AioRpcError) as err:
-        await kv.call(kv.rendezvous.Offer, offer("b3"))
+    with pytest.raises(grpc.aio.AioRpcError) as err:  # (a raw stub: kv.call would wait for a slot)
+        await kv.rendezvous.Offer(offer("b3"), timeout=5)
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "limit 3" in err.value.details()
     # Existing transfers still progress and free their slot.
     done = await kv.call(kv.rendezvous.Complete, complete("b0", blocks=(4, 5, 6)))
     assert done.matched_now
     await kv.call(kv.rendezvous.Cancel, pb.CancelRequest(transfer_id="b0", engine_id="pre"))
     assert (await kv.call(kv.rendezvous.Offer, offer("b3"))).state.phase == pb.TRANSFER_PHASE_OFFERED
+
+
+async def test_quiet_subscribe_stream_gets_heartbeats_busy_one_does_not(kv, engines, monkeypatch):
+    """Heartbeats come from the hub's idle timer: one per quiet interval, none between
+    events that keep coming faster than that."""
+    import kvbaton.services.api.rendezvous as api
+
+    monkeypatch.setattr(api, "HEARTBEAT_S", 0.25)
+    seen: list[Ev] = []
+    got = asyncio.Event()
+
+    async def read():
+        async for ev in kv.subscribe("pre", 0, heartbeats=True):
+            seen.append(ev)
+            got.set()
+
+    task = asyncio.ensure_future(read())
+    try:
+        async def until(pred):
+            while not pred():
+                got.clear()
+                await got.wait()
+        # The first heartbeat (stream start) and at least two idle ones.
+        await asyncio.wait_for(until(lambda: sum(e.type == Ev.TYPE_HEARTBEAT for e in seen) >= 3), 5)
+        start = len(seen)
+        for i in range(20):  # 20 matches, one every 20 ms: never idle for 250 ms (a stall on this shared box may let one through)
+            await kv.call(kv.rendezvous.Offer, offer(f"hb{i}"))
+            await kv.call(kv.rendezvous.Complete, complete(f"hb{i}"))
+            await asyncio.sleep(0.02)
+        await asyncio.wait_for(until(lambda: sum(e.type == Ev.TYPE_MATCH for e in seen) >= 20), 5)
+        busy = seen[start:]
+        matches = [i for i, e in enumerate(busy) if e.type == Ev.TYPE_MATCH]
+        between = busy[matches[0]:matches[-1]]
+        assert sum(e.type == Ev.TYPE_HEARTBEAT for e in between) <= 3, [Ev.Type.Name(e.type) for e in between]
+        assert all(e.revision for e in seen if e.type == Ev.TYPE_HEARTBEAT)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_the_second_side_finds_the_first_in_the_cache_one_write_each(kv, engines, plane, store_kind):
+    """The replica caches the side it has just written (write-through), so the other side
+    arriving before the watch brought the first back makes one compare-and-swap, not a
+    lost one against a stale cache and another (one store round trip more per match)."""
+    registry = plane.metrics.registry
+
+    def txns() -> float:
+        return registry.get_sample_value("kvbaton_store_operation_seconds_count",
+                                         {"op": "txn", "backend": store_kind}) or 0.0
+
+    dom = plane.rendezvous
+    await kv.call(kv.rendezvous.Offer, offer("warm"))  # engine lookups cached
+    await kv.call(kv.rendezvous.Complete, complete("warm"))
+    before = txns()
+    first = dom.validate(is_offer=True, transfer_id="wt1", attempt=0, engine_id="dec", block_ids=[1, 2, 3],
+                         num_tokens=48, timeout_ms=0, request_id="")
+    second = dom.validate(is_offer=False, transfer_id="wt1", attempt=0, engine_id="pre", block_ids=[7, 8, 9],
+                          num_tokens=48, timeout_ms=0, request_id="", writers=2)
+    await dom.submit(first)
+    state, matched, duplicate = await dom.submit(second)
+    assert matched and not duplicate and state.phase == pb.TRANSFER_PHASE_MATCHED
+    assert txns() - before == 2

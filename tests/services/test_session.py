@@ -17,7 +17,7 @@ from kvbaton.services.store import MemoryStore
 from kvbaton.v1 import common_pb2
 from kvbaton.v1 import rendezvous_pb2 as pb
 from tests.services.conftest import fast_config
-from tests.services.helpers import register
+from tests.services.helpers import register, serve_rendezvous
 from tests.services.test_rendezvous import Collector, complete, offer
 
 Ev = pb.RendezvousEvent
@@ -255,13 +255,12 @@ async def test_session_calls_are_rate_limited_one_by_one():
         await register(kv, "dec", common_pb2.ENGINE_ROLE_DECODE)
         await asyncio.sleep(1.0)  # the bucket refills after the registration
         codes = [await _code(kv.session.offer(offer(f"r{i}"))) for i in range(60)]
-        assert codes.count(grpc.StatusCode.OK) >= 15 and grpc.StatusCode.RESOURCE_EXHAUSTED in codes
-        refused = codes.index(grpc.StatusCode.RESOURCE_EXHAUSTED)
-        await asyncio.sleep(1.0)
-        # Same stream, after the bucket refilled: answered again.
-        assert await _code(kv.session.offer(offer("r-after"))) == grpc.StatusCode.OK
+        # Calls past the rate were refused one by one (RESOURCE_EXHAUSTED with a retry
+        # hint) and the client sent each again after the hint, on the same stream: every
+        # call passed, later (tests/services/test_shed_retry.py has the refusals themselves).
+        assert codes == [grpc.StatusCode.OK] * 60
+        assert cp.guard.refused["rate_limited"] > 0 and kv.session.stats["shed_retries"] > 0
         assert kv.session.reconnects == 0
-        assert await _code(kv.call(kv.rendezvous.GetTransfer, pb.GetTransferRequest(transfer_id=f"r{refused}"))) == NOT_FOUND
     finally:
         await kv.close()
         await cp.stop()
@@ -278,11 +277,8 @@ async def test_a_server_without_sessions_is_spoken_to_with_unary_calls():
         async def Cancel(self, r, context):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"transfer {r.transfer_id} not found")
 
-    server = grpc.aio.server()
-    pb_grpc.add_RendezvousServicer_to_server(Older(), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    kv = KvbatonClient(f"127.0.0.1:{port}", timeout_s=3)
+    server, address = await serve_rendezvous(Older())
+    kv = KvbatonClient(address, timeout_s=3)
     try:
         r = await kv.session.offer(offer("u1"))
         assert r.state.transfer_id == "u1" and kv.session.unary_fallback
