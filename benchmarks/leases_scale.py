@@ -11,7 +11,11 @@ during the run):
   stored deadline no longer covers now + TTL) and for renewals within the slack (no write);
 - server RSS.
 
-    flock /tmp/kvbaton-heavy.lock .venv/bin/python benchmarks/leases_scale.py [--leases 100000] [--out FILE]
+    flock /tmp/kvbaton-heavy.lock .venv/bin/python benchmarks/leases_scale.py [--leases 100000] [--baseline REV] [--out FILE]
+
+``--baseline REV`` measures the same against ``kvbaton serve`` of that commit too, after
+this tree's, in the same run (under ``"baseline"`` in the results file, with its commit
+and the load average when each server started).
 
 Server CPU comes from /proc (10 ms ticks): each KeepAlive figure is the mean over
 ``--repeat`` messages sent one after another, each answered before the next is sent.
@@ -24,6 +28,7 @@ import asyncio
 import json
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -32,7 +37,7 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.control_plane import cpu_seconds, pct
+from benchmarks.control_plane import cpu_seconds, export_baseline, pct
 from kvbaton.client import KvbatonClient
 from kvbaton.stack.ports import free_port
 from kvbaton.v1 import lease_pb2
@@ -121,13 +126,17 @@ async def keepalive_cost(kv: KvbatonClient, pid: int, size: int, repeat: int, of
             "server_cpu_ms_per_message": per_msg, "statuses": statuses}
 
 
-async def run(args) -> dict:
+async def run(args, baseline_dir: pathlib.Path | None = None) -> dict:
     port = free_port()
     env = dict(os.environ, KVBATON_LOG_LEVEL="WARNING")
+    if baseline_dir is not None:  # the baseline's tree, importable ahead of this checkout
+        env["PYTHONPATH"] = str(baseline_dir)
     server = subprocess.Popen([sys.executable, "-m", "kvbaton.cli", "serve", "--insecure", "--listen", f"127.0.0.1:{port}",
-                               "--store", args.store, "--log-level", "WARNING"], env=env, start_new_session=True)
+                               "--store", args.store, "--log-level", "WARNING"], env=env, start_new_session=True,
+                              cwd=str(baseline_dir) if baseline_dir is not None else None)
     out: dict = {"benchmark": "leases_scale", "commit": commit(), "machine": f"{os.cpu_count()} cores",
-                 "config": {k: v for k, v in vars(args).items() if k != "out"}, "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+                 "config": {k: v for k, v in vars(args).items() if k != "out"}, "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                 "loadavg_at_start": list(os.getloadavg())}
     try:
         async with KvbatonClient(f"127.0.0.1:{port}", timeout_s=30) as kv:
             await kv.wait_ready(30)
@@ -183,11 +192,23 @@ def main() -> int:
     p.add_argument("--gets", type=int, default=2_000)
     p.add_argument("--sizes", type=int, nargs="+", default=[1_000, 5_000, 10_000])
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--baseline", default="", help="also measure `kvbaton serve` of this commit, same run, after this tree")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "leases_scale.json"))
     args = p.parse_args()
     if sum(args.sizes) * args.repeat > args.leases:
         p.error("--leases must cover sum(--sizes) * --repeat distinct conversations")
     result = asyncio.run(run(args))
+    if args.baseline:
+        # Resolved once, before the export: a branch name may move during the run.
+        sha = subprocess.run(["git", "rev-parse", args.baseline], cwd=ROOT, capture_output=True, text=True,
+                             timeout=10, check=True).stdout.strip()
+        base_dir = export_baseline(sha)
+        try:
+            base = asyncio.run(run(args, base_dir))
+        finally:
+            shutil.rmtree(base_dir, ignore_errors=True)
+        base["commit"] = sha
+        result["baseline"] = base
     path = pathlib.Path(args.out)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2))

@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry
 
 from kvbaton.v1 import lease_pb2, lease_pb2_grpc, registrar_pb2, registrar_pb2_grpc, rendezvous_pb2, rendezvous_pb2_grpc
 
-from . import tracing
+from . import gc_policy, tracing
 from .api.lease import LeaseServicer
 from .api.overload import CORE_BACKLOG_OPTIONS, LoopLag
 from .api.registrar import RegistrarServicer
@@ -376,6 +376,9 @@ async def serve(config: ServerConfig) -> None:
     # keep it out of the collector's full passes, which otherwise pause every call for
     # tens of milliseconds from time to time.
     gc.freeze()
+    # ...and so is most of what each full collection finds alive later (leases, cached
+    # records): freeze those survivors too, so full passes stay proportional to what changed.
+    gc_policy.install(asyncio.get_running_loop())
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

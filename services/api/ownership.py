@@ -8,7 +8,11 @@ its own engine ids). These checks read what the request would change and refuse
 - ``Lease.Grant`` / ``Registrar.RegisterRetained``: a conversation whose live lease is
   on another engine cannot be taken over (that would point the router's reuse at the
   caller's blocks: KV injection); it can once that lease ends (expired, revoked by its
-  engine, an agent or an operator);
+  engine, an agent or an operator), or once that engine is gone from the registrar
+  (deregistered, or its liveness TTL lapsed: a dead engine's blocks died with it, while
+  its lease may live on, renewed by the conversation's agent, and would otherwise keep
+  every other decode from retaining the conversation's next turns; the registrar's
+  records are read from the shared store, whichever process serves the registrar);
 - ``Registrar.ReleaseRetained``: the registration must be on one of the caller's engines.
 
 Operators, routers and agents are not engines: their scopes are the rules' business.
@@ -81,9 +85,11 @@ class Ownership:
         except DomainError:
             return  # bad input: the domain answers it
         if info is not None and info.state in LIVE_STATES and info.engine_id != engine_id:
+            if self.registrar is not None and not await self.registrar.engine_exists(info.engine_id):
+                return  # the holder is gone (deregistered, or its liveness lapsed): so are its blocks
             raise denied(f"{p.name} (engine) may not {verb} for conversation {conversation_id}: its KV is held by "
                          f"engine {info.engine_id} under live lease {info.lease_id}; another engine takes it over "
-                         "only after that lease ends")
+                         "only after that lease ends or that engine is gone")
 
     async def may_release(self, conversation_id: str, retention_id: str) -> str:
         """Returns the retention id to release (the one checked)."""

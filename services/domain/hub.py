@@ -133,6 +133,13 @@ class PrefixHub(Generic[T, E]):
         self._waiter_seq = itertools.count()
         self._ready = asyncio.Event()
         self.listeners: list[Callable[[WatchEvent], None]] = []
+        # Called after the cache was reloaded without events (a compacted watch): whatever
+        # listeners derived from events must be rebuilt from ``records``.
+        self.on_reload: list[Callable[[], None]] = []
+        # Records a writer of this replica already holds parsed, by the exact value it
+        # wrote: the event of that write is cached without parsing it again (a KeepAlive
+        # batch writes thousands). The writer drops its entries if the write fails.
+        self.preparsed: dict[bytes, T] = {}
 
     async def start(self) -> None:
         await self._load()
@@ -151,13 +158,16 @@ class PrefixHub(Generic[T, E]):
     async def _load(self) -> None:
         kvs, rev = await self.store.range(self.prefix)
         self.records = {}
+        self.preparsed.clear()  # their events may never come (history gone): parse afresh
         for kv in kvs:
             self._cache(kv)
             self.last_event_revision = max(self.last_event_revision, kv.mod_revision)
         self.revision = rev
 
     def _cache(self, kv: KeyValue) -> None:
-        rec = self._parse(kv.value)
+        rec = self.preparsed.pop(kv.value, None) if self.preparsed else None
+        if rec is None:
+            rec = self._parse(kv.value)
         if self._keep(rec):
             self.records[kv.key] = (rec, kv.mod_revision)
         else:
@@ -202,6 +212,8 @@ class PrefixHub(Generic[T, E]):
     async def _resync(self) -> None:
         """History is gone: reload the cache; subscribers must resync from a snapshot."""
         await self._load()
+        for rebuild in self.on_reload:
+            rebuild()
         self._wake_waiters()
         for subs in self._subs.values():
             for s in subs:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import builtins
 import dataclasses
-import heapq
 import secrets
 from collections.abc import AsyncIterator, Iterable, Sequence
 
@@ -38,6 +37,7 @@ from ..store.base import Compare, CompareOp, CompareTarget, EventType, KeyValue,
 from . import limits, paging
 from .background import Tombstones, cancel_all, leader_ticks
 from .clock import Clock, WallClock
+from .deadlines import DeadlineIndex
 from .errors import Code, DomainError, exhausted, invalid, not_found, precondition
 from .hub import PrefixHub
 
@@ -149,20 +149,22 @@ class LeaseService:
         self.pair_check = pair_check
         self.on_refused = on_refused
         self.prefix = prefix
+        self._lprefix = prefix + b"l/"  # _lkey runs per renewal: no per-call formatting
         self.hub: PrefixHub[pb.LeaseInfo, pb.LeaseEvent] = PrefixHub(
             store, prefix + b"l/", parse=_parse, derive=derive_events, name="leases",
             keep=lambda info: info.state in LIVE_STATES,
         )
-        self._pending: dict[str, tuple[int, list[asyncio.Future]]] = {}  # lease_id -> (deadline, waiters)
+        self._pending: dict[str, int] = {}  # lease_id -> deadline to write
+        self._groups: list[tuple[list[str], asyncio.Future[set[str]]]] = []  # callers waiting on the flusher
         self._flush_wakeup = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self._tombstones = Tombstones(store, self.config.tombstone_s, rotate_s=60.0)
         self._active_by_conv: dict[str, str] = {}
-        # Deadline index: (due_ms, key, mod_revision) of every live record, so expiry pops
-        # what is due instead of scanning every lease on each tick. Entries of records that
-        # changed since are skipped when popped; the heap is rebuilt when they pile up.
-        self._deadlines: list[tuple[int, bytes, int]] = []
+        # When each live record may end, so expiry pops what is due instead of scanning
+        # every lease on each tick (kept in step with the cache by _index).
+        self._deadlines: DeadlineIndex[bytes] = DeadlineIndex()
         self.hub.listeners.append(self._index)
+        self.hub.on_reload.append(self._rebuild_deadlines)
         self.is_leader = lambda: True
         self.stats = {"renewals": 0, "renewal_writes": 0, "expired": 0, "revoked": 0, "pins": 0}
 
@@ -186,7 +188,7 @@ class LeaseService:
 
     # -- helpers -----------------------------------------------------------
     def _lkey(self, lease_id: str) -> bytes:
-        return _key(self.prefix, "l", lease_id)
+        return self._lprefix + lease_id.encode()
 
     def _ckey(self, conversation_id: str) -> bytes:
         return _key(self.prefix, "c", conversation_id)
@@ -363,14 +365,14 @@ class LeaseService:
         """Keeps conversation -> ACTIVE lease id and the deadline index in step with the
         cache (hub listener; the hub has already parsed and cached a live record)."""
         if ev.type is not EventType.PUT:
+            self._deadlines.drop(ev.kv.key)
             return
         entry = self.hub.records.get(ev.kv.key)
         if entry is not None:
             info, rev = entry
-            heapq.heappush(self._deadlines, (_due_ms(info), ev.kv.key, rev))
-            if len(self._deadlines) > 2 * len(self.hub.records) + 4096:
-                self._rebuild_deadlines()
+            self._deadlines.arm(ev.kv.key, _due_ms(info), rev)
         else:
+            self._deadlines.drop(ev.kv.key, ev.kv.mod_revision)  # ended: nothing left to expire
             info = _parse(ev.kv.value)
         if info.state == ACTIVE:
             self._active_by_conv[info.conversation_id] = info.lease_id
@@ -388,18 +390,20 @@ class LeaseService:
         return info
 
     async def _schedule_write(self, lease_id: str, deadline: int, ttl: int) -> None:
-        await self._enqueue_write(lease_id, deadline)
+        if lease_id in await self._enqueue_writes([(lease_id, deadline)]):
+            raise _Stale()
 
-    def _enqueue_write(self, lease_id: str, deadline: int) -> asyncio.Future:
-        """Hands a deadline to the group-commit flusher; the future resolves once written
-        (``_Stale`` if the lease changed first)."""
-        fut: asyncio.Future = asyncio.get_running_loop().create_future()
-        entry = self._pending.get(lease_id)
-        if entry is None:
-            self._pending[lease_id] = (deadline, [fut])
-        else:
-            entry[1].append(fut)
-            self._pending[lease_id] = (max(entry[0], deadline), entry[1])
+    def _enqueue_writes(self, writes: Sequence[tuple[str, int]]) -> asyncio.Future[set[str]]:
+        """Hands deadlines to the group-commit flusher. One future for the whole group (a
+        KeepAlive batch of 10,000 is one future, not 10,000): it resolves, once every
+        deadline is written, to the lease ids that were not (the lease changed first:
+        stale), or fails with the store's error."""
+        fut: asyncio.Future[set[str]] = asyncio.get_running_loop().create_future()
+        pending = self._pending
+        for lease_id, deadline in writes:
+            if pending.get(lease_id, 0) < deadline:
+                pending[lease_id] = deadline
+        self._groups.append(([lease_id for lease_id, _ in writes], fut))
         self._flush_wakeup.set()
         return fut
 
@@ -412,38 +416,64 @@ class LeaseService:
             await self._flush_wakeup.wait()
             self._flush_wakeup.clear()
             pending, self._pending = self._pending, {}
-            items = list(pending.items())
-            chunks = [items[i : i + self.config.flush_batch] for i in range(0, len(items), self.config.flush_batch)]
-            await asyncio.gather(*(self._flush_chunk(chunk) for chunk in chunks))
+            groups, self._groups = self._groups, []
+            try:
+                items = list(pending.items())
+                size = self.config.flush_batch
+                chunks = [items[i : i + size] for i in range(0, len(items), size)]
+                outcomes = await asyncio.gather(*(self._flush_chunk(chunk) for chunk in chunks), return_exceptions=True)
+                stale: set[str] = set()
+                failed: dict[str, BaseException] = {}
+                for chunk, outcome in zip(chunks, outcomes):
+                    if isinstance(outcome, BaseException):
+                        failed.update((lease_id, outcome) for lease_id, _ in chunk)
+                    else:
+                        stale |= outcome
+                for lease_ids, fut in groups:
+                    if fut.done():
+                        continue
+                    error = next((failed[i] for i in lease_ids if i in failed), None) if failed else None
+                    if error is not None:
+                        fut.set_exception(error)
+                    else:
+                        fut.set_result({i for i in lease_ids if i in stale} if stale else set())
+            except Exception:  # the flusher must outlive one bad flush; its callers fail below
+                log.warning("lease.flush_failed", exc_info=True)
+            finally:
+                # Cancelled mid-flush (stop()): nobody may wait forever.
+                for _, fut in groups:
+                    if not fut.done():
+                        fut.set_exception(DomainError(Code.UNAVAILABLE, "lease service stopping; retry"))
 
-    async def _flush_chunk(self, chunk: list[tuple[str, tuple[int, list[asyncio.Future]]]]) -> None:
+    async def _flush_chunk(self, chunk: list[tuple[str, int]]) -> set[str]:
+        """Writes one chunk; returns the lease ids that could not be written (stale).
+        A store error for any lease raises (its renewals fail UNAVAILABLE)."""
         outcomes: dict[str, bool | BaseException] = {}
         try:
-            outcomes.update(await self._write_batch([(lid, dl) for lid, (dl, _) in chunk]))
+            outcomes.update(await self._write_batch(chunk))
         except Exception as exc:  # noqa: BLE001 - a store hiccup: the per-lease path below decides
             log.debug("lease.batch_flush_failed", error=str(exc))
-        rest = [(lid, dl) for lid, (dl, _) in chunk if lid not in outcomes]
+        rest = [(lid, dl) for lid, dl in chunk if lid not in outcomes]
         if rest:
             results = await asyncio.gather(*(self._write_deadline(lid, dl) for lid, dl in rest), return_exceptions=True)
             outcomes.update({lid: r for (lid, _), r in zip(rest, results)})
-        for lid, (_, futs) in chunk:
-            outcome = outcomes[lid]
-            for f in futs:
-                if f.done():
-                    continue
-                if isinstance(outcome, BaseException):
-                    f.set_exception(outcome)
-                elif outcome:
-                    f.set_result(None)
-                else:
-                    f.set_exception(_Stale())
+        stale: set[str] = set()
+        for lid, outcome in outcomes.items():
+            if isinstance(outcome, BaseException):
+                raise outcome
+            if not outcome:
+                stale.add(lid)
+        return stale
 
     async def _write_batch(self, due: list[tuple[str, int]]) -> dict[str, bool]:
-        """One transaction for every lease whose cached record is usable; {} on conflict."""
+        """One transaction for every lease whose cached record is usable; {} on conflict.
+        The new records go to the hub already parsed: applying the watch event then costs
+        a dictionary lookup instead of a parse per renewal."""
         compares, puts, done = [], [], {}
+        records, preparsed = self.hub.records, self.hub.preparsed
         for lease_id, deadline in due:
             key = self._lkey(lease_id)
-            entry = self.hub.records.get(key)
+            entry = records.get(key)
             if entry is None or entry[0].state != ACTIVE:
                 continue
             info, rev = entry
@@ -454,12 +484,19 @@ class LeaseService:
             new.CopyFrom(info)
             new.expires_at_ms = deadline
             new.renewals += 1
+            value = new.SerializeToString()
             compares.append(Compare(key, CompareTarget.MOD_REVISION, CompareOp.EQUAL, rev))
-            puts.append((lease_id, Put(key, new.SerializeToString())))
+            puts.append((lease_id, Put(key, value)))
+            preparsed[value] = new
         if not puts:
             return done
-        result = await self.store.txn(compares, [p for _, p in puts])
+        try:
+            result = await self.store.txn(compares, [p for _, p in puts])
+        except BaseException:
+            self._forget_preparsed(puts)
+            raise
         if not result.succeeded:
+            self._forget_preparsed(puts)
             return done
         self.stats["renewal_writes"] += len(puts)
         self.metrics.lease_renewal_writes.inc(len(puts))
@@ -467,6 +504,11 @@ class LeaseService:
         await self.hub.wait_for(result.revision)
         done.update({lease_id: True for lease_id, _ in puts})
         return done
+
+    def _forget_preparsed(self, puts: list[tuple[str, Put]]) -> None:
+        preparsed = self.hub.preparsed
+        for _, put in puts:
+            preparsed.pop(put.value, None)
 
     async def _write_deadline(self, lease_id: str, deadline: int) -> bool:
         key = self._lkey(lease_id)
@@ -503,7 +545,7 @@ class LeaseService:
         out = into if into is not None else pb.KeepAliveResponse()
         results = [out.results.add() for _ in batch]
         slow: list[int] = []
-        writes: list[tuple[int, str, asyncio.Future]] = []
+        writes: list[tuple[int, str, int]] = []
         records, by_conv = self.hub.records, self._active_by_conv
         for i, r in enumerate(batch):
             cid, lid = r.conversation_id, r.lease_id or by_conv.get(r.conversation_id, "")
@@ -514,18 +556,16 @@ class LeaseService:
             info = entry[0]
             promised = now + info.ttl_ms
             if info.expires_at_ms < promised:
-                writes.append((i, info.lease_id, self._enqueue_write(info.lease_id, promised + self._slack(info.ttl_ms))))
+                writes.append((i, info.lease_id, promised + self._slack(info.ttl_ms)))
             else:
                 self._renewed(results[i], cid, info, now)
         fast = len(batch) - len(slow) - len(writes)
         if writes:
-            outcomes = await asyncio.gather(*(f for _, _, f in writes), return_exceptions=True)
-            for (i, lease_id, _), outcome in zip(writes, outcomes):
+            stale = await self._enqueue_writes([(lease_id, deadline) for _, lease_id, deadline in writes])
+            for i, lease_id, _ in writes:
                 entry = records.get(self._lkey(lease_id))
-                if isinstance(outcome, _Stale) or entry is None:
+                if lease_id in stale or entry is None:
                     slow.append(i)
-                elif isinstance(outcome, BaseException):
-                    raise outcome
                 else:
                     self._renewed(results[i], batch[i].conversation_id, entry[0], now)
                     fast += 1
@@ -738,22 +778,22 @@ class LeaseService:
 
     # -- expiry ------------------------------------------------------------
     def _rebuild_deadlines(self) -> None:
-        self._deadlines = [(_due_ms(info), key, rev) for key, (info, rev) in self.hub.records.items()]
-        heapq.heapify(self._deadlines)
+        self._deadlines.clear()
+        for key, (info, rev) in self.hub.records.items():
+            self._deadlines.arm(key, _due_ms(info), rev)
 
     async def expire_due(self) -> int:
         """Ends every lease that is due by this clock; returns how many it ended. Pops the
         deadline index, so a tick with nothing due costs O(1) however many leases live."""
         now = self.clock.now_ms()
         due: list[tuple[bytes, pb.LeaseInfo, int]] = []
-        while self._deadlines and self._deadlines[0][0] <= now:
-            _, key, rev = heapq.heappop(self._deadlines)
+        for key, rev in list(self._deadlines.pop_due(now)):
             entry = self.hub.records.get(key)
             if entry is None or entry[1] != rev:
-                continue  # ended or changed since: a newer entry (if any) is in the heap
+                continue  # ended or changed since: a newer entry (if any) is armed
             info = entry[0]
             if _live_pins(info, now) or (info.state == ACTIVE and now < info.expires_at_ms):
-                heapq.heappush(self._deadlines, (max(_due_ms(info), now + 1), key, rev))
+                self._deadlines.arm(key, max(_due_ms(info), now + 1), rev)  # re-armed: not ready yet
                 continue
             due.append((key, info, rev))
         ended = 0
@@ -763,7 +803,7 @@ class LeaseService:
             except BaseException:
                 # The store failed mid-tick: what was popped but not ended goes back.
                 for k, _, r in due[i:]:
-                    heapq.heappush(self._deadlines, (now, k, r))
+                    self._deadlines.arm(k, now, r)
                 raise
         return ended
 

@@ -38,7 +38,6 @@ from __future__ import annotations
 import asyncio
 import builtins
 import dataclasses
-import heapq
 import time
 from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Any
@@ -52,6 +51,7 @@ from ..store.base import Compare, EventType, Get, KeyValue, Put, Store, WatchEve
 from . import limits, paging
 from .background import Tombstones, cancel_all, leader_ticks
 from .clock import Clock, WallClock
+from .deadlines import DeadlineIndex
 from .errors import Code, DomainError, denied, exhausted, invalid, not_found, precondition
 from .hub import PrefixHub
 
@@ -221,18 +221,18 @@ class RendezvousService:
         )
         self._tasks: list[asyncio.Task] = []
         self._tombstones = Tombstones(store, self.config.tombstone_s)
-        # (deadline_ms, key, mod_revision) of every live record: the sweeper pops what is due
-        # instead of scanning every pending transfer on each tick.
-        self._deadlines: list[tuple[int, bytes, int]] = []
+        # When each live record's side expires or its match fails: the sweeper pops what is
+        # due instead of scanning every pending transfer on each tick.
+        self._deadlines: DeadlineIndex[bytes] = DeadlineIndex()
         self.hub.listeners.append(self._track_deadline)
+        self.hub.on_reload.append(self._rearm_all)
         self.is_leader = lambda: True
         self._engines_seen: dict[str, float] = {}  # engine_id -> monotonic time it was last found
         self.stats = {"matches": 0, "expired_offers": 0, "expired_completions": 0, "failed": 0, "succeeded": 0}
 
     async def start(self, *, run_sweeper: bool = True) -> None:
         await self.hub.start()
-        for key, (t, rev) in self.hub.records.items():
-            self._push_deadline(key, t, rev)
+        self._rearm_all()
         if run_sweeper:
             self._tasks.append(asyncio.get_running_loop().create_task(
                 leader_ticks("rendezvous.sweep", self.config.sweep_tick_s, lambda: self.is_leader(), self.sweep),
@@ -728,48 +728,70 @@ class RendezvousService:
             return t.matched_at_ms + self.config.match_timeout_ms
         return None
 
+    def _rearm_all(self) -> None:
+        """Every cached record's deadline, afresh (at start, and after the hub reloaded
+        its cache without events: a compacted watch)."""
+        self._deadlines.clear()
+        for key, (t, rev) in self.hub.records.items():
+            self._push_deadline(key, t, rev)
+
     def _push_deadline(self, key: bytes, t: pb.TransferState, rev: int) -> None:
         deadline = self._deadline_of(t)
         if deadline is not None:
-            heapq.heappush(self._deadlines, (deadline, key, rev))
+            self._deadlines.arm(key, deadline, rev)
+        else:
+            self._deadlines.drop(key, rev)
 
     def _track_deadline(self, ev: WatchEvent) -> None:
-        if ev.type is EventType.PUT:
-            entry = self.hub.records.get(ev.kv.key)
-            if entry is not None:
-                self._push_deadline(ev.kv.key, entry[0], entry[1])
+        entry = self.hub.records.get(ev.kv.key) if ev.type is EventType.PUT else None
+        if entry is not None:
+            self._push_deadline(ev.kv.key, entry[0], entry[1])
+        else:
+            # Ended (left the cache) or deleted: its entry would only be skipped later.
+            self._deadlines.drop(ev.kv.key, ev.kv.mod_revision if ev.type is EventType.PUT else None)
 
     async def sweep(self) -> int:
         """Expires unmatched sides and fails matches nobody reported on; returns how many."""
         now = self.clock.now_ms()
         ended = 0
-        while self._deadlines and self._deadlines[0][0] <= now:
-            _, key, rev = heapq.heappop(self._deadlines)
+        due = list(self._deadlines.pop_due(now))
+        for i, (key, rev) in enumerate(due):
             entry = self.hub.records.get(key)
             if entry is None or entry[1] != rev:
-                continue  # ended or changed since: a newer entry (if any) is in the heap
-            t = entry[0]
-            if t.phase in PENDING:
-                side = t.offer if t.phase == OFFERED else t.completion
-                new_phase, reason = EXPIRED, (
-                    f"{'offer' if t.phase == OFFERED else 'completion'} from {side.engine_id} unmatched "
-                    f"for {now - side.received_at_ms} ms")
-            else:
-                new_phase, reason = FAILED, f"no outcome from the writers within {self.config.match_timeout_ms} ms of the match"
-            new = pb.TransferState()
-            new.CopyFrom(t)
-            new.phase, new.reason, new.updated_at_ms = new_phase, reason, now
-            kv = KeyValue(key, b"", 0, rev, 0)
-            result = await self.store.txn([Compare.unchanged(kv, key)], await self._put_ops(new))
-            if result.succeeded:
-                ended += 1
-                if new_phase == EXPIRED:
-                    self.stats["expired_offers" if t.phase == OFFERED else "expired_completions"] += 1
-                    self.metrics.unmatched_expired.labels("offer" if t.phase == OFFERED else "completion").inc()
-                    self.metrics.transfers.labels("expired", "unmatched").inc()
-                else:
-                    self.stats["failed"] += 1
-                    self.metrics.transfers.labels("failed", "match_timeout").inc()
-                    self.metrics.match_to_outcome.labels("failed").observe(max(now - t.matched_at_ms, 0) / 1000)
-                log.info("rendezvous.ended", transfer_id=t.transfer_id, attempt=t.attempt, phase=P.Name(new_phase), reason=reason)
+                continue  # ended or changed since: a newer entry (if any) is armed
+            try:
+                ended += await self._end_due(key, entry[0], rev, now)
+            except BaseException:
+                # The store failed mid-sweep: what was popped but not ended is re-armed.
+                for k, r in due[i:]:
+                    self._deadlines.arm(k, now, r)
+                raise
         return ended
+
+    async def _end_due(self, key: bytes, t: pb.TransferState, rev: int, now: int) -> int:
+        """Expires an unmatched side or fails a match nobody reported on; 1 if it did,
+        0 if the record changed first (its new version has its own deadline)."""
+        if t.phase in PENDING:
+            side = t.offer if t.phase == OFFERED else t.completion
+            new_phase, reason = EXPIRED, (
+                f"{'offer' if t.phase == OFFERED else 'completion'} from {side.engine_id} unmatched "
+                f"for {now - side.received_at_ms} ms")
+        else:
+            new_phase, reason = FAILED, f"no outcome from the writers within {self.config.match_timeout_ms} ms of the match"
+        new = pb.TransferState()
+        new.CopyFrom(t)
+        new.phase, new.reason, new.updated_at_ms = new_phase, reason, now
+        kv = KeyValue(key, b"", 0, rev, 0)
+        result = await self.store.txn([Compare.unchanged(kv, key)], await self._put_ops(new))
+        if not result.succeeded:
+            return 0
+        if new_phase == EXPIRED:
+            self.stats["expired_offers" if t.phase == OFFERED else "expired_completions"] += 1
+            self.metrics.unmatched_expired.labels("offer" if t.phase == OFFERED else "completion").inc()
+            self.metrics.transfers.labels("expired", "unmatched").inc()
+        else:
+            self.stats["failed"] += 1
+            self.metrics.transfers.labels("failed", "match_timeout").inc()
+            self.metrics.match_to_outcome.labels("failed").observe(max(now - t.matched_at_ms, 0) / 1000)
+        log.info("rendezvous.ended", transfer_id=t.transfer_id, attempt=t.attempt, phase=P.Name(new_phase), reason=reason)
+        return 1

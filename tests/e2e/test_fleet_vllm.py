@@ -3,10 +3,21 @@ on, small KV), two routers that discover them from an etcd-backed control plane 
 replicas over one etcd; each router talks to its own replica), interleaved agent
 conversations sent to the two routers alternately.
 
+Secured as users run it: mutual TLS and bearer tokens between every engine, router,
+operator CLI and the control plane (a token per engine, scoped to its id; one for the
+routers, one for the operator), and the control plane on etcd over mutual TLS. There is
+no plaintext twin of this test: everything it checks holds with security on (plaintext
+differs only in having no ownership rule: there a surviving decode takes a dead one's
+conversations over at once), and the plaintext paths are what the P/D e2e files and the
+main job (``scripts/run.sh``, a fleet on ``--insecure``) run, so a second four-engine
+fleet would cost CI minutes for nothing new. Until the kill, no call is refused (the
+control planes' ``auth.denied`` lines, the engines' refused retains).
+
 Checked: every answer equals a single engine's (greedy, token ids); >= 95% of later turns
 land on the decode holding their KV, and prefill READs history back from it; a drained
 decode gets nothing new and frees its retained blocks (`kvbaton engines drain`); a decode
-SIGKILLed mid-conversation costs its conversations one recompute and no error response.
+SIGKILLed mid-conversation costs no error response, and once its registration lapses the
+surviving decode takes its conversations over (retains them, serves their reuse).
 The tests run in this order on one fleet (module fixture): the kill is last.
 """
 
@@ -57,10 +68,10 @@ class Conversation:
         return (len(last["prompt"]) + MAX_TOKENS - 1) // BLOCK * BLOCK
 
 
-def _wait_leased(cp: str, conv: Conversation) -> str:
+def _wait_leased(fleet: FleetStack, conv: Conversation) -> str:
     """Until decode's retention of the conversation's last turn is under a live lease;
     returns the holding engine."""
-    holder = wait_leased(cp, conv.id, conv.retained_tokens, timeout_s=15.0)
+    holder = wait_leased(fleet.cp_address, conv.id, conv.retained_tokens, timeout_s=15.0, client=fleet.client)
     assert holder is not None, f"{conv.id}: last turn never came under a lease"
     return holder
 
@@ -111,13 +122,17 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetStack]:
 
     if find_etcd() is None:
         pytest.skip("etcd binary not found (scripts/test.sh installs Debian's etcd-server)")
+    pytest.importorskip("cryptography")
+    from tests.harness.pki import stack_credentials
+
+    work = tmp_path_factory.mktemp("fleet")
+    sec = stack_credentials(work / "pki", ["p0", "p1", "d0", "d1"])
     model = ensure_tiny_model(Path(os.environ.get("KVBATON_TINY_MODEL", "/tmp/kvbaton-tiny-model")))
-    # One etcd member, two control-plane replicas on it; router i talks to replica i.
-    with EtcdCluster(1) as etcd:
-        stack = FleetStack(model, tmp_path_factory.mktemp("fleet"), n_prefill=2, n_decode=2, n_routers=2,
-                           mode="pull", store=etcd.url, n_cp=2,
-                           extra_config={"lease_ttl_s": 120, "kv_recompute_threshold": 64, "ttl_ms": 3000},
-                           router_args=["--slack", "4"])
+    # One etcd member (mTLS), two control-plane replicas on it; router i talks to replica i.
+    with EtcdCluster(1, tls=sec.etcd_server()) as etcd:
+        stack = FleetStack(model, work, n_prefill=2, n_decode=2, n_routers=2, mode="pull", store=etcd.url, n_cp=2,
+                           extra_config={"lease_ttl_s": 120, "kv_recompute_threshold": 64, "ttl_ms": 10_000},
+                           router_args=["--slack", "4"], security=sec)
         with stack:
             stack.wait_routers_see(2, 2)
             yield stack
@@ -136,7 +151,7 @@ def test_interleaved_conversations_over_two_routers_stay_on_their_decode(fleet: 
     for turn in range(3):
         for n, c in enumerate(convs):
             c.send(fleet.routers[(n + turn) % 2], headers[(n + turn) % 2])  # the routers alternate
-            _wait_leased(fleet.cp_address, c)
+            _wait_leased(fleet, c)
     later = [(c.turns[i - 1]["headers"]["X-Kvbaton-Decode"], c.turns[i]["headers"]["X-Kvbaton-Decode"])
              for c in convs for i in range(1, len(c.turns))]
     hits = sum(1 for prev, cur in later if prev == cur)
@@ -158,11 +173,11 @@ def test_drained_decode_gets_nothing_new_and_frees_its_blocks(fleet: FleetStack,
     on_d0 = [c for c in convs if c.turns[-1]["headers"]["X-Kvbaton-Decode"] == "d0"]
     assert on_d0, "no conversation on d0 to drain"
     cli = [str(Path(sys.executable).parent / "kvbaton"), "engines"]
-    out = subprocess.run([*cli, "drain", "d0", "--addr", fleet.cp_address, "--wait", "10", "--json"],
+    out = subprocess.run([*cli, "drain", "d0", *fleet.cli_args("operator"), "--wait", "10", "--json"],
                          capture_output=True, text=True, timeout=60, check=True)
     drained = json.loads(out.stdout)
     assert drained["draining"] and drained["conversations_released"] >= len(on_d0)
-    listed = subprocess.run([*cli, "list", "--addr", fleet.cp_address], capture_output=True, text=True,
+    listed = subprocess.run([*cli, "list", *fleet.cli_args("operator")], capture_output=True, text=True,
                             timeout=60, check=True).stdout
     assert any(line.startswith("d0") and "draining" in line for line in listed.splitlines()), listed
     for r in fleet.routers:  # the routers show the drain
@@ -172,10 +187,10 @@ def test_drained_decode_gets_nothing_new_and_frees_its_blocks(fleet: FleetStack,
     for n, c in enumerate(convs):
         c.send(fleet.routers[n % 2])
         assert c.turns[-1]["headers"]["X-Kvbaton-Decode"] == "d1"
-        _wait_leased(fleet.cp_address, c)
+        _wait_leased(fleet, c)
     assert _served_by(fleet, "d0") == d0_before  # neither router sent d0 anything new
     _assert_equal_to_single(fleet, convs, since=3)
-    subprocess.run([*cli, "drain", "d0", "--undo", "--addr", fleet.cp_address], capture_output=True, text=True,
+    subprocess.run([*cli, "drain", "d0", "--undo", *fleet.cli_args("operator")], capture_output=True, text=True,
                    timeout=60, check=True)
     for r in fleet.routers:
         deadline = time.monotonic() + 5
@@ -184,25 +199,74 @@ def test_drained_decode_gets_nothing_new_and_frees_its_blocks(fleet: FleetStack,
             time.sleep(0.05)
 
 
-def test_decode_killed_mid_conversation_costs_one_recompute_and_no_error(fleet: FleetStack,
-                                                                         convs: list[Conversation]) -> None:
+def test_no_call_was_refused(fleet: FleetStack) -> None:
+    """Under mTLS + tokens, every engine, router and operator call of the tests above was
+    allowed: each identity's scope covers what the fleet does (the chosen pairs' bound
+    transfers, reuse across two routers and two prefills, the drain and its undo)."""
+    denied = [f"{log.name}: {line}" for log in sorted(fleet.workdir.glob("cp*.log"))
+              for line in log.read_text(errors="replace").splitlines() if "auth.denied" in line]
+    assert not denied, "the control plane refused calls:\n" + "\n".join(denied[:20])
+    refused = [e for eid in fleet.engines for e in fleet.events(eid, "retain_failed", part="retention")]
+    assert not refused, refused
+    assert all("kvbaton.tls" in log.read_text(errors="replace") for log in fleet.workdir.glob("cp*.log"))
+
+
+def test_decode_killed_mid_conversation_costs_no_error(fleet: FleetStack, convs: list[Conversation]) -> None:
     # Every conversation is on d1 now (d0 was drained); kill d1's whole process tree.
     assert all(c.turns[-1]["headers"]["X-Kvbaton-Decode"] == "d1" for c in convs)
     srv = fleet.engines["d1"]
     assert srv.pgid is not None
     os.killpg(srv.pgid, signal.SIGKILL)
     since = len(convs[0].turns)
-    for n, c in enumerate(convs):  # the next turn: no error, answered by d0
+    for n, c in enumerate(convs):  # the next turn, right away: no error, answered by d0
         c.send(fleet.routers[n % 2])
         assert c.turns[-1]["headers"]["X-Kvbaton-Decode"] == "d0"
-        _wait_leased(fleet.cp_address, c)
-    reads_before = {c.id: len(_reads(fleet, c.id)) for c in convs}
-    for n, c in enumerate(convs):  # one recompute only: the turn after reads from d0 again
+    _assert_equal_to_single(fleet, convs, since=since)
+
+
+def _registered(fleet: FleetStack) -> set[str]:
+    import asyncio
+
+    from kvbaton.v1 import registrar_pb2
+
+    async def go() -> set[str]:
+        async with fleet.client() as kv:
+            return {r.engine_id for r in (await kv.registrar.ListEngines(registrar_pb2.ListEnginesRequest(),
+                                                                          timeout=5)).ranks}
+    return asyncio.run(go())
+
+
+def test_the_surviving_decode_takes_the_conversations_over(fleet: FleetStack, convs: list[Conversation]) -> None:
+    """The dead decode's leases live on (nobody revokes them), so until its registration
+    lapses (liveness TTL, ``ttl_ms`` 10 s here) d0's retains of its conversations are
+    refused (the rule that stops an engine pointing another's conversation at its own
+    blocks: those refusals must name d1); once it has, d0 takes them over: each next turn
+    is retained under a lease of d0's, and the turn after is offered that history from d0
+    (and READs it, where it lands on the prefill that lacks it)."""
+    deadline = time.monotonic() + 45
+    while "d1" in _registered(fleet):
+        assert time.monotonic() < deadline, "d1's registration never lapsed"
+        time.sleep(0.2)
+    fleet.wait_routers_see(2, 1, timeout_s=60)
+    refused = fleet.events("d0", "retain_failed", part="retention")
+    assert all("held by engine d1" in e["error"] for e in refused), refused
+    since = len(convs[0].turns)
+    for n, c in enumerate(convs):
         c.send(fleet.routers[(n + 1) % 2])
         assert c.turns[-1]["headers"]["X-Kvbaton-Decode"] == "d0"
-        _wait_leased(fleet.cp_address, c)
-    assert sum(len(_reads(fleet, c.id)) - reads_before[c.id] for c in convs) >= len(convs) // 2
+        assert _wait_leased(fleet, c) == "d0"
+    reads_before = {c.id: len(_reads(fleet, c.id)) for c in convs}
+    held = {c.id: c.retained_tokens for c in convs}
+    for n, c in enumerate(convs):  # the turn after is offered d0's history
+        c.send(fleet.routers[n % 2])
+        assert c.turns[-1]["headers"]["X-Kvbaton-Decode"] == "d0"
+        assert int(c.turns[-1]["headers"]["X-Kvbaton-Reuse-Tokens"]) == held[c.id], c.turns[-1]["headers"]
+        _wait_leased(fleet, c)
+    # A turn on the other prefill than its last one (which lacks it in its prefix cache)
+    # READs that history from d0; one on the same prefill finds it in its own cache.
+    for c in convs:
+        if c.turns[-1]["headers"]["X-Kvbaton-Prefill"] != c.turns[-2]["headers"]["X-Kvbaton-Prefill"]:
+            assert len(_reads(fleet, c.id)) > reads_before[c.id], (c.id, _reads(fleet, c.id))
     _assert_equal_to_single(fleet, convs, since=since)
     stats = [_json(f"{r}/kvbaton/stats") for r in fleet.routers]
-    print("\nrouter stats:", json.dumps(stats))
-    srv.stop()  # reap what is left of the killed engine
+    print(f"\nretains refused while d1's registration lived: {len(refused)}; router stats:", json.dumps(stats))

@@ -85,7 +85,7 @@ async def test_index_stays_bounded_under_many_renewal_writes(leases):
         assert all(r.status == pb.RENEW_STATUS_OK for r in await svc.keepalive(batch))
     await settle(svc)
     assert svc.stats["renewal_writes"] >= 100 * 100
-    assert len(svc._deadlines) <= 2 * len(svc.hub.records) + 4096
+    assert svc._deadlines.heap_size <= 2 * len(svc.hub.records) + svc._deadlines.slack
 
 
 async def test_keepalive_batch_answers_every_case_in_order(leases):
@@ -153,3 +153,28 @@ async def test_keepalive_is_rate_limited_per_renewal_not_per_message():
     finally:
         await kv.close()
         await cp.stop()
+
+
+async def test_keepalive_batches_share_one_group_commit_and_stale_leases_take_the_slow_path(leases):
+    svc, clock = leases
+    for i in range(300):
+        await svc.grant(f"c{i}", "dec")
+    await settle(svc)
+    clock.advance(1_500)  # every renewal needs a write
+    # c0 is revoked after the batch is answered from the cache but before its write lands:
+    # its write is stale (compare fails), so the slow path answers ENDED, not OK.
+    first = asyncio.ensure_future(svc.keepalive([pb.RenewRequest(conversation_id=f"c{i}") for i in range(150)]))
+    second = asyncio.ensure_future(svc.keepalive([pb.RenewRequest(conversation_id=f"c{i}") for i in range(150, 300)]))
+    await asyncio.sleep(0)  # both batches queued their writes; the flusher has not run yet
+    assert len(svc._groups) == 2 and len(svc._pending) == 300
+    await svc.revoke("c0")
+    txns = svc.metrics.lease_renewal_txns._value.get()
+    a, b = await asyncio.gather(first, second)
+    assert a[0].status == pb.RENEW_STATUS_ENDED
+    assert all(r.status == pb.RENEW_STATUS_OK for r in a[1:] + b)
+    now = clock.now_ms()
+    assert all(r.lease.expires_at_ms >= now + 10_000 for r in a[1:] + b)
+    # 300 writes as a handful of transactions (flush_batch each), not one per renewal.
+    written = svc.metrics.lease_renewal_txns._value.get() - txns
+    assert written <= 300 // svc.config.flush_batch + 2
+    assert not svc._groups and not svc._pending and not svc.hub.preparsed

@@ -297,3 +297,27 @@ async def test_flooding_client_never_drains_another_identitys_bucket(tmp_path, t
             await flood.close()
             await calm.close()
             await cp.stop()
+
+
+async def test_a_dead_holders_conversation_may_be_taken_over(rig):
+    """A decode that died (its registration gone) while its lease lives on — an agent keeps
+    renewing it — does not keep every other decode from retaining the conversation; a
+    live holder still does (above)."""
+    cp, c = rig
+    await c["dec"].registrar.RegisterRetained(registrar_pb2.RegisterRetainedRequest(retained=registrar_pb2.RetainedBlocks(
+        conversation_id="conv-dead", engine_id="dec", block_ids=[1, 2], num_tokens=32, tokens_per_block=16)), timeout=3)
+    lease = (await c["dec"].lease.Grant(lease_pb2.GrantRequest(conversation_id="conv-dead", engine_id="dec",
+                                                               ttl_ms=60_000), timeout=3)).lease
+    retain = registrar_pb2.RegisterRetainedRequest(retained=registrar_pb2.RetainedBlocks(
+        conversation_id="conv-dead", engine_id="evil", block_ids=[9], num_tokens=16, tokens_per_block=16))
+    await _refused(c["evil"].registrar.RegisterRetained(retain, timeout=3))  # the holder lives
+    await c["dec"].registrar.DeregisterEngine(registrar_pb2.DeregisterEngineRequest(engine_id="dec"), timeout=3)
+    got = await c["router"].lease.Get(lease_pb2.GetLeaseRequest(conversation_id="conv-dead"), timeout=3)
+    assert got.lease_id == lease.lease_id and got.state == lease_pb2.LEASE_STATE_ACTIVE  # still live
+    await c["evil"].registrar.RegisterRetained(retain, timeout=3)
+    taken = (await c["evil"].lease.Grant(lease_pb2.GrantRequest(conversation_id="conv-dead", engine_id="evil",
+                                                                ttl_ms=60_000), timeout=3)).lease
+    assert taken.engine_id == "evil" and taken.lease_id != lease.lease_id
+    ret = await c["router"].registrar.LookupRetained(registrar_pb2.LookupRetainedRequest(conversation_id="conv-dead"),
+                                                     timeout=3)
+    assert ret.retained.engine_id == "evil"
