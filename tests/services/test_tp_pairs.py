@@ -213,7 +213,8 @@ async def _cli(plane, *args: str) -> str:
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "kvbaton.cli", *args, "--addr", plane.address,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd=ROOT)
-    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    # 120 s: a CLI process start (imports) took over 60 s at load average ~39 here.
+    out, err = await asyncio.wait_for(proc.communicate(), 120)
     assert proc.returncode == 0, err.decode()
     return out.decode()
 
