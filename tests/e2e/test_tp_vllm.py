@@ -41,11 +41,18 @@ from kvbaton.tinymodel import ensure_tiny_model
 
 pytestmark = [
     pytest.mark.vllm, pytest.mark.timeout(1200),
-    # Measured on the 2-core VM (2026-12-02, tools/tp_probe.py): a direct request to the TP-2
-    # prefill takes 0.2 s, a routed one ~30 s; decode's push wait then times out (recompute,
-    # answers right) while a pull did land per rank (P2 -> D1, 262144 B, both prefill ranks
-    # freed on their Done). The control plane also lost its leader leases 4-8 times per run.
-    # Cause not found yet: off by default until it passes here; KVBATON_TP_E2E=1 runs it.
+    # Measured on the 2-core VM (2026-12-02, tools/tp_probe.py; issue 14 branch i14-nice): a direct
+    # request to the TP-2 prefill takes 0.1-0.2 s, a routed P2->D1 push ~30-60 s and decode's push
+    # wait times out (recompute, answers right). Not fixed by niceness: prefill 0 / decode 19
+    # (set at spawn or reniced live), the control plane at -10 (leadership losses 12 -> 0, RPCs
+    # 3-35 ms) -- pushes still time out. What the stall shows: every thread of a TP rank, its
+    # kvbaton control and transfer threads included, is pinned to that rank's one core
+    # (VLLM_CPU_OMP_THREADS_BIND "0|1": 58 threads on [0] / [1]; decode's worker also on [1]),
+    # and while a transfer is pending the ranks' main threads spin in vLLM's shm queue
+    # (SpinCondition: sched_yield for 1 s after each read; the connector's 2 ms idle steps keep
+    # it busy) at 0.6-0.9 core each; rank 1's own control thread then misses its deadlines
+    # ("registrar lookup of engine 'd0' timed out", its send_done 60 s after rank 0's).
+    # Off by default until it passes here; KVBATON_TP_E2E=1 runs it.
     pytest.mark.skipif(os.environ.get("KVBATON_TP_E2E") != "1",
                        reason="TP-2 vLLM e2e: KVBATON_TP_E2E=1 (routed requests to a TP-2 prefill take ~30 s here)"),
 ]
