@@ -233,6 +233,8 @@ class PdStack(StackBase):
             one core per rank (``VLLM_CPU_OMP_THREADS_BIND="0|1"``).
         engine_env, engine_nice: extra environment and the niceness of both engines'
             process trees (a TP > 1 engine spins between steps; see tests/e2e/test_tp_vllm.py).
+        prefill_nice, decode_nice, prefill_env, decode_env: the same per role (a niceness
+            overrides ``engine_nice``, an environment is added to ``engine_env``).
 
     Use as a context manager; :meth:`stop` is idempotent and stops everything started,
     also after a failed start.
@@ -245,7 +247,9 @@ class PdStack(StackBase):
                  extra_config: dict[str, Any] | None = None, prefill_args: Sequence[str] = (),
                  router_control_plane: bool = False, store: str | None = None,
                  security: StackSecurity | None = None, prefill_tp: int = 1, decode_tp: int = 1,
-                 engine_env: dict[str, str] | None = None, engine_nice: int = 0) -> None:
+                 engine_env: dict[str, str] | None = None, engine_nice: int = 0,
+                 prefill_nice: int | None = None, decode_nice: int | None = None,
+                 prefill_env: dict[str, str] | None = None, decode_env: dict[str, str] | None = None) -> None:
         if connector != "kvbaton" and connector not in NIXL_VARIANTS:
             raise ValueError(f"connector must be kvbaton or one of {list(NIXL_VARIANTS)}, got {connector!r}")
         if security is not None and connector != "kvbaton":
@@ -264,6 +268,10 @@ class PdStack(StackBase):
         self.tp = {"prefill": max(int(prefill_tp), 1), "decode": max(int(decode_tp), 1)}
         self.engine_env = dict(engine_env or {})  # extra environment for both engines
         self.engine_nice = engine_nice  # both engines' process trees (VllmServer ``nice``)
+        #: per role, overriding ``engine_nice`` / adding to ``engine_env``
+        self.nice = {"prefill": engine_nice if prefill_nice is None else prefill_nice,
+                     "decode": engine_nice if decode_nice is None else decode_nice}
+        self.role_env = {"prefill": dict(prefill_env or {}), "decode": dict(decode_env or {})}
         self.p: VllmServer | None = None
         self.d: VllmServer | None = None
         self.routers: dict[str, str] = {}  # mode -> base URL
@@ -279,8 +287,9 @@ class PdStack(StackBase):
     def _start(self) -> None:
         envs: list[dict[str, str]] = [{"VLLM_CPU_OMP_THREADS_BIND": _cores(self.tp["prefill"], 0)},
                                       {"VLLM_CPU_OMP_THREADS_BIND": _cores(self.tp["decode"], 1)}]
-        for env in envs:
+        for env, role in zip(envs, ("prefill", "decode")):
             env.update(self.engine_env)
+            env.update(self.role_env[role])
         if self.connector == "kvbaton":
             self.cp_address = self._start_control_plane("cp", self.store)
             sec = self.security
@@ -300,7 +309,7 @@ class PdStack(StackBase):
                                                *_tp_args(self.tp[name]),
                                                "--kv-transfer-config", c],
                        env=env, log_path=self.workdir / f"{name}.log", served_model_name="tiny",
-                       startup_timeout_s=self.startup_timeout_s, nice=self.engine_nice)
+                       startup_timeout_s=self.startup_timeout_s, nice=self.nice[name])
             for name, c, env in (("prefill", configs[0], envs[0]), ("decode", configs[1], envs[1])))
         self._servers = [self.p, self.d]
         self._start_servers()

@@ -41,16 +41,29 @@ from kvbaton.tinymodel import ensure_tiny_model
 
 pytestmark = [
     pytest.mark.vllm, pytest.mark.timeout(1200),
-    # Measured on the 2-core VM (2026-12-02, tools/tp_probe.py): a direct request to the TP-2
-    # prefill takes 0.2 s, a routed one ~30 s; decode's push wait then times out (recompute,
-    # answers right) while a pull did land per rank (P2 -> D1, 262144 B, both prefill ranks
-    # freed on their Done). The control plane also lost its leader leases 4-8 times per run.
-    # Cause not found yet: off by default until it passes here; KVBATON_TP_E2E=1 runs it.
-    pytest.mark.skipif(os.environ.get("KVBATON_TP_E2E") != "1",
-                       reason="TP-2 vLLM e2e: KVBATON_TP_E2E=1 (routed requests to a TP-2 prefill take ~30 s here)"),
+    # The P2 -> D1 push cell (with its reuse turn) and the engines list run by default;
+    # KVBATON_TP_E2E=1 adds the cells not yet measured passing here (see ``ON``).
 ]
 
 TIMEOUT_S = 30.0
+#: Why the connector's idle steps wait 1.1 s here (measured 2026-12-02, tools/tp_affinity_probe.py):
+#: every thread of a TP rank, the connector's control and transfer threads included, is pinned to
+#: the rank's one core (``VLLM_CPU_OMP_THREADS_BIND="0|1"``: 58 threads on [0] / [1]), and while a
+#: transfer is pending the connector's empty steps (every ``idle_step_wait_ms``, 2 ms by default)
+#: keep vLLM's shm queue readers in their busy loop (``SpinCondition``: ``sched_yield`` for 1 s
+#: after each read), so the ranks' main threads spin at 0.6-0.9 core each and starve their own
+#: rank's threads: rank 1's registrar lookup timed out, its send_done came 60 s after rank 0's,
+#: decode's push wait timed out (30-60 s per routed request; a direct one 0.1 s). Niceness did
+#: not help (prefill 0 / decode 19, the control plane at -10: still timeouts). Steps 1.1 s apart
+#: let the readers sleep in their poll: 4/4 routed P2 -> D1 requests (push, pull) in 2.3-2.8 s.
+IDLE_STEP_WAIT_MS = 1100.0
+#: KVBATON_TP_E2E=1: also the cells not yet measured passing with that setting on this VM. One run
+#: with it (2026-12-02, 270 s): the killed-rank test passed (decode answered in 31.4 s); P1 -> D2
+#: pull answered both turns right (5.5 s) but decode's KV usage stayed at 0.0059 (one block) 15 s
+#: after the lease was revoked -- not investigated yet.
+ON = os.environ.get("KVBATON_TP_E2E") == "1"
+#: cells run by default
+DEFAULT_CELLS = {("p2d1", "push")}
 BLOCK = 128  # vLLM-cpu's block size for this model
 BLOCK_BYTES = 131072 * 2  # one block, both layers, both KV heads (float32): the whole engine's
 
@@ -62,6 +75,8 @@ FULL = os.environ.get("KVBATON_TP_E2E_FULL") == "1"
 
 
 def _configs() -> list[Any]:
+    if not ON:
+        return sorted({name for name, _ in DEFAULT_CELLS})
     out = []
     for name in PAIRS:
         if not FULL and all((name, m) in _SLOW for m in ("push", "pull")):
@@ -77,7 +92,8 @@ def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     work = tmp_path_factory.mktemp(request.param)
     t0 = time.monotonic()
     st = PdStack(model, work, timeout_s=TIMEOUT_S, prefill_tp=p_tp, decode_tp=d_tp, router_control_plane=True,
-                 prefill_args=["--no-enable-prefix-caching"], extra_config={"fault_file": str(work / "faults.json")},
+                 prefill_args=["--no-enable-prefix-caching"], extra_config={"fault_file": str(work / "faults.json"),
+                                                                  "idle_step_wait_ms": IDLE_STEP_WAIT_MS},
                  # A TP-2 engine's processes spin between steps (vLLM's shm queues, OpenMP), and
                  # steps run back to back while a transfer is pending: on 2 cores that starved the
                  # control plane for seconds (Offer 16 s, leadership lost). Engines yield to it.
@@ -158,6 +174,8 @@ def _check_turn(st: PdStack, mode: str, marks: dict[str, int], turn: int) -> Non
 @pytest.mark.parametrize("mode", ["push", "pull"])
 def test_two_turns_move_every_ranks_heads(stack: PdStack, mode: str) -> None:
     name = stack.name  # type: ignore[attr-defined]
+    if not ON and (name, mode) not in DEFAULT_CELLS:
+        pytest.skip("not yet measured passing on the 2-core VM: KVBATON_TP_E2E=1 runs it")
     if not FULL and (name, mode) in _SLOW:
         pytest.skip("slow cell: KVBATON_TP_E2E_FULL=1 runs it")
     assert stack.p is not None
@@ -224,6 +242,8 @@ def test_a_killed_prefill_rank_costs_a_recompute_not_a_hang(stack: PdStack) -> N
     push WRITE is held back (test fault ``delay_push_write_s``), after prefill answered the
     router: rank 0 writes its head, decode waits for the second writer, gives up at its
     timeout and recomputes — the answer is still right, nothing leaks on decode, no hang."""
+    if not ON:
+        pytest.skip("not yet measured with idle_step_wait_ms=1100 on the 2-core VM: KVBATON_TP_E2E=1 runs it")
     if stack.name != "p2d1":  # type: ignore[attr-defined]
         pytest.skip("one configuration is enough: TP-2 prefill, TP-1 decode")
     _, d = stack.engines()
