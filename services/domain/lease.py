@@ -35,7 +35,7 @@ import structlog
 from kvbaton.v1 import lease_pb2 as pb
 
 from ..metrics import ServiceMetrics
-from ..store.base import Compare, CompareOp, CompareTarget, Delete, EventType, KeyValue, Put, Store, WatchEvent
+from ..store.base import Compare, CompareOp, CompareTarget, Delete, EventType, Get, KeyValue, Put, Store, TxnResult, WatchEvent
 from . import lease_journal, limits, paging
 from .background import Tombstones, cancel_all, leader_ticks
 from .clock import Clock, WallClock
@@ -102,6 +102,12 @@ def _due_ms(info: pb.LeaseInfo) -> int:
     case not before its last pin lapses."""
     pinned = max((p.expires_at_ms for p in info.pins), default=0) if info.pins else 0
     return max(pinned, info.expires_at_ms) if info.state == ACTIVE else pinned
+
+
+def _mod_revision(result: TxnResult) -> int:
+    """The revision of the fence a failed txn's failure branch read (0: never written)."""
+    kv = result.values[0] if result.values else None
+    return kv.mod_revision if kv is not None else 0
 
 
 def derive_events(ev: WatchEvent) -> Iterable[tuple[str, pb.LeaseEvent]]:
@@ -249,6 +255,11 @@ class LeaseService:
     def _ends_put(self) -> Put:
         """Bumps the "ends" fence: a journal write checked against an older cache fails."""
         return Put(self._fence_ends, b"")
+
+    async def _catch_up_renewals(self, result: TxnResult) -> None:
+        """After a txn that lost the renewals fence (its failure branch read the fence):
+        waits until the journal view holds the journal write that moved it."""
+        await self.journal_hub.wait_for(_mod_revision(result))
 
     def _renewals_fence(self) -> Compare:
         """No journal write after what this replica's journal view has applied."""
@@ -538,7 +549,7 @@ class LeaseService:
                 puts.append(Put(key, lease_journal.encode(ids[i:i + step], deadlines[i:i + step])))
             puts.append(Put(self._fence_renewals, b""))
             fence = Compare(self._fence_ends, CompareTarget.MOD_REVISION, CompareOp.LESS, seen + 1)
-            result = await self.store.txn([fence], puts)
+            result = await self.store.txn([fence], puts, [Get(self._fence_ends)])
             if result.succeeded:
                 self.journal.note(ids, deadlines)
                 self.stats["renewal_writes"] += len(ids)
@@ -546,9 +557,10 @@ class LeaseService:
                 self.metrics.lease_renewal_writes.inc(len(ids))
                 self.metrics.lease_renewal_txns.inc()
                 return stale, rest
-            # A lease ended after the cache's revision: catch up and check again.
+            # A lease ended after the cache's revision: catch up (to the revision of that
+            # end, which the lease watch carries) and check again.
             self.stats["fence_conflicts"] += 1
-            await self.hub.wait_for(result.revision)
+            await self.hub.wait_for(_mod_revision(result))
         return set(), items
 
     def _on_journal(self, ev: WatchEvent) -> None:
@@ -817,14 +829,14 @@ class LeaseService:
                 ops = await self._end_ops(info, EXPIRED, "ttl elapsed (ended at unpin)", now)
             else:
                 ops = [Put(key, self._folded(info).SerializeToString())]
-            result = await self.store.txn(compares, ops)
+            result = await self.store.txn(compares, ops, [Get(self._fence_renewals)])
             if result.succeeded:
                 final = _parse(ops[0].value)
                 if final.state in TERMINAL_STATES:
                     self.metrics.lease_ends.labels(end_reason(final.state, final.reason)).inc()
                 await self.hub.wait_for(result.revision)
                 return self._view(final, now)
-            await self.journal_hub.wait_for(result.revision)  # a renewal fence may have lost: catch up
+            await self._catch_up_renewals(result)  # a renewal fence may have lost: catch up
         raise DomainError(Code.ABORTED, f"unpin on {lease_id} kept conflicting; retry")
 
     # -- revoke ------------------------------------------------------------
@@ -969,14 +981,14 @@ class LeaseService:
         # An expiry also requires that no renewal was journaled after what this replica's
         # journal view holds (DRAINING ends on its pins alone: no renewal can save it).
         compares = [cmp, self._renewals_fence()] if state == EXPIRED else [cmp]
-        result = await self.store.txn(compares, ops)
+        result = await self.store.txn(compares, ops, [Get(self._fence_renewals)])
         if not result.succeeded:
             entry = self.hub.records.get(key)
             if entry is not None and entry[1] == rev:
                 # The record is unchanged: a renewal was journaled that this view lacks.
                 # Catch up and look again on the next tick.
                 self.stats["fence_conflicts"] += 1
-                await self.journal_hub.wait_for(result.revision)
+                await self._catch_up_renewals(result)
                 self._deadlines.arm(key, max(self._due(info), now + 1), rev)
             return 0  # changed under us (a renewal raced the tick): its new record has its own entry
         self.stats["expired" if state == EXPIRED else "revoked"] += 1
