@@ -35,7 +35,19 @@ import structlog
 from kvbaton.v1 import lease_pb2 as pb
 
 from ..metrics import ServiceMetrics
-from ..store.base import Compare, CompareOp, CompareTarget, Delete, EventType, Get, KeyValue, Put, Store, TxnResult, WatchEvent
+from ..store.base import (
+    Compare,
+    CompareOp,
+    CompareTarget,
+    Delete,
+    EventType,
+    Get,
+    KeyValue,
+    Put,
+    Store,
+    TxnResult,
+    WatchEvent,
+)
 from . import lease_journal, limits, paging
 from .background import Tombstones, cancel_all, leader_ticks
 from .clock import Clock, WallClock
