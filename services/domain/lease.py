@@ -192,6 +192,11 @@ class LeaseService:
         self._jseq = 0
         self._pending: dict[str, int] = {}  # lease_id -> deadline to write
         self._groups: list[tuple[list[str], asyncio.Future[set[str]]]] = []  # callers waiting on the flusher
+        # Leases that left ACTIVE in the cache (so far): a batch checked against the cache
+        # at the same count needs no second check before its journal write.
+        self._ends = 0
+        self._unchecked = False  # something pending was not checked against the cache (or at another count)
+        self._checked_at: int | None = None  # the count the pending writes were checked at
         self._flush_wakeup = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self._tombstones = Tombstones(store, self.config.tombstone_s, rotate_s=60.0)
@@ -441,6 +446,7 @@ class LeaseService:
         """Keeps conversation -> ACTIVE lease id and the deadline index in step with the
         cache (hub listener; the hub has already parsed and cached a live record)."""
         if ev.type is not EventType.PUT:
+            self._ends += 1
             self._deadlines.drop(ev.kv.key)
             self.journal.forget(ev.kv.key[len(self._lprefix):].decode())
             return
@@ -452,6 +458,8 @@ class LeaseService:
             self._deadlines.drop(ev.kv.key, ev.kv.mod_revision)  # ended: nothing left to expire
             info = _parse(ev.kv.value)
             self.journal.forget(info.lease_id)
+        if info.state != ACTIVE:
+            self._ends += 1
         if info.state == ACTIVE:
             self._active_by_conv[info.conversation_id] = info.lease_id
         elif self._active_by_conv.get(info.conversation_id) == info.lease_id:
@@ -471,7 +479,7 @@ class LeaseService:
         if lease_id in await self._enqueue_writes([(lease_id, deadline)]):
             raise _Stale()
 
-    def _enqueue_writes(self, writes: Sequence[tuple[str, int]]) -> asyncio.Future[set[str]]:
+    def _enqueue_writes(self, writes: Sequence[tuple[str, int]], checked: int | None = None) -> asyncio.Future[set[str]]:
         """Hands deadlines to the group-commit flusher. One future for the whole group (a
         KeepAlive batch of 10,000 is one future, not 10,000): it resolves, once every
         deadline is written, to the lease ids that were not (the lease changed first:
@@ -482,6 +490,9 @@ class LeaseService:
             if pending.get(lease_id, 0) < deadline:
                 pending[lease_id] = deadline
         self._groups.append(([lease_id for lease_id, _ in writes], fut))
+        if checked is None or self._checked_at not in (None, checked):
+            self._unchecked = True
+        self._checked_at = checked
         self._flush_wakeup.set()
         return fut
 
@@ -495,12 +506,15 @@ class LeaseService:
             self._flush_wakeup.clear()
             pending, self._pending = self._pending, {}
             groups, self._groups = self._groups, []
+            # Checked, and no lease left ACTIVE since: the journal write needs no second check.
+            checked = not self._unchecked and self._checked_at == self._ends
+            self._unchecked, self._checked_at = False, None
             try:
                 stale: set[str] = set()
                 failed: dict[str, BaseException] = {}
                 items = list(pending.items())
                 try:
-                    stale, items = await self._flush_journal(items)
+                    stale, items = await self._flush_journal(items, checked=checked)
                 except Exception as exc:  # noqa: BLE001 - the store failed: every renewal of this flush fails with it
                     failed.update((lease_id, exc) for lease_id, _ in items)
                     items = []
@@ -528,21 +542,25 @@ class LeaseService:
                     if not fut.done():
                         fut.set_exception(DomainError(Code.UNAVAILABLE, "lease service stopping; retry"))
 
-    async def _flush_journal(self, items: list[tuple[str, int]]) -> tuple[set[str], list[tuple[str, int]]]:
+    async def _flush_journal(self, items: list[tuple[str, int]], *, checked: bool = False) -> tuple[set[str], list[tuple[str, int]]]:
         """Writes the deadlines of every lease live in this replica's cache as journal
         records, in one transaction fenced by "ends" (no lease ended after the cache's
         revision, so each is still ACTIVE when it commits). Returns the lease ids that
         ended (stale) and what is left for per-lease writes: leases the cache does not
         hold (granted on another replica a moment ago), or the whole batch when ends kept
-        racing the fence."""
+        racing the fence. ``checked``: every lease was found ACTIVE in the cache and none
+        has left ACTIVE since, so the first attempt skips checking them again."""
         records, lprefix = self.hub.records, self._lprefix
-        for _ in range(_FENCE_RETRIES):
+        for attempt in range(_FENCE_RETRIES):
             seen = self.hub.revision
             ids: list[str] = []
             deadlines: list[int] = []
             stale: set[str] = set()
             rest: list[tuple[str, int]] = []
-            for lease_id, deadline in items:
+            if checked and attempt == 0:
+                ids = [lease_id for lease_id, _ in items]
+                deadlines = [deadline for _, deadline in items]
+            for lease_id, deadline in (() if ids else items):
                 entry = records.get(lprefix + lease_id.encode())
                 if entry is None:
                     rest.append((lease_id, deadline))
@@ -704,32 +722,36 @@ class LeaseService:
         out = into if into is not None else pb.KeepAliveResponse()
         results = [out.results.add() for _ in batch]
         slow: list[int] = []
-        writes: list[tuple[int, str, int]] = []
+        writes: list[tuple[int, pb.LeaseInfo, int]] = []
         records, by_conv, jget = self.hub.records, self._active_by_conv, self.journal.deadline.get
+        lprefix, max_slack, renewed = self._lprefix, self.config.max_slack_ms, self._renewed
+        checked = self._ends  # every lease below is ACTIVE in the cache as of this count
         for i, r in enumerate(batch):
-            cid, lid = r.conversation_id, r.lease_id or by_conv.get(r.conversation_id, "")
-            entry = records.get(self._lkey(lid)) if lid and not r.ttl_ms else None
+            cid = r.conversation_id
+            lid = r.lease_id or by_conv.get(cid, "")
+            entry = records.get(lprefix + lid.encode()) if lid and not r.ttl_ms else None
             if entry is None or entry[0].state != ACTIVE or entry[0].conversation_id != cid:
                 slow.append(i)
                 continue
             info = entry[0]
-            promised = now + info.ttl_ms
-            deadline = jget(info.lease_id, 0)
+            ttl = info.ttl_ms
+            deadline = jget(lid, 0)
             if deadline < info.expires_at_ms:
                 deadline = info.expires_at_ms
-            if deadline < promised:
-                writes.append((i, info.lease_id, promised + self._slack(info.ttl_ms)))
+            if deadline < now + ttl:
+                slack = ttl // 4
+                writes.append((i, info, now + ttl + (slack if slack < max_slack else max_slack)))
             else:
-                self._renewed(results[i], cid, info, now, deadline)
+                renewed(results[i], cid, info, now, deadline)
         fast = len(batch) - len(slow) - len(writes)
         if writes:
-            stale = await self._enqueue_writes([(lease_id, deadline) for _, lease_id, deadline in writes])
-            for i, lease_id, _ in writes:
-                entry = records.get(self._lkey(lease_id))
-                if lease_id in stale or entry is None:
+            stale = await self._enqueue_writes([(info.lease_id, deadline) for _, info, deadline in writes], checked)
+            for i, info, deadline in writes:
+                if info.lease_id in stale:
                     slow.append(i)
                 else:
-                    self._renewed(results[i], batch[i].conversation_id, entry[0], now, self.deadline(entry[0]))
+                    journal = jget(info.lease_id, 0)
+                    renewed(results[i], info.conversation_id, info, now, journal if journal > deadline else deadline)
                     fast += 1
         self.stats["renewals"] += fast
         if fast:
@@ -955,6 +977,7 @@ class LeaseService:
 
     # -- expiry ------------------------------------------------------------
     def _rebuild_deadlines(self) -> None:
+        self._ends += 1  # the cache was reloaded: what was checked against it is checked again
         self._deadlines.clear()
         for key, (info, rev) in self.hub.records.items():
             self._deadlines.arm(key, _due_ms(info), rev)
