@@ -173,6 +173,7 @@ async def run(args, baseline_dir: pathlib.Path | None = None) -> dict:
             full["get_after"] = await get_latency(kv, "probe", args.gets)
             full["rss_mib_after"] = rss_mib(server.pid)
             print("after:", json.dumps({k: full[k] for k in ("idle_cpu_pct_after", "get_after", "rss_mib_after")}), flush=True)
+            out["loadavg_at_end"] = list(os.getloadavg())
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         try:
