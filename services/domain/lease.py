@@ -109,11 +109,13 @@ def _live_pins(info: pb.LeaseInfo, now: int) -> list[pb.PinInfo]:
     return [p for p in info.pins if p.expires_at_ms > now]
 
 
-def _due_ms(info: pb.LeaseInfo) -> int:
-    """When a live lease may end: its deadline (ACTIVE) or now (DRAINING), and in either
-    case not before its last pin lapses."""
+def _due_ms(info: pb.LeaseInfo, deadline: int | None = None) -> int:
+    """When a live lease may end: its deadline (ACTIVE; the record's unless given) or now
+    (DRAINING), and in either case not before its last pin lapses."""
     pinned = max((p.expires_at_ms for p in info.pins), default=0) if info.pins else 0
-    return max(pinned, info.expires_at_ms) if info.state == ACTIVE else pinned
+    if info.state != ACTIVE:
+        return pinned
+    return max(pinned, info.expires_at_ms if deadline is None else deadline)
 
 
 def _mod_revision(result: TxnResult) -> int:
@@ -247,8 +249,7 @@ class LeaseService:
 
     def _due(self, info: pb.LeaseInfo) -> int:
         """``_due_ms`` with the journal's deadline."""
-        pinned = max((p.expires_at_ms for p in info.pins), default=0) if info.pins else 0
-        return max(pinned, self.deadline(info)) if info.state == ACTIVE else pinned
+        return _due_ms(info, self.deadline(info))
 
     def _view(self, info: pb.LeaseInfo, now: int | None = None) -> pb.LeaseInfo:
         now = self.clock.now_ms() if now is None else now
