@@ -103,14 +103,19 @@ class LeaseJournal:
         least as new as ``revision``) says a lease has already ended: its entry is dead."""
         if key in self._ids:
             self.apply_delete(key)  # rewritten (not done by kvbaton): replace what it held
-        owner, known = self._owner, self.deadline
+        owner, known, counts, dead = self._owner, self.deadline, self._live, self.dead
         live = 0
         for lid, dl in zip(batch.ids, batch.deadlines):
             cur = owner.get(lid)
             if cur is not None:
                 if cur[0] >= dl:
                     continue
-                self._release(cur[1])
+                old = cur[1]  # superseded there (inlined _release: this loop runs per renewal)
+                left = counts.get(old)
+                if left is not None:
+                    counts[old] = left - 1
+                    if left <= 1:
+                        dead.add(old)
             elif ended is not None and ended(lid):
                 continue
             owner[lid] = (dl, key)
