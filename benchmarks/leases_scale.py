@@ -134,7 +134,8 @@ async def run(args, baseline_dir: pathlib.Path | None = None) -> dict:
     server = subprocess.Popen([sys.executable, "-m", "kvbaton.cli", "serve", "--insecure", "--listen", f"127.0.0.1:{port}",
                                "--store", getattr(args, "store_url", args.store), "--log-level", "WARNING"], env=env, start_new_session=True,
                               cwd=str(baseline_dir) if baseline_dir is not None else None)
-    out: dict = {"benchmark": "leases_scale", "commit": commit(), "machine": f"{os.cpu_count()} cores",
+    machine = f"{os.cpu_count()} cores" + (f", {args.machine}" if args.machine else "")
+    out: dict = {"benchmark": "leases_scale", "commit": args.commit or commit(), "machine": machine,
                  "config": {k: v for k, v in vars(args).items() if k != "out"}, "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                  "loadavg_at_start": list(os.getloadavg())}
     try:
@@ -209,6 +210,8 @@ def main() -> int:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--baseline", default="", help="also measure `kvbaton serve` of this commit, same run, after this tree")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "leases_scale.json"))
+    p.add_argument("--machine", default="", help="what this machine is, recorded in the results (beside its core count)")
+    p.add_argument("--commit", default="", help="the commit measured, where this tree is a copy with no git history")
     args = p.parse_args()
     if sum(args.sizes) * args.repeat > args.leases:
         p.error("--leases must cover sum(--sizes) * --repeat distinct conversations")
