@@ -190,3 +190,26 @@ async def test_a_record_past_its_latest_deadline_is_deleted(two):
     assert await b.collect_journal() == 1  # every deadline in it is past
     await collected(a, b)
     assert await journal_keys(a) == []
+
+
+def test_journal_view_counts_what_each_record_still_holds():
+    """The merge alone: a record is deletable once every entry is superseded or ended,
+    and deleting it never lowers a deadline a newer record (or a write-through) holds."""
+    j = lease_journal.LeaseJournal()
+    j.apply_put(b"r1", lease_journal.decode(lease_journal.encode(["a", "b"], [100, 100])), 1)
+    j.apply_put(b"r2", lease_journal.decode(lease_journal.encode(["a"], [200])), 2)
+    assert j.deadline == {"a": 200, "b": 100} and j.dead == set()
+    j.apply_put(b"r3", lease_journal.decode(lease_journal.encode(["a"], [150])), 3)  # older news
+    assert j.deadline["a"] == 200 and j.dead == {b"r3"}
+    j.forget("b")  # b ended: r1 now holds nothing
+    assert j.dead == {b"r1", b"r3"} and "b" not in j.deadline
+    j.note(["a"], [300])  # this replica's own write, before the watch brings it
+    j.apply_delete(b"r2")  # r2 deleted (past): a keeps the later write-through deadline
+    assert j.deadline["a"] == 300
+    assert sorted(j.deletable(0, 10)) == [b"r1", b"r3"]
+    for key in (b"r1", b"r3"):
+        j.apply_delete(key)
+    assert len(j) == 0 and j.dead == set()
+    # A record whose lease already ended (per a lease cache as new as it) owns nothing.
+    j.apply_put(b"r4", lease_journal.decode(lease_journal.encode(["gone"], [500])), 4, ended=lambda _lid: True)
+    assert j.dead == {b"r4"} and "gone" not in j.deadline
