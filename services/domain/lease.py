@@ -551,6 +551,18 @@ class LeaseService:
         hold (granted on another replica a moment ago), or the whole batch when ends kept
         racing the fence. ``checked``: every lease was found ACTIVE in the cache and none
         has left ACTIVE since, so the first attempt skips checking them again."""
+        step = lease_journal.MAX_ENTRIES
+        if len(items) > step:
+            # One record (and one transaction: etcd's request limit is 1.5 MiB) per chunk.
+            stale_all: set[str] = set()
+            rest_all: list[tuple[str, int]] = []
+            ends = self._ends
+            for i in range(0, len(items), step):
+                # Still checked only while no lease has left ACTIVE since.
+                stale, rest = await self._flush_journal(items[i:i + step], checked=checked and self._ends == ends)
+                stale_all |= stale
+                rest_all += rest
+            return stale_all, rest_all
         records, lprefix = self.hub.records, self._lprefix
         for attempt in range(_FENCE_RETRIES):
             seen = self.hub.revision
@@ -572,13 +584,9 @@ class LeaseService:
                     deadlines.append(deadline)
             if not ids:
                 return stale, rest
-            puts: list[Put | Delete] = []
-            step = lease_journal.MAX_ENTRIES
-            for i in range(0, len(ids), step):
-                self._jseq += 1
-                key = self._jprefix + b"%016x" % self._jseq
-                puts.append(Put(key, lease_journal.encode(ids[i:i + step], deadlines[i:i + step])))
-            puts.append(Put(self._fence_renewals, b""))
+            self._jseq += 1
+            puts = [Put(self._jprefix + b"%016x" % self._jseq, lease_journal.encode(ids, deadlines)),
+                    Put(self._fence_renewals, b"")]
             fence = Compare(self._fence_ends, CompareTarget.MOD_REVISION, CompareOp.LESS, seen + 1)
             result = await self.store.txn([fence], puts, [Get(self._fence_ends)])
             if result.succeeded:

@@ -213,3 +213,18 @@ def test_journal_view_counts_what_each_record_still_holds():
     # A record whose lease already ended (per a lease cache as new as it) owns nothing.
     j.apply_put(b"r4", lease_journal.decode(lease_journal.encode(["gone"], [500])), 4, ended=lambda _lid: True)
     assert j.dead == {b"r4"} and "gone" not in j.deadline
+
+
+async def test_a_large_flush_is_one_record_per_chunk(two, monkeypatch):
+    a, b, clock = two
+    monkeypatch.setattr(lease_journal, "MAX_ENTRIES", 100)  # etcd: 1.5 MiB a request
+    for i in range(250):
+        await a.grant(f"c{i}", "dec")
+    await settle(a, b)
+    clock.advance(3_000)
+    res = await a.keepalive([pb.RenewRequest(conversation_id=f"c{i}") for i in range(250)])
+    assert all(r.status == pb.RENEW_STATUS_OK for r in res)
+    assert a.stats["journal_writes"] == 3 and len(await journal_keys(a)) == 3
+    await settle(a, b)
+    for i in (0, 150, 249):
+        assert (await b.get(f"c{i}")).expires_at_ms == res[i].lease.expires_at_ms
