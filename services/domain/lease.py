@@ -559,9 +559,9 @@ class LeaseService:
             ends = self._ends
             for i in range(0, len(items), step):
                 # Still checked only while no lease has left ACTIVE since.
-                stale, rest = await self._flush_journal(items[i:i + step], checked=checked and self._ends == ends)
-                stale_all |= stale
-                rest_all += rest
+                chunk_stale, chunk_rest = await self._flush_journal(items[i:i + step], checked=checked and self._ends == ends)
+                stale_all |= chunk_stale
+                rest_all += chunk_rest
             return stale_all, rest_all
         records, lprefix = self.hub.records, self._lprefix
         for attempt in range(_FENCE_RETRIES):
