@@ -282,8 +282,8 @@ def test_shared_pool_both_directions_at_once() -> None:
         b_src, a_dst = rng.permutation(40), 40 + rng.permutation(40)
         want_b = checksum(p.ta, a_src, p.bd)
         want_a = checksum(p.tb, b_src, p.bd)
-        # alone: A's send holds 3 of its 4 slots and 3 of B's 4 (each side keeps one for
-        # the other direction: see SlotGrants(local=))
+        # alone: A's send holds all 4 of its slots and all 4 of B's (B sends nothing;
+        # with both directions each side keeps one for the other: see SlotGrants(local=))
         most = {"local": 0, "remote": 0}
         job = p.sa.start_send(p.b.name, p.sb.info(), a_src[:20], b_dst[:20], "solo", timeout_s=20)
         deadline = time.monotonic() + 20
@@ -294,7 +294,7 @@ def test_shared_pool_both_directions_at_once() -> None:
             most["remote"] = max(most["remote"], len(p.sb.grants.slots_of(p.a.name, "solo")))
             assert time.monotonic() < deadline
         job.close()
-        assert most == {"local": 3, "remote": 3}
+        assert most == {"local": 4, "remote": 4}
         # both directions at once, stepped from one thread (each engine's owner thread)
         jobs = [p.sa.start_send(p.b.name, p.sb.info(), a_src, b_dst, "ab", timeout_s=30),
                 p.sb.start_send(p.a.name, p.sa.info(), b_src, a_dst, "ba", timeout_s=30)]
