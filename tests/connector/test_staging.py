@@ -324,6 +324,58 @@ def test_shared_pool_both_directions_at_once() -> None:
 
 
 @pytest.mark.nixl
+def test_shared_pool_second_direction_starts_while_first_holds_everything() -> None:
+    """The order the N−1 caps used to guard against: A's send alone takes all of its own
+    pool and all of B's (B sends nothing yet); then B starts sending back to A. B's request
+    must wait for A's slots and B's own send for its slots, and both transfers still finish
+    (the holder gives slots back as its chunks finish), every byte in place."""
+    from kvbaton.connector.transfer.staging import LOCAL
+
+    block_bytes = LAYERS * 2 * TPB * 2 * 8 * 2
+    p = StagedPair("kv", slot_bytes=2 * block_bytes, num_slots=2, send_slots=2, shared=True)
+    try:
+        for t in p.tb:
+            t.view(torch.uint8)[:, :40].copy_(torch.randint(0, 256, t.view(torch.uint8)[:, :40].shape,
+                                                          dtype=torch.uint8))
+        for t in (*p.ta, *p.tb):
+            t[:, 40:].zero_()
+        rng = np.random.default_rng(5)
+        a_src, b_dst = rng.permutation(40), 40 + rng.permutation(40)
+        b_src, a_dst = rng.permutation(40), 40 + rng.permutation(40)
+        want_b, want_a = checksum(p.ta, a_src, p.bd), checksum(p.tb, b_src, p.bd)
+        ab = p.sa.start_send(p.b.name, p.sb.info(), a_src, b_dst, "ab", timeout_s=30)
+        deadline = time.monotonic() + 30
+        while not (len(p.sa.grants.slots_of(LOCAL, "ab")) == 4
+                   and len(p.sb.grants.slots_of(p.a.name, "ab")) == 4):
+            ab.step()
+            p.sa.progress()
+            p.sb.progress()
+            assert time.monotonic() < deadline, "a lone send never held both whole pools"
+        ba = p.sb.start_send(p.a.name, p.sa.info(), b_src, a_dst, "ba", timeout_s=30)
+        jobs, done = [ab, ba], [False, False]
+        while not all(done):
+            p.sa.progress()
+            p.sb.progress()
+            for i, j in enumerate(jobs):
+                done[i] = done[i] or j.step()
+            assert time.monotonic() < deadline, "the late direction never got a slot"
+        for j in jobs:
+            j.close()
+        for _ in range(100):
+            p.sa.progress()
+            p.sb.progress()
+            if not (p.sa.grants.busy or p.sb.grants.busy):
+                break
+            time.sleep(0.002)
+        assert checksum(p.tb, b_dst, p.bd) == want_b
+        assert checksum(p.ta, a_dst, p.bd) == want_a
+        for sp in (p.sa, p.sb):
+            assert not sp.grants.busy and sp.grants.free_slots() == 4 and sp.dropped_chunks == 0
+    finally:
+        p.close()
+
+
+@pytest.mark.nixl
 def test_staged_rejects_bad_ids() -> None:
     p = StagedPair("kv", slot_bytes=1 << 16, num_slots=2)
     try:
