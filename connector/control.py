@@ -22,6 +22,7 @@ from kvbaton.security import ClientSecurity
 from kvbaton.services.tracing import grpc_metadata
 from kvbaton.v1 import common_pb2, registrar_pb2, rendezvous_pb2
 
+from .affinity import unpin_this_thread
 from .settings import KvbatonSettings
 
 log = logging.getLogger("kvbaton.connector.control")
@@ -32,9 +33,11 @@ class ControlThread:
     """Owns an event loop on a named daemon thread; registers and refreshes the engine rank."""
 
     def __init__(self, address: str, *, timeout_s: float = 5.0, name: str = "kvbaton-control",
-                 security: ClientSecurity | None = None) -> None:
+                 security: ClientSecurity | None = None, unpin: bool = True) -> None:
         self.address = address
         self.timeout_s = timeout_s
+        self.unpin = unpin  # widen this thread's CPU mask first (connector/affinity.py)
+        self.cpus: set[int] | None = None  # the mask the thread runs on (None: not widened)
         # TLS + token (settings or $KVBATON_TLS_* / $KVBATON_TOKEN); resolved here so a
         # half-configured engine fails at start, not on its first call.
         self.security = security if security is not None else ClientSecurity.resolve()
@@ -49,6 +52,8 @@ class ControlThread:
         self._tasks: list[concurrent.futures.Future[None]] = []
 
     def _run(self) -> None:
+        if self.unpin:  # before the gRPC channel: gRPC's own threads inherit the mask
+            self.cpus = unpin_this_thread()
         asyncio.set_event_loop(self._loop)
         self._client = self.security.client(self.address, timeout_s=self.timeout_s)
         self._ready.set()

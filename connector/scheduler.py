@@ -98,7 +98,7 @@ class KvbatonScheduler:
     def _control_thread(self) -> ControlThread:
         if self._control is None:
             self._control = ControlThread(self.settings.control_plane, name="kvbaton-sched-control",
-                                          security=security_of(self.settings))
+                                          security=security_of(self.settings), unpin=self.settings.unpin_threads)
         return self._control
 
     def bind_block_pool(self, block_pool: Any) -> None:
