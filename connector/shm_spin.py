@@ -42,7 +42,8 @@ def lower_spin(busy_loop_s: float, cls: type, objects: list[object]) -> int:
     """The search itself: readers (``is_reader``) of type ``cls`` whose ``busy_loop_s`` is above."""
     n = 0
     for o in objects:
-        if isinstance(o, cls) and getattr(o, "is_reader", False) and float(getattr(o, "busy_loop_s", 0)) > busy_loop_s:
+        # type(), not isinstance(): isinstance reads ``__class__``, which some module proxies warn on
+        if issubclass(type(o), cls) and getattr(o, "is_reader", False) and float(getattr(o, "busy_loop_s", 0)) > busy_loop_s:
             o.busy_loop_s = busy_loop_s  # type: ignore[attr-defined]
             n += 1
     return n
