@@ -24,7 +24,6 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -36,7 +35,7 @@ from typing import Any
 
 import pytest
 
-from kvbaton.stack.pd_stack import PdStack, post_json, revoke_lease, usage_back_to_zero
+from kvbaton.stack.pd_stack import PdStack, completion_body, post_json, revoke_lease, token_ids, usage_back_to_zero
 from kvbaton.tinymodel import ensure_tiny_model
 
 pytestmark = [
@@ -103,7 +102,7 @@ def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     st.broken = False  # type: ignore[attr-defined]
     print(f"\n{request.param}: engines up in {time.monotonic() - t0:.0f} s")
     for srv in st.engines():  # warm each engine up alone (first-request costs out of the turns)
-        srv.post_json("/v1/completions", _body(_ids(1, 200), 4))
+        srv.post_json("/v1/completions", completion_body(token_ids(1, 200), 4))
     try:
         yield st
     finally:
@@ -112,16 +111,6 @@ def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
         except Exception:
             if not st.broken:  # type: ignore[attr-defined]  # a test killed a rank: its engine died
                 raise
-
-
-def _ids(seed: int, n: int) -> list[int]:
-    rnd = random.Random(seed)
-    return [rnd.randrange(10, 4000) for _ in range(n)]
-
-
-def _body(prompt: list[int], max_tokens: int = 24) -> dict[str, Any]:
-    return {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
-            "return_token_ids": True}
 
 
 def _by_rank(events: list[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
@@ -180,7 +169,7 @@ def test_two_turns_move_every_ranks_heads(stack: PdStack, mode: str) -> None:
         pytest.skip("slow cell: KVBATON_TP_E2E_FULL=1 runs it")
     assert stack.p is not None
     conv = f"tp-{name}-{mode}"
-    prompt = _ids(hash(conv) % 1000, 300)
+    prompt = token_ids(hash(conv) % 1000, 300)
     t0 = time.monotonic()
     try:
         _two_turns(stack, mode, conv, prompt)
@@ -194,9 +183,9 @@ def _two_turns(stack: PdStack, mode: str, conv: str, prompt: list[int]) -> None:
     assert stack.p is not None
     name = stack.name  # type: ignore[attr-defined]
     for turn in range(2):
-        ref = stack.p.post_json("/v1/completions", _body(prompt))["choices"][0]["token_ids"]
+        ref = stack.p.post_json("/v1/completions", completion_body(prompt))["choices"][0]["token_ids"]
         marks = {e: stack.event_count(e) for e in (stack.prefill_id, stack.decode_id)}
-        status, raw = post_json(f"{stack.routers[mode]}/v1/completions", {**_body(prompt), "conversation_id": conv})
+        status, raw = post_json(f"{stack.routers[mode]}/v1/completions", {**completion_body(prompt), "conversation_id": conv})
         assert status == 200, raw[:1000]
         out = json.loads(raw)
         assert out["choices"][0]["token_ids"] == ref, f"{name} {mode} turn {turn + 1} differs from one engine"
@@ -205,7 +194,7 @@ def _two_turns(stack: PdStack, mode: str, conv: str, prompt: list[int]) -> None:
             retained = (out.get("kv_transfer_params") or {}).get("retained")
             assert retained and retained["engine_id"] == stack.decode_id, out.get("kv_transfer_params")
             _wait_leased(stack, conv)
-        prompt = prompt + out["choices"][0]["token_ids"] + _ids(7 + turn, 100)
+        prompt = prompt + out["choices"][0]["token_ids"] + token_ids(7 + turn, 100)
 
 
 def _wait_leased(st: PdStack, conv: str, timeout_s: float = 10.0) -> None:
@@ -263,13 +252,13 @@ def test_a_killed_prefill_rank_costs_a_recompute_not_a_hang(stack: PdStack) -> N
     if stack.name != "p2d1":  # type: ignore[attr-defined]
         pytest.skip("one configuration is enough: TP-2 prefill, TP-1 decode")
     _, d = stack.engines()
-    prompt = _ids(99, 300)
-    ref = d.post_json("/v1/completions", _body(prompt))["choices"][0]["token_ids"]
+    prompt = token_ids(99, 300)
+    ref = d.post_json("/v1/completions", completion_body(prompt))["choices"][0]["token_ids"]
     (stack.workdir / "faults.json").write_text(json.dumps({"delay_push_write_s": 8.0}))
     marks = {e: stack.event_count(e) for e in (stack.prefill_id, stack.decode_id)}
     t0 = time.monotonic()
     with concurrent.futures.ThreadPoolExecutor(1) as ex:
-        fut = ex.submit(post_json, f"{stack.routers['push']}/v1/completions", _body(prompt), 4 * TIMEOUT_S)
+        fut = ex.submit(post_json, f"{stack.routers['push']}/v1/completions", completion_body(prompt), 4 * TIMEOUT_S)
         delayed = _wait_events(stack, stack.prefill_id, "fault_delay", marks[stack.prefill_id], 2, timeout_s=60)
         victim = [e for e in delayed if e.get("tp_rank") == 1]
         assert victim, delayed
