@@ -30,7 +30,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvbaton.services.metrics import connector_metrics
 
-from . import shm_spin
 from .metadata import KvbatonMeta
 from .scheduler import KvbatonScheduler
 from .settings import KvbatonSettings
@@ -78,25 +77,17 @@ class KvbatonConnector(KVConnectorBase_V1):
         self._deltas = CounterDeltas(connector_metrics())
         pc = vllm_config.parallel_config
         tp_size = int(getattr(pc, "tensor_parallel_size", 1) or 1)
-        device_type = str(getattr(vllm_config.device_config, "device_type", "") or "")
         if role == KVConnectorRole.SCHEDULER:
             self._sched = KvbatonScheduler(self.settings, self.block_size)
-            # the engine core reads the ranks' answers: its queues exist by now
-            shm_spin.apply(self.settings.tp_shm_spin_ms, tp_size, device_type)
         else:
             tp_rank = int(getattr(pc, "rank", 0) or 0)
             self._worker = KvbatonWorker(self.settings, str(ktc.kv_role), tp_rank, tp_size=tp_size,
                                          total_kv_heads=_total_kv_heads(vllm_config))
-        self._tp_size, self._device_type = tp_size, device_type
 
     # ================================================================== worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self._worker is not None
         self._worker.register_kv_caches(kv_caches, self.block_size)
-        # the rank reads the engine core's broadcast: its queue exists by now
-        n = shm_spin.apply(self.settings.tp_shm_spin_ms, self._tp_size, self._device_type)
-        if n:
-            self._worker.stats.record("shm_spin", readers=n, spin_ms=self.settings.tp_shm_spin_ms)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)

