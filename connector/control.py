@@ -12,6 +12,7 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -182,6 +183,40 @@ def rendezvous_call(method: str, req: Any, traceparent: str | None = None,
     if md:
         return lambda c: c.call(getattr(c.rendezvous, method), req, retries=retries, metadata=md)
     return lambda c: getattr(c.session, _SESSION_METHODS[method])(req)
+
+
+def retry_while_unregistered(fn: Callable[[KvbatonClient], Awaitable[T]], budget_s: float, *,
+                             first_delay_s: float = 0.5, max_delay_s: float = 2.0,
+                             sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+                             clock: Callable[[], float] = time.monotonic) -> Callable[[KvbatonClient], Awaitable[T]]:
+    """``fn`` again while the control plane answers ``NOT_FOUND: engine ... is not registered``,
+    within ``budget_s`` (delays 0.5 s doubling to 2 s).
+
+    Why: an engine's registration lapses when its refresh comes late (10 s TTL) and its
+    worker registers again at its next refresh (``register_rank``, every third of the TTL).
+    A push ``Complete`` refused in that gap was lost (fire-and-forget), so decode waited out
+    its whole timeout for a WRITE that never came and recomputed (issue 14: TP-1 prefill ->
+    TP-2 decode on the overloaded 2-core VM, ``Complete`` refused after 8.4 s). Nothing was
+    recorded by the refused call, so sending it again is safe; any other error is final."""
+    async def call(c: KvbatonClient) -> T:
+        deadline = clock() + budget_s
+        delay = first_delay_s
+        while True:
+            try:
+                return await fn(c)
+            except grpc.aio.AioRpcError as exc:
+                if not unregistered(exc) or clock() + delay > deadline:
+                    raise
+            log.info("kvbaton: engine not registered (lapsed?): call again in %.1f s", delay)
+            await sleep(delay)
+            delay = min(delay * 2, max_delay_s)
+    return call
+
+
+def unregistered(exc: BaseException) -> bool:
+    """The control plane's refusal of a call from an engine it does not know (now)."""
+    return (isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.NOT_FOUND
+            and "is not registered" in (exc.details() or ""))
 
 
 def security_of(settings: KvbatonSettings) -> ClientSecurity:
