@@ -32,6 +32,7 @@ class Load:
     delay_until: float = 0.0  # test-only fault: reuse READ held back until then
     # the ledger (pull and reuse): BeginRead before the READ, ReportOutcome after it
     begin_future: concurrent.futures.Future[Any] | None = None
+    begin_after: float = 0.0  # BeginRead again no sooner (our registration lapsed: flows/receive.py)
     begun: bool = False  # BeginRead answered (or the server has no ledger): READ may be posted
     ledger_attempt: int | None = None  # the ledger's transfer attempt; None: nothing to report
     # verify_kv

@@ -31,7 +31,7 @@ from kvbaton.v1 import lease_pb2 as lpb
 from kvbaton.v1 import rendezvous_pb2 as rpb
 
 from .. import wire
-from ..control import rendezvous_call
+from ..control import rendezvous_call, unregistered
 from ..metadata import LoadSpec
 from ..settings import MODE_PUSH, MODE_REUSE
 from ..transfer.integrity import Fingerprints, KvIntegrityError
@@ -48,6 +48,8 @@ log = logging.getLogger("kvbaton.connector.receive")
 # Pull: how long after the load starts a BeginRead answered "no hold" is asked again (the
 # prefill's Complete and its response to the router race; the response may win).
 BEGIN_READ_HOLD_GRACE_S = 2.0
+#: BeginRead refused because this engine is not registered (a lapse): asked again this much later
+UNREGISTERED_RETRY_S = 0.5
 
 
 class ReceiveFlow:
@@ -246,6 +248,8 @@ class ReceiveFlow:
         if ld.begun:
             return True
         if ld.begin_future is None:
+            if now < ld.begin_after:
+                return False
             req = begin_read_request(ld.spec, self.ctx.settings.engine_id, ld.req_id, self.ctx.peers.tp_size)
             # Over the engine's session like offers and completions (a traced one as its
             # own unary call; a server without sessions, or without BeginRead in them,
@@ -265,6 +269,12 @@ class ReceiveFlow:
                     and "no hold" in (exc.details() or "") and now < ld.t0 + BEGIN_READ_HOLD_GRACE_S):
                 # The prefill's Complete (sent as it answered the router) may still be on
                 # its way: ask again shortly rather than recompute a hold about to exist.
+                return False
+            if unregistered(exc) and now + UNREGISTERED_RETRY_S < ld.deadline:
+                # Our registration lapsed (a refresh came late on a starved machine); the
+                # worker registers again at its next refresh (every third of ttl_ms). Nothing
+                # was recorded: ask again shortly rather than recompute (issue 14).
+                ld.begin_after = now + UNREGISTERED_RETRY_S
                 return False
             if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
                 raise RuntimeError(f"read fenced by the ledger: {exc.details()}") from None
