@@ -182,7 +182,9 @@ def _two_turns(stack: PdStack, mode: str, conv: str, prompt: list[int]) -> None:
         if turn == 0:
             retained = (out.get("kv_transfer_params") or {}).get("retained")
             assert retained and retained["engine_id"] == stack.decode_id, out.get("kv_transfer_params")
-            _wait_leased(stack, conv)
+            # decode registers + leases the turn's blocks from its control thread after the
+            # answer: 10 s was not enough with the machine at load 19 (run 6)
+            _wait_leased(stack, conv, timeout_s=TIMEOUT_S)
         prompt = prompt + out["choices"][0]["token_ids"] + token_ids(7 + turn, 100)
 
 
