@@ -22,6 +22,10 @@ from tests.services.helpers import register
 
 pytestmark = [pytest.mark.etcd, pytest.mark.skipif(find_etcd() is None, reason="etcd not installed")]
 Ev = rendezvous_pb2.RendezvousEvent
+# The engines here are registered once and never refreshed: their registrations must
+# outlive the test on a loaded machine (at the default 10 s TTL, a run whose subscriber
+# took seconds to see its first heartbeat offered for a "dec" that had lapsed: NOT_FOUND).
+LIVE_MS = 600_000
 
 
 @pytest.fixture
@@ -46,8 +50,8 @@ async def test_kill_replica_mid_stream_loses_and_duplicates_nothing(replicas):
     # The subscriber and the keeper start on A and know B as the fallback.
     sub = KvbatonClient([a.address, b.address], timeout_s=5)
     keeper_client = KvbatonClient([a.address, b.address], timeout_s=2)
-    await register(writer, "dec", common_pb2.ENGINE_ROLE_DECODE)
-    await register(writer, "pre", common_pb2.ENGINE_ROLE_PREFILL)
+    await register(writer, "dec", common_pb2.ENGINE_ROLE_DECODE, ttl_ms=LIVE_MS)
+    await register(writer, "pre", common_pb2.ENGINE_ROLE_PREFILL, ttl_ms=LIVE_MS)
     await writer.call(writer.lease.Grant, lease_pb2.GrantRequest(conversation_id="agent", engine_id="dec", ttl_ms=3000))
 
     got: list[str] = []
@@ -95,8 +99,8 @@ async def test_kill_replica_mid_session_loses_and_duplicates_nothing(replicas):
     dec = KvbatonClient([a.address, b.address], timeout_s=5)
     pre = KvbatonClient([a.address, b.address], timeout_s=5)
     sub = KvbatonClient([a.address, b.address], timeout_s=5)
-    await register(dec, "sdec", common_pb2.ENGINE_ROLE_DECODE)
-    await register(pre, "spre", common_pb2.ENGINE_ROLE_PREFILL)
+    await register(dec, "sdec", common_pb2.ENGINE_ROLE_DECODE, ttl_ms=LIVE_MS)
+    await register(pre, "spre", common_pb2.ENGINE_ROLE_PREFILL, ttl_ms=LIVE_MS)
     got: list[str] = []
     ready = asyncio.Event()
 
@@ -172,8 +176,8 @@ async def test_kill_expiry_leader_another_takes_over(replicas, cluster):
 async def test_etcd_member_restart_under_traffic(replicas, cluster):
     a, _ = replicas
     async with KvbatonClient(a.address, timeout_s=10) as kv:
-        await register(kv, "dec2", common_pb2.ENGINE_ROLE_DECODE)
-        await register(kv, "pre2", common_pb2.ENGINE_ROLE_PREFILL)
+        await register(kv, "dec2", common_pb2.ENGINE_ROLE_DECODE, ttl_ms=LIVE_MS)
+        await register(kv, "pre2", common_pb2.ENGINE_ROLE_PREFILL, ttl_ms=LIVE_MS)
         matched = 0
         for i in range(40):
             if i == 10:
