@@ -10,8 +10,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
+import grpc
 import pytest
 
 from kvbaton.client import KvbatonClient, LeaseKeeper
@@ -26,6 +28,40 @@ Ev = rendezvous_pb2.RendezvousEvent
 # outlive the test on a loaded machine (at the default 10 s TTL, a run whose subscriber
 # took seconds to see its first heartbeat offered for a "dec" that had lapsed: NOT_FOUND).
 LIVE_MS = 600_000
+
+
+class Matches:
+    """The MATCH events one subscriber's stream delivers for a prefill engine, collected in
+    the background; ``ready`` once a heartbeat shows the stream is live."""
+
+    def __init__(self, sub: KvbatonClient, engine_id: str) -> None:
+        self.got: list[str] = []
+        self.ready = asyncio.Event()
+        self._grew = asyncio.Event()
+        self._task = asyncio.ensure_future(self._consume(sub, engine_id))
+
+    async def _consume(self, sub: KvbatonClient, engine_id: str) -> None:
+        async for ev in sub.subscribe(engine_id, 0, heartbeats=True):
+            if ev.type == Ev.TYPE_HEARTBEAT:
+                self.ready.set()
+            elif ev.type == Ev.TYPE_MATCH:
+                self.got.append(ev.transfer.transfer_id)
+                self._grew.set()
+
+    async def wait_for(self, n: int, timeout_s: float) -> None:
+        """Until ``n`` matches arrived (or ``timeout_s``), then a short quiet window in which
+        would-be duplicates would arrive."""
+        deadline = time.monotonic() + timeout_s
+        while len(self.got) < n and (left := deadline - time.monotonic()) > 0:
+            self._grew.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._grew.wait(), left)
+        await asyncio.sleep(0.5)
+
+    async def stop(self) -> list[str]:
+        self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)
+        return sorted(self.got, key=lambda t: int(t[1:]))
 
 
 @pytest.fixture
@@ -54,18 +90,8 @@ async def test_kill_replica_mid_stream_loses_and_duplicates_nothing(replicas):
     await register(writer, "pre", common_pb2.ENGINE_ROLE_PREFILL, ttl_ms=LIVE_MS)
     await writer.call(writer.lease.Grant, lease_pb2.GrantRequest(conversation_id="agent", engine_id="dec", ttl_ms=3000))
 
-    got: list[str] = []
-    ready = asyncio.Event()
-
-    async def consume():
-        async for ev in sub.subscribe("pre", 0, heartbeats=True):
-            if ev.type == Ev.TYPE_HEARTBEAT:
-                ready.set()
-            elif ev.type == Ev.TYPE_MATCH:
-                got.append(ev.transfer.transfer_id)
-
-    consumer = asyncio.ensure_future(consume())
-    await asyncio.wait_for(ready.wait(), 10)
+    matches = Matches(sub, "pre")
+    await asyncio.wait_for(matches.ready.wait(), 10)
     n = 120
     async with LeaseKeeper(keeper_client, "agent", interval_s=0.5) as keeper:
         for i in range(n):
@@ -76,16 +102,11 @@ async def test_kill_replica_mid_stream_loses_and_duplicates_nothing(replicas):
             if i == n // 3:
                 a.kill()  # the subscriber's and the keeper's replica
             await asyncio.sleep(0.02)
-        deadline = time.monotonic() + 20
-        while len(got) < n and time.monotonic() < deadline:
-            await asyncio.sleep(0.1)
-        await asyncio.sleep(0.5)  # would-be duplicates have time to arrive
+        await matches.wait_for(n, 20)
         info = await writer.call(writer.lease.Get, lease_pb2.GetLeaseRequest(conversation_id="agent"))
         assert info.state == lease_pb2.LEASE_STATE_ACTIVE, info  # kept alive through the failover
         assert keeper.renewals >= 4
-    consumer.cancel()
-    await asyncio.gather(consumer, return_exceptions=True)
-    assert sorted(got, key=lambda t: int(t[1:])) == [f"t{i}" for i in range(n)], "lost or duplicated matches"
+    assert await matches.stop() == [f"t{i}" for i in range(n)], "lost or duplicated matches"
     assert sub.address == b.address
     for c in (writer, sub, keeper_client):
         await c.close()
@@ -101,18 +122,8 @@ async def test_kill_replica_mid_session_loses_and_duplicates_nothing(replicas):
     sub = KvbatonClient([a.address, b.address], timeout_s=5)
     await register(dec, "sdec", common_pb2.ENGINE_ROLE_DECODE, ttl_ms=LIVE_MS)
     await register(pre, "spre", common_pb2.ENGINE_ROLE_PREFILL, ttl_ms=LIVE_MS)
-    got: list[str] = []
-    ready = asyncio.Event()
-
-    async def consume():
-        async for ev in sub.subscribe("spre", 0, heartbeats=True):
-            if ev.type == Ev.TYPE_HEARTBEAT:
-                ready.set()
-            elif ev.type == Ev.TYPE_MATCH:
-                got.append(ev.transfer.transfer_id)
-
-    consumer = asyncio.ensure_future(consume())
-    await asyncio.wait_for(ready.wait(), 10)
+    matches = Matches(sub, "spre")
+    await asyncio.wait_for(matches.ready.wait(), 10)
     n, wave = 200, 10
     made = 0
     for start in range(0, n, wave):
@@ -125,14 +136,16 @@ async def test_kill_replica_mid_session_loses_and_duplicates_nothing(replicas):
         if start == n // 2:
             await asyncio.sleep(0)  # the wave is on its way
             a.kill()
-        made += sum(r.matched_now for r in await pending)  # every call answered, none raised
-    deadline = time.monotonic() + 20
-    while len(got) < n and time.monotonic() < deadline:
-        await asyncio.sleep(0.1)
-    await asyncio.sleep(0.5)  # would-be duplicates have time to arrive
-    consumer.cancel()
-    await asyncio.gather(consumer, return_exceptions=True)
-    assert sorted(got, key=lambda t: int(t[1:])) == [f"s{i}" for i in range(n)], "lost or duplicated matches"
+        try:
+            answers = await pending  # every call answered, none raised
+        except grpc.aio.AioRpcError as exc:
+            raise AssertionError(
+                f"wave {start} (A killed in wave {n // 2}): {exc.code().name}: {exc.details()}\n"
+                f"dec {_session_state(dec)}\npre {_session_state(pre)}\n"
+                f"B's log:\n{b.log_tail()}") from exc
+        made += sum(r.matched_now for r in answers)
+    await matches.wait_for(n, 20)
+    assert await matches.stop() == [f"s{i}" for i in range(n)], "lost or duplicated matches"
     # A match whose answer died with A is answered as a duplicate on B: at most one wave.
     assert n - wave <= made <= n
     for t in (f"s{i}" for i in range(n)):
@@ -142,6 +155,12 @@ async def test_kill_replica_mid_session_loses_and_duplicates_nothing(replicas):
     assert dec.session.reconnects >= 1 and pre.session.reconnects >= 1
     for c in (dec, pre, sub):
         await c.close()
+
+
+def _session_state(c: KvbatonClient) -> str:
+    """Where a client's session is and what it went through (for a failure message)."""
+    s = c.session
+    return f"on {c.address} (A/B: {c.addresses}), reconnects {s.reconnects}, stats {s.stats}"
 
 
 async def _expiry_leader_pid(store_url_endpoints) -> int:
