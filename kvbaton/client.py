@@ -430,6 +430,13 @@ class KvbatonClient:
         return self._session
 
 
+def channel_closed_under(stream_channel: object, current: object) -> bool:
+    """True when a ``CancelledError`` out of a stream opened on ``stream_channel`` means
+    that the client replaced (and closed) that channel, not that the task is cancelled."""
+    task = asyncio.current_task()
+    return stream_channel is not current and not (task is not None and task.cancelling())
+
+
 def _status_error(code: int, reason: str) -> grpc.aio.AioRpcError:
     """A session message's refusal, as the same exception a unary call raises."""
     try:
@@ -642,12 +649,17 @@ class RendezvousSession:
                         if fut is not None and not fut.done():
                             fut.set_result(result)
             except asyncio.CancelledError:
-                if not watch.owns_cancel():
+                if watch.owns_cancel():
+                    log.warning("client.session_stuck", timeout_s=self.client.timeout_s, address=self.client.address)
+                    if len(self.client.addresses) > 1:
+                        await self.client.reconnect(if_channel=channel)
+                elif channel_closed_under(channel, self.client.channel):
+                    # Another stream of this client moved it to the next replica and closed
+                    # this channel: gRPC ends our stream with CancelledError. Re-open there.
+                    log.info("client.session_reconnect", code="CHANNEL_REPLACED", address=self.client.address)
+                else:
                     call.cancel()
                     raise
-                log.warning("client.session_stuck", timeout_s=self.client.timeout_s, address=self.client.address)
-                if len(self.client.addresses) > 1:
-                    await self.client.reconnect(if_channel=channel)
             except grpc.aio.AioRpcError as exc:
                 call.cancel()
                 code = exc.code()
@@ -760,9 +772,11 @@ class _RenewalBatcher:
                         if not fut.done():
                             fut.set_result(result)
             except asyncio.CancelledError:
-                if not watch.owns_cancel():
+                if not watch.owns_cancel() and not channel_closed_under(channel, self.client.channel):
                     call.cancel()
                     raise
+                # Stuck (handled below), or another stream moved the client and closed this
+                # channel (gRPC ends our stream with CancelledError): re-open on the current one.
             except Exception as exc:  # noqa: BLE001 - the stream broke; whatever the cause, open another
                 call.cancel()
                 log.info("client.keepalive_reconnect", error=repr(exc)[:200])
