@@ -87,7 +87,8 @@ def provenance_problems(files: set[Path], recorded: dict[str, Any]) -> list[str]
             continue
         entry = recorded.get(rel)
         if not entry or not entry.get("committed_in") or not entry.get("config"):
-            problems.append(f"{rel}: no commit/configuration in the file and none in {PROVENANCE.relative_to(ROOT)}")
+            problems.append(f"{rel}: no commit/configuration in the file and none in {PROVENANCE.relative_to(ROOT)} "
+                            f"(have the script write `commit` and `config` keys, or add an entry there)")
     return problems
 
 

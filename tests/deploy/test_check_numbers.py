@@ -42,6 +42,6 @@ def test_citations_resolve_and_results_record_their_commit(tmp_path: Path) -> No
     good, bare = tmp_path / "good.json", tmp_path / "bare.json"
     good.write_text(json.dumps({"commit": "abc", "config": {"rate": 1}}))
     bare.write_text(json.dumps({"rows": [1, 2]}))
-    assert cn.provenance_problems({good, bare}, {}) == [
-        "bare.json: no commit/configuration in the file and none in " + str(cn.PROVENANCE.relative_to(ROOT))]
+    (problem,) = cn.provenance_problems({good, bare}, {})
+    assert problem.startswith("bare.json: no commit/configuration in the file"), problem
     assert cn.provenance_problems({bare}, {"bare.json": {"committed_in": "abc", "config": "defaults"}}) == []
