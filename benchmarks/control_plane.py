@@ -22,7 +22,13 @@ capacity looks like: only OK and RESOURCE_EXHAUSTED are healthy answers).
 
 Paths: ``unary`` sends Offer and Complete as unary RPCs spread over ``--channels``
 connections; ``session`` sends them over the two engines' Rendezvous/Session streams
-(``KvbatonClient.session``, batched). ``kvbaton serve`` runs in its own process, so the
+(``KvbatonClient.session``, batched, its defaults); ``session-answer`` also opens the
+prefill's subscription as its engine's sole one on the client its completions go out on
+(the connector's worker at TP 1), so a completion that makes the match is answered with
+it. ``/wN`` after a session path sets the sessions' Nagle window (``/w0``: none, the client
+before it), so old and new clients run against the same server in one run. Each point
+reports gRPC messages per match through the server (calls in, answers out, the prefill's
+Subscribe stream). ``kvbaton serve`` runs in its own process, so the
 server's CPU is its own; ``etcd1``/``etcd3`` start a 1- or 3-member etcd on loopback with
 ``kvbaton/stack/etcd_cluster.py``. The results JSON records the configuration, the git
 commit and the load average when each store's runs started.
@@ -264,6 +270,25 @@ def profile_shares(path: pathlib.Path) -> dict:
     return {"samples": total, "busy_samples": busy, "kvbaton_share_of_busy": ours / busy if busy else None}
 
 
+PATHS = ("unary", "session", "session-answer")
+
+
+def parse_path(spec: str) -> tuple[str, int | None]:
+    """``session-answer/w0`` -> ("session-answer", 0); no /wN: (name, None), the default."""
+    name, _, w = spec.partition("/w")
+    if name not in PATHS or (w and (not w.isdigit() or name == "unary")):
+        raise ValueError(f"path {spec!r}: one of {', '.join(PATHS)}, session ones optionally with /wN")
+    return name, int(w) if w else None
+
+
+def parse_path_arg(spec: str) -> str:
+    try:
+        parse_path(spec)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return spec
+
+
 def healthy(r: dict, p99_ms: float) -> bool:
     ok_only = set(r["answers"]) <= {"OK"}
     return (ok_only and r["lost"] == 0 and r["p99_ms"] is not None and r["p99_ms"] < p99_ms
@@ -318,12 +343,17 @@ async def run_store(args, store_url: str, store_pids: list[int], variant: str = 
             # Transfer and engine ids unique per server: servers of one run may share an
             # etcd cluster, where another's matched transfers would answer as duplicates.
             prefix = f"{variant}-"
-            for path in args.path:
+            for spec in args.path:
+                path, window = parse_path(spec)
+                default_window = kv.session.max_in_flight
+                if window is not None:  # the sessions' Nagle window (RendezvousSession.max_in_flight)
+                    kv.session.max_in_flight = peer.session.max_in_flight = window
                 best, top = None, 0.0
                 for rate in args.rate:
                     n += 1
                     r = await measure(args, kv, peer, stubs, server.pid, store_pids, path=path, rate=rate,
                                       tag=f"{prefix}{path[0]}{n}", seed=n)
+                    r["path"] = spec
                     out["points"].append(r)
                     top = max(top, r["achieved_rate"])
                     if healthy(r, args.p99_ms):
@@ -335,10 +365,13 @@ async def run_store(args, store_url: str, store_pids: list[int], variant: str = 
                     n += 1
                     r = await measure(args, kv, peer, stubs, server.pid, store_pids, path=path,
                                       rate=round(args.overload * top), tag=f"{prefix}{path[0]}{n}", seed=n)
+                    r["path"] = spec
                     r["overload_of"] = top
                     out["points"].append(r)
                     summary["overload"] = {"rate": r["target_rate"], "answers": r["answers"], "lost": r["lost"]}
-                out["summary"][path] = summary
+                out["summary"][spec] = summary
+                if window is not None:
+                    kv.session.max_in_flight = peer.session.max_in_flight = default_window
     finally:
         for c in channels:
             await c.close(grace=0)
@@ -414,8 +447,10 @@ def main() -> int:
                    help="memory://, etcd://h:p[,h:p], etcd1 or etcd3 (a 1- or 3-member etcd on loopback started "
                         "here); repeatable (default memory://)")
     p.add_argument("--rate", type=float, action="append", help="offered transfers/s, swept in order (repeatable)")
-    p.add_argument("--path", action="append", choices=("unary", "session", "session-answer"),
-                   help="repeatable; default unary and session")
+    p.add_argument("--path", action="append", type=parse_path_arg,
+                   help="unary, session or session-answer, the session ones optionally with /wN: the sessions' "
+                        "Nagle window (messages in flight, RendezvousSession.max_in_flight; /w0: no window, the "
+                        "client before it); repeatable; default unary and session")
     p.add_argument("--offer-lead-ms", type=float, default=0.0,
                    help="session paths: send each offer this long before its completion (decode offers when it "
                         "admits a request, prefill completes after computing it); latency counts from the "
