@@ -508,6 +508,8 @@ class RendezvousSession:
     together in one message. At low load nothing waits; under load each message carries
     more calls, and the server's CPU goes per message, not per call (about 110 µs a
     message here, ``benchmarks/grpc_floor.py``). 0: no limit (a message per loop turn).
+    A call never waits longer than ``max_hold_s`` for the window: one slow call (a store
+    write that hangs) must not hold every other call back.
 
     A broken stream is re-opened (on the next replica when several are configured) and
     the unanswered calls are sent again: every rendezvous call is idempotent, so one the
@@ -525,11 +527,12 @@ class RendezvousSession:
     _RETRYABLE_CODES = frozenset(c.value[0] for c in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED))
 
     def __init__(self, client: KvbatonClient, *, retries: int = 3, max_batch: int = 512,
-                 max_in_flight: int = 1) -> None:
+                 max_in_flight: int = 1, max_hold_s: float = 0.005) -> None:
         self.client = client
         self.retries = retries
         self.max_batch = max_batch
         self.max_in_flight = max_in_flight
+        self.max_hold_s = max_hold_s
         self.unary_fallback = False
         self.unary_bodies: set[str] = set()  # call types this server's sessions do not know
         self.reconnects = 0
@@ -651,9 +654,9 @@ class RendezvousSession:
                         return  # a broken stream's iterator must not take the new stream's work
                     self._wakeup.clear()
                     while self._queue and mine == self._generation:
-                        if self.max_in_flight and len(flight.messages) >= self.max_in_flight:
+                        if self.max_in_flight and flight.full(self.max_in_flight, self.max_hold_s):
                             # Nagle: what comes meanwhile goes in the next message, together.
-                            await flight.room()
+                            await flight.room(self.max_hold_s)
                             continue
                         batch: list[rendezvous_pb2.SessionCall] = []
                         while self._queue and len(batch) < self.max_batch:
@@ -744,6 +747,7 @@ class _InFlight:
 
     def __init__(self) -> None:
         self.messages: dict[int, set[int]] = {}  # message number -> its unanswered seqs
+        self._sent_at: dict[int, float] = {}  # message number -> when it was sent (monotonic)
         self._of: dict[int, int] = {}  # seq -> its message number
         self._n = 0
         self._room = asyncio.Event()
@@ -751,8 +755,17 @@ class _InFlight:
     def sent(self, seqs: list[int]) -> None:
         self._n += 1
         self.messages[self._n] = set(seqs)
+        self._sent_at[self._n] = time.monotonic()
         for seq in seqs:
             self._of[seq] = self._n
+
+    def full(self, window: int, max_hold_s: float) -> bool:
+        """Whether ``window`` messages are in flight, not counting those in flight for
+        longer than ``max_hold_s`` (slow ones do not hold the next)."""
+        if len(self.messages) < window:
+            return False
+        young = time.monotonic() - max_hold_s
+        return sum(1 for t in self._sent_at.values() if t > young) >= window
 
     def answered(self, seq: int) -> None:
         n = self._of.pop(seq, None)
@@ -762,12 +775,18 @@ class _InFlight:
         left.discard(seq)
         if not left:
             del self.messages[n]
+            del self._sent_at[n]
             self._room.set()
 
-    async def room(self) -> None:
-        """Returns once a message in flight has been answered in full."""
+    async def room(self, max_hold_s: float) -> None:
+        """Returns once a message in flight has been answered in full, or one more has
+        been in flight for ``max_hold_s``."""
         self._room.clear()
-        await self._room.wait()
+        now = time.monotonic()
+        young = [t for t in self._sent_at.values() if t > now - max_hold_s]
+        wait = max(min(young, default=now) + max_hold_s - now, 0.0)
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._room.wait(), wait)
 
 
 def _expire(fut: asyncio.Future, after_s: float) -> None:
