@@ -15,42 +15,18 @@ from kvbaton.match_inbox import MatchInbox
 from kvbaton.v1 import common_pb2
 from kvbaton.v1 import rendezvous_pb2 as pb
 from tests.services.helpers import register
-from tests.services.test_rendezvous import complete, offer
+from tests.services.test_rendezvous import Collector, complete, offer
 
 Ev = pb.RendezvousEvent
 P = pb.TransferPhase
 
 
-class Sub:
-    """One subscription's events (heartbeats apart), from a client's subscribe()."""
+def Sub(client: KvbatonClient, engine: str, *, sole: bool) -> Collector:
+    return Collector(client, engine, 0, sole_subscriber=sole)
 
-    def __init__(self, client: KvbatonClient, engine: str, *, sole: bool) -> None:
-        self.events: list[pb.RendezvousEvent] = []
-        self.ready = asyncio.Event()
-        self.changed = asyncio.Event()
-        self.task = asyncio.ensure_future(self._run(client.subscribe(engine, 0, heartbeats=True, sole_subscriber=sole)))
 
-    async def _run(self, it) -> None:
-        async for ev in it:
-            if ev.type == Ev.TYPE_HEARTBEAT:
-                self.ready.set()
-                continue
-            self.events.append(ev)
-            self.changed.set()
-
-    async def wait(self, pred, timeout: float = 5.0) -> None:
-        async def loop() -> None:
-            while not pred(self.events):
-                self.changed.clear()
-                await self.changed.wait()
-        await asyncio.wait_for(loop(), timeout)
-
-    def kinds(self, tid: str) -> list[str]:
-        return [Ev.Type.Name(e.type).removeprefix("TYPE_") for e in self.events if e.transfer.transfer_id == tid]
-
-    async def close(self) -> None:
-        self.task.cancel()
-        await asyncio.gather(self.task, return_exceptions=True)
+def kinds(c: Collector, tid: str) -> list[str]:
+    return [Ev.Type.Name(e.type).removeprefix("TYPE_") for e in c.events if e.transfer.transfer_id == tid]
 
 
 @pytest.fixture
@@ -83,9 +59,9 @@ async def test_completion_second_its_answer_is_the_match_and_the_stream_skips_it
     await pre.session.report_outcome(done("m1", "p1"))
     await sole.wait(lambda evs: "DONE" in [Ev.Type.Name(e.type).removeprefix("TYPE_") for e in evs])
     await other.wait(lambda evs: any(e.type == Ev.TYPE_DONE for e in evs))
-    assert sole.kinds("m1") == ["MATCH", "DONE"]
+    assert kinds(sole, "m1") == ["MATCH", "DONE"]
     assert sole.events[0].revision == 0 and sole.events[0].transfer.phase == P.Value("TRANSFER_PHASE_MATCHED")
-    assert other.kinds("m1") == ["DONE"]  # no MATCH message on the stream
+    assert kinds(other, "m1") == ["DONE"]  # no MATCH message on the stream
     # The completion sent again (its first answer lost): answered as the MATCH again,
     # delivered once.
     dup = await pre.session.complete(complete("m1", writers=1, engine="p1"))
@@ -105,7 +81,7 @@ async def test_a_duplicate_completion_of_a_live_match_is_answered_as_the_match_o
     assert first.match_delivered and again.duplicate and again.match_delivered
     await sole.wait(lambda evs: len(evs) >= 1)
     await asyncio.sleep(0)  # let a second delivery, if any, reach the list
-    assert sole.kinds("m2") == ["MATCH"]
+    assert kinds(sole, "m2") == ["MATCH"]
     stats = pre.match_inboxes["p1"].stats
     assert stats["answered_matches"] == 1 and stats["dropped_duplicate"] == 1
     await sole.close()
@@ -120,7 +96,7 @@ async def test_completion_first_the_stream_carries_the_match(clients):
     made = await dec.session.offer(offer("m3"))
     assert made.matched_now and not made.state.match_answered
     await sole.wait(lambda evs: len(evs) >= 1)
-    assert sole.kinds("m3") == ["MATCH"] and sole.events[0].revision > 0
+    assert kinds(sole, "m3") == ["MATCH"] and sole.events[0].revision > 0
 
 
 async def test_several_writing_ranks_or_no_sole_subscriber_keep_the_stream(clients):

@@ -7,6 +7,7 @@ together in the next one, and one slow call holds the others back for at most
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 from kvbaton.client import KvbatonClient
 from kvbaton.v1 import rendezvous_pb2 as pb
@@ -57,12 +58,22 @@ class Scripted(pb_grpc.RendezvousServicer):
         await asyncio.wait_for(loop(), 5)
 
 
-async def test_calls_made_while_a_message_is_in_flight_go_together_in_the_next():
-    server_impl = Scripted(held={"a"})
+@contextlib.asynccontextmanager
+async def scripted(held: set[str]):
+    """(the scripted server, a client of it)."""
+    server_impl = Scripted(held)
     server, address = await serve_rendezvous(server_impl)
     kv = KvbatonClient(address, timeout_s=5)
-    kv.session.max_hold_s = 30.0  # only the answer frees the window here
     try:
+        yield server_impl, kv
+    finally:
+        await kv.close()
+        await server.stop(0)
+
+
+async def test_calls_made_while_a_message_is_in_flight_go_together_in_the_next():
+    async with scripted({"a"}) as (server_impl, kv):
+        kv.session.max_hold_s = 30.0  # only the answer frees the window here
         first = asyncio.ensure_future(kv.session.offer(offer("a")))
         await server_impl.wait_messages(1)  # nothing was in flight: sent at once, alone
         rest = [asyncio.ensure_future(kv.session.offer(offer(t))) for t in ("b", "c", "d")]
@@ -73,17 +84,11 @@ async def test_calls_made_while_a_message_is_in_flight_go_together_in_the_next()
         assert [r.state.transfer_id for r in answers] == ["a", "b", "c", "d"]
         assert server_impl.messages == [["a"], ["b", "c", "d"]]
         assert kv.session.stats["sent_batches"] == 2 and kv.session.stats["sent_calls"] == 4
-    finally:
-        await kv.close()
-        await server.stop(0)
 
 
 async def test_a_slow_call_holds_the_next_ones_back_for_at_most_max_hold():
-    server_impl = Scripted(held={"slow"})
-    server, address = await serve_rendezvous(server_impl)
-    kv = KvbatonClient(address, timeout_s=5)
-    kv.session.max_hold_s = 0.1
-    try:
+    async with scripted({"slow"}) as (server_impl, kv):
+        kv.session.max_hold_s = 0.1
         slow = asyncio.ensure_future(kv.session.offer(offer("slow")))
         await server_impl.wait_messages(1)
         loop = asyncio.get_running_loop()
@@ -94,23 +99,14 @@ async def test_a_slow_call_holds_the_next_ones_back_for_at_most_max_hold():
         assert server_impl.messages == [["slow"], ["fast"]]
         server_impl.release["slow"].set()
         assert (await asyncio.wait_for(slow, 5)).state.transfer_id == "slow"
-    finally:
-        await kv.close()
-        await server.stop(0)
 
 
 async def test_without_a_window_every_call_goes_out_at_once():
-    server_impl = Scripted(held={"x"})
-    server, address = await serve_rendezvous(server_impl)
-    kv = KvbatonClient(address, timeout_s=5)
-    kv.session.max_in_flight = 0
-    try:
+    async with scripted({"x"}) as (server_impl, kv):
+        kv.session.max_in_flight = 0
         held = asyncio.ensure_future(kv.session.offer(offer("x")))
         await server_impl.wait_messages(1)
         assert (await asyncio.wait_for(kv.session.offer(offer("y")), 5)).state.transfer_id == "y"
         assert server_impl.messages == [["x"], ["y"]]
         server_impl.release["x"].set()
         await asyncio.wait_for(held, 5)
-    finally:
-        await kv.close()
-        await server.stop(0)
