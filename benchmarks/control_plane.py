@@ -384,6 +384,7 @@ async def run_store(args, store_url: str, store_pids: list[int], variant: str = 
                 profiler.wait(5)
             out["profile"] = {"file": profile_path, **profile_shares(pathlib.Path(profile_path))}
         stop_group(server)
+        out["loadavg_at_end"] = os.getloadavg()
     return out
 
 
@@ -416,8 +417,9 @@ def markdown(results: dict) -> str:
     lines = [f"`{results['script']}` {' '.join(results['argv'])} — commit `{results['commit'][:12]}{'-dirty' if results['commit'].endswith('-dirty') else ''}`, "
              f"started {results['started_utc']}, {results['machine']}.", ""]
     for st in results["stores"]:
+        end = f"; at end {', '.join(f'{x:.1f}' for x in st['loadavg_at_end'])}" if "loadavg_at_end" in st else ""
         lines += [f"**{st['store']}, {st.get('variant', 'current')}** (load average at start "
-                  f"{', '.join(f'{x:.1f}' for x in st['loadavg_at_start'])}):", "",
+                  f"{', '.join(f'{x:.1f}' for x in st['loadavg_at_start'])}{end}):", "",
                   "| path | offered /s | achieved /s | p50 ms | p99 ms | max ms | answers | lost | server CPU µs/match "
                   "| messages/match | generator CPU µs/match" + (" | etcd CPU µs/match" if "etcd" in st["store"] else "") + " |",
                   "|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:" + ("|---:" if "etcd" in st["store"] else "") + "|"]
