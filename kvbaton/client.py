@@ -401,9 +401,26 @@ class KvbatonClient:
 
     async def list_engines(self, role: Any = 0, *, page_size: int = 0) -> list:
         """Every registered engine rank, following pages."""
+        return (await self.list_engines_at(role, page_size=page_size))[0]
+
+    async def list_engines_at(self, role: Any = 0, *, page_size: int = 0) -> tuple[list, int, str]:
+        """Every registered engine rank, and the store revision and incarnation to watch
+        after (``WatchEnginesRequest.after_revision`` / ``incarnation``): the first page's,
+        so that no change made while the later pages were read is missed (0 from a server
+        that does not say)."""
         from kvbaton.v1 import registrar_pb2
 
-        return await self._all_pages(self.registrar.ListEngines, registrar_pb2.ListEnginesRequest(role=role, page_size=page_size), "ranks")
+        request = registrar_pb2.ListEnginesRequest(role=role, page_size=page_size)
+        out: list = []
+        revision, incarnation = 0, ""
+        while True:
+            resp = await self.call(self.registrar.ListEngines, request)
+            if not request.page_token:
+                revision, incarnation = resp.revision, resp.incarnation
+            out.extend(resp.ranks)
+            if not resp.next_page_token:
+                return out, revision, incarnation
+            request.page_token = resp.next_page_token
 
     async def list_transfers(self, *, phases: Sequence[Any] = (), engine_id: str = "", limit: int = 0,
                              page_size: int = 0) -> list:
