@@ -303,6 +303,7 @@ class KvbatonClient:
         the state (``last`` = 0), so no new event is mistaken for an old one."""
         backoff = 0.05
         while True:
+            channel = self.channel
             stream = open_stream()
             first = True
             try:
@@ -317,10 +318,16 @@ class KvbatonClient:
                 if exc.code() not in _RETRYABLE:
                     raise
                 log.info("client.stream_reconnect", code=exc.code().name, address=self.address)
+            except asyncio.CancelledError:
+                if not channel_closed_under(channel, self.channel):
+                    raise
+                # Another call moved the client to the next replica and closed this
+                # channel: gRPC ends the stream with CancelledError. Resume on the new one.
+                log.info("client.stream_reconnect", code="CHANNEL_REPLACED", address=self.address)
             finally:
                 stream.cancel()
             if len(self.addresses) > 1:
-                await self.reconnect()
+                await self.reconnect(if_channel=channel)
             await asyncio.sleep(backoff * (1 + random.random()))
             backoff = min(backoff * 2, 2.0)
 
@@ -445,6 +452,13 @@ class KvbatonClient:
         if self._session is None:
             self._session = RendezvousSession(self)
         return self._session
+
+
+def channel_closed_under(stream_channel: object, current: object) -> bool:
+    """True when a ``CancelledError`` out of a stream opened on ``stream_channel`` means
+    that the client replaced (and closed) that channel, not that the task is cancelled."""
+    task = asyncio.current_task()
+    return stream_channel is not current and not (task is not None and task.cancelling())
 
 
 def _status_error(code: int, reason: str) -> grpc.aio.AioRpcError:

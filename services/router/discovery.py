@@ -17,7 +17,8 @@ control-plane client moved to another replica (a lookup's retry after UNAVAILABL
 the old channel), gRPC ended the watch stream with ``asyncio.CancelledError``; the loop
 took that for its own cancellation and stopped, so the router kept the fleet it had at
 that moment: an engine whose registration lapsed and came back at once stayed out of
-rotation for good. Only the task's own cancellation ends it now; :class:`DiscoveryState`
+rotation for good. Only the task's own cancellation ends it now (``kvbaton.client``'s
+resumed streams had the same gap, fixed there the same way); :class:`DiscoveryState`
 (on ``/kvbaton/fleet``) says whether it follows and how often it re-listed.
 
 Nothing here is state that another router replica would need: the registrar is the
@@ -35,6 +36,7 @@ from typing import Any
 
 import grpc
 
+from kvbaton.client import channel_closed_under
 from kvbaton.v1 import common_pb2, registrar_pb2
 
 from .choice import ROLE_BOTH, ROLE_DECODE, ROLE_PREFILL, Fleet
@@ -88,13 +90,6 @@ def apply_listing(fleet: Fleet, listed: list[registrar_pb2.EngineRank]) -> None:
         apply_rank(fleet, rank)
 
 
-def _cancelled_by_caller() -> bool:
-    """True when the running task itself is being cancelled (the router stops), as
-    opposed to gRPC ending a stream with ``CancelledError`` because its channel closed."""
-    task = asyncio.current_task()
-    return task is not None and task.cancelling() > 0
-
-
 async def follow_registrar(kv: Any, fleet: Fleet, *, ready: asyncio.Event | None = None,
                            on_change: Callable[[], None] | None = None, max_backoff_s: float = 2.0,
                            state: DiscoveryState | None = None) -> None:
@@ -103,6 +98,7 @@ async def follow_registrar(kv: Any, fleet: Fleet, *, ready: asyncio.Event | None
     backoff = 0.05
     while True:
         stream = None
+        channel = getattr(kv, "channel", None)
         try:
             listed, revision, incarnation = await kv.list_engines_at()
             apply_listing(fleet, listed)
@@ -114,6 +110,7 @@ async def follow_registrar(kv: Any, fleet: Fleet, *, ready: asyncio.Event | None
                 on_change()
             # A server that gives no revision: the old way (a snapshot of PUTs, then changes).
             request = registrar_pb2.WatchEnginesRequest(after_revision=revision, incarnation=incarnation)
+            channel = getattr(kv, "channel", None)
             stream = kv.registrar.WatchEngines(request)
             st.following = True
             async for ev in stream:
@@ -128,9 +125,9 @@ async def follow_registrar(kv: Any, fleet: Fleet, *, ready: asyncio.Event | None
             st.last_error = f"{exc.code().name}: {exc.details()}"
             log.warning("registrar watch failed (%s: %s); re-listing", exc.code().name, exc.details())
             if exc.code() != grpc.StatusCode.FAILED_PRECONDITION and len(getattr(kv, "addresses", ())) > 1:
-                await kv.reconnect(if_channel=getattr(kv, "channel", None))
+                await kv.reconnect(if_channel=channel)
         except asyncio.CancelledError:
-            if _cancelled_by_caller():
+            if not channel_closed_under(channel, getattr(kv, "channel", None)):
                 raise
             # The stream's channel was closed under it (the client moved replica).
             st.last_error = "the watch stream was cancelled (the client moved to another replica)"

@@ -174,3 +174,38 @@ async def test_a_follower_whose_revision_was_compacted_lists_again(plane, kv, st
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         await router_kv.close()
+
+
+async def test_a_resumed_stream_survives_its_client_moving_replica(plane, kv):
+    """``KvbatonClient``'s resumed streams (subscribe, watch_leases) had the same gap: a
+    call that moved the client to the next replica closed the channel under the stream,
+    gRPC raised ``CancelledError`` and the consumer's loop ended. Now the stream resumes."""
+    from kvbaton.v1 import lease_pb2
+
+    mover = KvbatonClient(f"{plane.address},{plane.address}", timeout_s=5.0)
+    got: list[str] = []
+    arrived = asyncio.Event()
+
+    async def read() -> None:
+        async for ev in mover.watch_leases("dec-m"):  # the live leases first
+            got.append(ev.lease.conversation_id)
+            arrived.set()
+
+    async def grant(conv: str) -> None:
+        await kv.call(kv.lease.Grant, lease_pb2.GrantRequest(conversation_id=conv, engine_id="dec-m",
+                                                             ttl_ms=60_000, num_blocks=4))
+
+    await grant("before")
+    reader = asyncio.create_task(read())
+    try:
+        await asyncio.wait_for(arrived.wait(), 5)
+        arrived.clear()
+        await mover.reconnect()  # as a unary call's retry after UNAVAILABLE does
+        await grant("after")
+        await asyncio.wait_for(arrived.wait(), 5)
+        assert got == ["before", "after"] and not reader.done()
+    finally:
+        reader.cancel()
+        await asyncio.gather(reader, return_exceptions=True)
+        assert reader.cancelled()
+        await mover.close()
