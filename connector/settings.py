@@ -123,7 +123,8 @@ class KvbatonSettings:
         "and always moves runs. Safe with any number of engines packing into one at once: the receiver grants "
         "its staging slots. Memory per engine: `staging_slot_bytes` × (`staging_slots` + `staging_send_slots`) "
         "on the KV's device, by default 256 MiB of HBM on GPUs (one pool of 4 × 64 MiB shared by sends and "
-        "receives, at most 3 slots each way), 16 MiB on host memory (separate receive and send pools).",
+        "receives: all 4 to one direction alone, at most 3 each way while both are used), 16 MiB on host "
+        "memory (separate receive and send pools).",
         choices=(STAGING_AUTO, STAGING_ALWAYS, STAGING_NEVER))
     staging_slot_bytes: int = setting(
         0, "Size of one staging slot (never smaller than one block); a chunk is at most one slot.",

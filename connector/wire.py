@@ -47,7 +47,9 @@ class Message:
     KIND: ClassVar[str] = ""
 
     def fields(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        # shallow (every field is a plain value, list or tuple): asdict's deep copy cost
+        # ~20 µs per staged chunk and ack on the GPU path's per-chunk critical path
+        return dict(self.__dict__)
 
     def payload(self) -> bytes:
         return b""

@@ -23,8 +23,11 @@ class PoolDefaults:
 
 # Chosen from measurement (benchmarks/results/datapath_gpu_sweep.md, one H200): the
 # fastest shape within 256 MiB per engine at 1k, 4k and 16k tokens. Few, large chunks:
-# each chunk's round trip (gather, WRITE, notification, scatter, ack) costs ~0.5-0.8 ms
-# there, so slots in flight, not bytes, bound the rate.
+# each chunk's round trip (gather, WRITE, notification, scatter, ack) costs ~0.8-1.3 ms
+# there (two engines time-slicing one GPU: benchmarks/results/gpu_timeslice_h200x1.json),
+# so slots in flight, not bytes, bound the rate. One direction alone gets all 4 slots
+# (SlotGrants(sending=)); 2 × 128 MiB was not reliably faster and keeps only one slot per
+# direction when both are in use (benchmarks/results/datapath_gpu_h200x1*.md).
 GPU_POOL = PoolDefaults(slot_bytes=64 << 20, slots=2, send_slots=2, target_chunks=4, shared=True)
 HOST_POOL = PoolDefaults(slot_bytes=2 << 20, slots=4, send_slots=4, target_chunks=16)
 

@@ -447,8 +447,10 @@ class StagedPeer:
         self._local_free: dict[str, collections.deque[int]] = {}  # shared: our sends' slots
         self._send_info = self.send_pool.info()
         self._recv_info = self.recv_pool.info()
+        # the whole shared pool goes to peers while we send nothing (see SlotGrants)
         self.grants = SlotGrants(self.recv_pool.num_slots, margin_s=grant_margin_s,
-                                 local=LOCAL if self.shared else None)
+                                 local=LOCAL if self.shared else None,
+                                 sending=lambda: bool(self._outgoing))
         self.cuda = self.device.type == "cuda"
         if self.cuda:
             # the owner thread polls between GPU chunks: wake it as precisely as it asks

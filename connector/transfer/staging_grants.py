@@ -56,18 +56,38 @@ class SlotGrants:
     """The receive pool's slot ownership. All methods run on the endpoint's owner thread."""
 
     def __init__(self, num_slots: int, *, margin_s: float = 2.0,
-                 clock: Callable[[], float] = time.monotonic, local: str | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, local: str | None = None,
+                 sending: Callable[[], bool] | None = None) -> None:
         """``local``: the pool is shared with our own sends, granted as the grantee
-        ``local``. Then our sends hold at most ``num_slots - 1`` slots and the peers'
-        grants together at most ``num_slots - 1`` too, so each side always has a slot to
-        make progress with: two engines sending to each other at once could otherwise each
-        grant the other its whole pool and wait forever for a slot of their own (our
-        gathered chunks hold our slots until the peer has a slot for them)."""
+        ``local``. While both directions use the pool, our sends hold at most
+        ``num_slots - 1`` slots and the peers' grants together at most ``num_slots - 1``
+        too, so each side always has a slot to make progress with: two engines sending to
+        each other at once could otherwise each grant the other its whole pool and wait
+        forever for a slot of their own (our gathered chunks hold our slots until the peer
+        has a slot for them).
+
+        With one direction alone the whole pool goes to it (one slot more in flight: a
+        quarter more of the shipped 4-slot pool). That stays deadlock-free:
+
+        * our sends take the last slot only while no peer grant is active or waiting. Our
+          send asks for our slots only after the receiver granted its own, so if two
+          engines' sends each held a whole pool, each receiver's grant would have come
+          before the other's request arrived, and each request after its own grant: a
+          cycle in time, impossible (the same for longer cycles of engines);
+        * peers take the last slot only while we have no grant of our own and
+          ``sending()`` says we start no send (the owner's outgoing transfers, including
+          ones not yet granted). A peer's request arrives after its send started, so a
+          cycle of engines each lending its whole pool before its own send started is
+          impossible in the same way.
+
+        Either way, once the other direction asks, the holder gives slots back as its
+        chunks finish (fair share), and the caps apply again."""
         if num_slots <= 0:
             raise ValueError("a staging pool needs at least one slot")
         if local is not None and num_slots < 2:
             raise ValueError("a pool shared by both directions needs at least two slots")
         self.local = local
+        self._sending = sending
         self.num_slots = int(num_slots)
         self.margin_s = float(margin_s)
         self._clock = clock
@@ -165,10 +185,14 @@ class SlotGrants:
         """How many more slots ``g`` may hold (the shared pool's caps, see ``local``)."""
         if self.local is None:
             return self.num_slots
-        cap = self.num_slots - 1
+        grants = (*self._active.values(), *self._waiting.values())
         if g.peer == self.local:
-            return cap - len(g.slots)
-        return cap - sum(len(h.slots) for h in self._active.values() if h.peer != self.local)
+            peers = any(h.peer != self.local for h in grants)
+            return self.num_slots - (1 if peers else 0) - len(g.slots)
+        ours = any(h.peer == self.local for h in grants) or (
+            self._sending is None or self._sending())
+        held = sum(len(h.slots) for h in self._active.values() if h.peer != self.local)
+        return self.num_slots - (1 if ours else 0) - held
 
     def _finish(self, key: Key) -> list[Handout]:
         g = self._active.pop(key, None)

@@ -282,8 +282,8 @@ def test_shared_pool_both_directions_at_once() -> None:
         b_src, a_dst = rng.permutation(40), 40 + rng.permutation(40)
         want_b = checksum(p.ta, a_src, p.bd)
         want_a = checksum(p.tb, b_src, p.bd)
-        # alone: A's send holds 3 of its 4 slots and 3 of B's 4 (each side keeps one for
-        # the other direction: see SlotGrants(local=))
+        # alone: A's send holds all 4 of its slots and all 4 of B's (B sends nothing;
+        # with both directions each side keeps one for the other: see SlotGrants(local=))
         most = {"local": 0, "remote": 0}
         job = p.sa.start_send(p.b.name, p.sb.info(), a_src[:20], b_dst[:20], "solo", timeout_s=20)
         deadline = time.monotonic() + 20
@@ -294,7 +294,7 @@ def test_shared_pool_both_directions_at_once() -> None:
             most["remote"] = max(most["remote"], len(p.sb.grants.slots_of(p.a.name, "solo")))
             assert time.monotonic() < deadline
         job.close()
-        assert most == {"local": 3, "remote": 3}
+        assert most == {"local": 4, "remote": 4}
         # both directions at once, stepped from one thread (each engine's owner thread)
         jobs = [p.sa.start_send(p.b.name, p.sb.info(), a_src, b_dst, "ab", timeout_s=30),
                 p.sb.start_send(p.a.name, p.sa.info(), b_src, a_dst, "ba", timeout_s=30)]
@@ -319,6 +319,58 @@ def test_shared_pool_both_directions_at_once() -> None:
         for sp in (p.sa, p.sb):
             assert not sp.grants.busy and sp.grants.free_slots() == 4
             assert sp.dropped_chunks == 0
+    finally:
+        p.close()
+
+
+@pytest.mark.nixl
+def test_shared_pool_second_direction_starts_while_first_holds_everything() -> None:
+    """The order the N−1 caps used to guard against: A's send alone takes all of its own
+    pool and all of B's (B sends nothing yet); then B starts sending back to A. B's request
+    must wait for A's slots and B's own send for its slots, and both transfers still finish
+    (the holder gives slots back as its chunks finish), every byte in place."""
+    from kvbaton.connector.transfer.staging import LOCAL
+
+    block_bytes = LAYERS * 2 * TPB * 2 * 8 * 2
+    p = StagedPair("kv", slot_bytes=2 * block_bytes, num_slots=2, send_slots=2, shared=True)
+    try:
+        for t in p.tb:
+            t.view(torch.uint8)[:, :40].copy_(torch.randint(0, 256, t.view(torch.uint8)[:, :40].shape,
+                                                          dtype=torch.uint8))
+        for t in (*p.ta, *p.tb):
+            t[:, 40:].zero_()
+        rng = np.random.default_rng(5)
+        a_src, b_dst = rng.permutation(40), 40 + rng.permutation(40)
+        b_src, a_dst = rng.permutation(40), 40 + rng.permutation(40)
+        want_b, want_a = checksum(p.ta, a_src, p.bd), checksum(p.tb, b_src, p.bd)
+        ab = p.sa.start_send(p.b.name, p.sb.info(), a_src, b_dst, "ab", timeout_s=30)
+        deadline = time.monotonic() + 30
+        while not (len(p.sa.grants.slots_of(LOCAL, "ab")) == 4
+                   and len(p.sb.grants.slots_of(p.a.name, "ab")) == 4):
+            ab.step()
+            p.sa.progress()
+            p.sb.progress()
+            assert time.monotonic() < deadline, "a lone send never held both whole pools"
+        ba = p.sb.start_send(p.a.name, p.sa.info(), b_src, a_dst, "ba", timeout_s=30)
+        jobs, done = [ab, ba], [False, False]
+        while not all(done):
+            p.sa.progress()
+            p.sb.progress()
+            for i, j in enumerate(jobs):
+                done[i] = done[i] or j.step()
+            assert time.monotonic() < deadline, "the late direction never got a slot"
+        for j in jobs:
+            j.close()
+        for _ in range(100):
+            p.sa.progress()
+            p.sb.progress()
+            if not (p.sa.grants.busy or p.sb.grants.busy):
+                break
+            time.sleep(0.002)
+        assert checksum(p.tb, b_dst, p.bd) == want_b
+        assert checksum(p.ta, a_dst, p.bd) == want_a
+        for sp in (p.sa, p.sb):
+            assert not sp.grants.busy and sp.grants.free_slots() == 4 and sp.dropped_chunks == 0
     finally:
         p.close()
 

@@ -73,14 +73,46 @@ def test_shared_pool_keeps_a_slot_for_each_direction() -> None:
     assert not keep and [(x.peer, len(x.slots)) for x in handed] == [("peer2", 1)]
     peers = held(g, "peer1", "x") | held(g, "peer2", "y")
     assert len(peers) == 3 and not peers & held(g, "", "s")
-    # alone, our send holds at most 3 of 4 as well
-    g2 = SlotGrants(4, local="")
-    (m2,) = g2.request("", "s", want=8, ttl_s=10)
-    assert len(m2.slots) == 3
-    (p2,) = g2.request("peer", "x", want=8, ttl_s=10)
-    assert len(p2.slots) == 1
     with pytest.raises(ValueError, match="two slots"):
         SlotGrants(1, local="")
+
+
+def test_shared_pool_lends_everything_to_one_direction_alone() -> None:
+    """One direction alone gets the whole shared pool (one slot more in flight); once the
+    other direction asks, the holder gives slots back as its chunks finish, down to the
+    caps of both directions at once."""
+    sending = [False]
+    # a peer alone (we send nothing): all 4 slots
+    g = SlotGrants(4, local="", sending=lambda: sending[0])
+    (h,) = g.request("peer", "x", want=8, ttl_s=10)
+    assert len(h.slots) == 4 and g.free_slots() == 0
+    # our send starts: it waits, and gets the peer's slots as the peer's chunks finish
+    sending[0] = True
+    assert g.request("", "s", want=8, ttl_s=10) == []
+    got: list[int] = []
+    for s in sorted(h.slots):
+        keep, handed = g.chunk_done("peer", "x", s, nchunks=20)
+        got += [x for ho in handed if ho.peer == "" for x in ho.slots]
+        if keep:
+            break
+    assert got and len(held(g, "peer", "x")) >= 1
+    assert len(held(g, "peer", "x")) + len(held(g, "", "s")) <= 4
+    assert not held(g, "peer", "x") & held(g, "", "s")
+    # while we send (even before our own grant exists), a peer gets at most 3
+    g3 = SlotGrants(4, local="", sending=lambda: True)
+    (h3,) = g3.request("peer", "x", want=8, ttl_s=10)
+    assert len(h3.slots) == 3
+    # without a sending() hook the peers' cap always holds
+    (h4,) = SlotGrants(4, local="").request("peer", "x", want=8, ttl_s=10)
+    assert len(h4.slots) == 3
+    # our send alone: all 4; a peer's request then waits for one of them
+    g2 = SlotGrants(4, local="", sending=lambda: True)
+    (m2,) = g2.request("", "s", want=8, ttl_s=10)
+    assert len(m2.slots) == 4
+    assert g2.request("peer", "x", want=8, ttl_s=10) == []
+    keep, handed = g2.chunk_done("", "s", sorted(m2.slots)[0], nchunks=20)
+    assert not keep and [(x.peer, len(x.slots)) for x in handed] == [("peer", 1)]
+    assert len(held(g2, "", "s")) == 3 and len(held(g2, "peer", "x")) == 1
 
 
 def test_waiters_are_served_in_order_and_a_finished_grant_frees_everything() -> None:
