@@ -306,6 +306,7 @@ class KvbatonClient:
         the state (``last`` = 0), so no new event is mistaken for an old one."""
         backoff = 0.05
         while True:
+            channel = self.channel
             stream = open_stream()
             first = True
             try:
@@ -320,10 +321,16 @@ class KvbatonClient:
                 if exc.code() not in _RETRYABLE:
                     raise
                 log.info("client.stream_reconnect", code=exc.code().name, address=self.address)
+            except asyncio.CancelledError:
+                if not channel_closed_under(channel, self.channel):
+                    raise
+                # Another call moved the client to the next replica and closed this
+                # channel: gRPC ends the stream with CancelledError. Resume on the new one.
+                log.info("client.stream_reconnect", code="CHANNEL_REPLACED", address=self.address)
             finally:
                 stream.cancel()
             if len(self.addresses) > 1:
-                await self.reconnect()
+                await self.reconnect(if_channel=channel)
             await asyncio.sleep(backoff * (1 + random.random()))
             backoff = min(backoff * 2, 2.0)
 
@@ -418,9 +425,26 @@ class KvbatonClient:
 
     async def list_engines(self, role: Any = 0, *, page_size: int = 0) -> list:
         """Every registered engine rank, following pages."""
+        return (await self.list_engines_at(role, page_size=page_size))[0]
+
+    async def list_engines_at(self, role: Any = 0, *, page_size: int = 0) -> tuple[list, int, str]:
+        """Every registered engine rank, and the store revision and incarnation to watch
+        after (``WatchEnginesRequest.after_revision`` / ``incarnation``): the first page's,
+        so that no change made while the later pages were read is missed (0 from a server
+        that does not say)."""
         from kvbaton.v1 import registrar_pb2
 
-        return await self._all_pages(self.registrar.ListEngines, registrar_pb2.ListEnginesRequest(role=role, page_size=page_size), "ranks")
+        request = registrar_pb2.ListEnginesRequest(role=role, page_size=page_size)
+        out: list = []
+        revision, incarnation = 0, ""
+        while True:
+            resp = await self.call(self.registrar.ListEngines, request)
+            if not request.page_token:
+                revision, incarnation = resp.revision, resp.incarnation
+            out.extend(resp.ranks)
+            if not resp.next_page_token:
+                return out, revision, incarnation
+            request.page_token = resp.next_page_token
 
     async def list_transfers(self, *, phases: Sequence[Any] = (), engine_id: str = "", limit: int = 0,
                              page_size: int = 0) -> list:
