@@ -116,17 +116,19 @@ class ControlThread:
         return fut
 
     def subscribe(self, engine_id: str, tp_rank: int,
-                  on_event: Callable[[Any], None]) -> concurrent.futures.Future[None]:
+                  on_event: Callable[[Any], None], *, sole_subscriber: bool = False) -> concurrent.futures.Future[None]:
         """Forward this rank's rendezvous events (not heartbeats) to ``on_event`` until close.
 
         ``KvbatonClient.subscribe`` resumes across disconnects; anything else it raises is
         logged and the subscription restarted after a pause, so events are never silently
-        lost for the life of the engine.
+        lost for the life of the engine. ``sole_subscriber``: no other rank or process
+        subscribes to this engine's events (a one-rank engine), so completions sent from
+        this thread get their MATCH on their answer (``KvbatonClient.subscribe``).
         """
         async def _loop() -> None:
             while True:
                 try:
-                    async for ev in self.client.subscribe(engine_id, tp_rank):
+                    async for ev in self.client.subscribe(engine_id, tp_rank, sole_subscriber=sole_subscriber):
                         on_event(ev)
                 except asyncio.CancelledError:
                     raise

@@ -80,7 +80,8 @@ class KvbatonWorker:
         self._control.register_rank(rank, self.settings.ttl_ms)
         inbox = self._xfer.inbox
         self._control.subscribe(self.settings.engine_id, self.tp_rank,
-                                lambda ev: inbox.put(("event", ev.transfer.transfer_id, ev)))
+                                lambda ev: inbox.put(("event", ev.transfer.transfer_id, ev)),
+                                sole_subscriber=self.tp_size == 1)
         log.info("kvbaton: worker ready: engine %s agent %s, %d regions x %d blocks x %d B",
                  self.settings.engine_id, self._xfer.name, layout.num_regions, layout.num_blocks,
                  layout.bytes_per_block)

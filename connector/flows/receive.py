@@ -27,6 +27,7 @@ from typing import Any
 import grpc
 
 from kvbaton.services.tracing import grpc_metadata
+from kvbaton.stack.procs import process_group_members
 from kvbaton.v1 import lease_pb2 as lpb
 from kvbaton.v1 import rendezvous_pb2 as rpb
 
@@ -36,7 +37,7 @@ from ..metadata import LoadSpec
 from ..settings import MODE_PUSH, MODE_REUSE
 from ..transfer.integrity import Fingerprints, KvIntegrityError
 from .context import FlowContext, error_text, fire_and_forget
-from .faults import kill_own_process_group
+from .faults import kill_own_process_group, kill_process_group
 from .load import Load
 from .load_stats import count_load, record_finish
 from .sequence import Move, Mover, push_xfer_id
@@ -308,6 +309,18 @@ class ReceiveFlow:
             self.ctx.stats.record("fault_kill", req_id=ld.req_id, conversation_id=src.conversation_id if src else "",
                                   pin_id=ld.pin_id, pin_expires_at_ms=ld.pin_expires_at_ms)
             kill_own_process_group()
+        if ld.fault_killed_group:  # the READ waits until the killed owner is really gone
+            if process_group_members(ld.fault_killed_group) and now < ld.read_deadline:
+                return True
+            ld.fault_killed_group = 0
+        elif pgid := self.ctx.faults.take_once("kill_group_at_reuse_read"):
+            src = ld.spec.reuse
+            self.ctx.stats.record("fault_kill_group", req_id=ld.req_id, pgid=pgid,
+                                  conversation_id=src.conversation_id if src else "", pin_id=ld.pin_id,
+                                  pin_expires_at_ms=ld.pin_expires_at_ms)
+            kill_process_group(pgid)
+            ld.fault_killed_group = pgid
+            return True
         if not ld.delay_until:
             ld.delay_until = now + self.ctx.faults.value("delay_reuse_read_s")
             if ld.delay_until > now:
