@@ -22,7 +22,13 @@ capacity looks like: only OK and RESOURCE_EXHAUSTED are healthy answers).
 
 Paths: ``unary`` sends Offer and Complete as unary RPCs spread over ``--channels``
 connections; ``session`` sends them over the two engines' Rendezvous/Session streams
-(``KvbatonClient.session``, batched). ``kvbaton serve`` runs in its own process, so the
+(``KvbatonClient.session``, batched, its defaults); ``session-answer`` also opens the
+prefill's subscription as its engine's sole one on the client its completions go out on
+(the connector's worker at TP 1), so a completion that makes the match is answered with
+it. ``/wN`` after a session path sets the sessions' Nagle window (``/w0``: none, the client
+before it), so old and new clients run against the same server in one run. Each point
+reports gRPC messages per match through the server (calls in, answers out, the prefill's
+Subscribe stream). ``kvbaton serve`` runs in its own process, so the
 server's CPU is its own; ``etcd1``/``etcd3`` start a 1- or 3-member etcd on loopback with
 ``kvbaton/stack/etcd_cluster.py``. The results JSON records the configuration, the git
 commit and the load average when each store's runs started.
@@ -100,6 +106,7 @@ class Point:
         self.reasons: dict[str, list[str]] = {}
         self.send_lag: list[float] = []  # how late the generator sent (ms): its own saturation
         self.refused_after: dict[str, list[float]] = {}  # code -> ms from the scheduled send to that answer
+        self.stream_events = 0  # messages the prefill's Subscribe stream carried (heartbeats too)
 
     def answer(self, tid: str, code: grpc.StatusCode, reason: str = "") -> None:
         self.answers.setdefault(tid, []).append(0 if code == grpc.StatusCode.OK else code.value[0])
@@ -112,7 +119,8 @@ class Point:
 
 
 async def open_loop(kv: KvbatonClient, peer: KvbatonClient, stubs: list, *, path: str, rate: float, seconds: float,
-                    grace_s: float, tag: str, call_timeout_s: float, transfer_timeout_ms: int, seed: int) -> dict:
+                    grace_s: float, tag: str, call_timeout_s: float, transfer_timeout_ms: int, seed: int,
+                    offer_lead_ms: float = 0.0) -> dict:
     pre, dec = f"pre-{tag}", f"dec-{tag}"
     await register(kv, pre, common_pb2.ENGINE_ROLE_PREFILL)
     await register(kv, dec, common_pb2.ENGINE_ROLE_DECODE)
@@ -121,7 +129,13 @@ async def open_loop(kv: KvbatonClient, peer: KvbatonClient, stubs: list, *, path
     loop = asyncio.get_running_loop()
 
     async def consume() -> None:
-        async for ev in kv.subscribe(pre, 0, heartbeats=True):
+        # session-answer: the prefill's subscription is its engine's only one and shares
+        # the client its completions go out on (the connector's worker at TP 1), so a
+        # completion that makes the match is answered with the MATCH (revision 0), which
+        # the Subscribe stream then does not carry.
+        async for ev in kv.subscribe(pre, 0, heartbeats=True, sole_subscriber=path == "session-answer"):
+            if ev.revision:
+                pt.stream_events += 1
             if ev.type == HEARTBEAT:
                 ready.set()
             elif ev.type == MATCH:
@@ -153,16 +167,18 @@ async def open_loop(kv: KvbatonClient, peer: KvbatonClient, stubs: list, *, path
     async def send_session(tid: str, i: int) -> None:
         offer, complete = messages(tid)
 
-        async def one(fn, req) -> None:
+        async def one(fn, req, after_s: float = 0.0) -> None:
+            if after_s:
+                await asyncio.sleep(after_s)
             try:
                 await fn(req)
                 pt.answer(tid, grpc.StatusCode.OK)
             except grpc.aio.AioRpcError as exc:
                 pt.answer(tid, exc.code(), exc.details() or "")
 
-        await asyncio.gather(one(peer.session.offer, offer), one(kv.session.complete, complete))
+        await asyncio.gather(one(peer.session.offer, offer), one(kv.session.complete, complete, offer_lead_ms / 1000))
 
-    send = send_session if path == "session" else send_unary
+    send = send_unary if path == "unary" else send_session
     rng = random.Random(seed)
     schedule, t = [], 0.0
     while True:
@@ -170,7 +186,7 @@ async def open_loop(kv: KvbatonClient, peer: KvbatonClient, stubs: list, *, path
         if t >= seconds:
             break
         schedule.append(t)
-    sessions = [peer.session, kv.session] if path == "session" else []
+    sessions = [peer.session, kv.session] if path != "unary" else []
     before = [dict(x.stats) for x in sessions]
     inflight: set[asyncio.Task] = set()
     t0 = time.perf_counter() + 0.05
@@ -181,7 +197,8 @@ async def open_loop(kv: KvbatonClient, peer: KvbatonClient, stubs: list, *, path
             await asyncio.sleep(delay)
         pt.send_lag.append(max(time.perf_counter() - due, 0.0) * 1000)
         tid = f"{tag}-{i}"
-        pt.scheduled[tid] = due
+        # Latency counts from when the later side was due (the completion, with a lead).
+        pt.scheduled[tid] = due + (offer_lead_ms / 1000 if path != "unary" else 0.0)
         task = loop.create_task(send(tid, i))
         inflight.add(task)
         task.add_done_callback(inflight.discard)
@@ -212,6 +229,13 @@ async def open_loop(kv: KvbatonClient, peer: KvbatonClient, stubs: list, *, path
         # When refusals came: at once (shed) or after queueing (what a client waited for nothing).
         "refused_after_ms": {code: {"p50": pct(v, 50), "max": max(v)} for code, v in pt.refused_after.items()},
     }
+    received = [x.stats["received_batches"] - b["received_batches"] for x, b in zip(sessions, before)]
+    # gRPC messages per match through the server: calls in and answers out (a unary call
+    # is one of each), plus what the prefill's Subscribe stream carried (heartbeats too).
+    calls = sum(len(c) for c in pt.answers.values())
+    wire = (sum(b for _, b in sent) + sum(received)) if sessions else 2 * calls
+    result["messages_per_match"] = (wire + pt.stream_events) / max(len(lat), 1)
+    result["offer_lead_ms"] = offer_lead_ms if path != "unary" else 0.0
     if sent:
         result["calls_per_batch"] = sum(c for c, _ in sent) / max(sum(b for _, b in sent), 1)
         # Shed calls the session clients sent again after the server's retry hint (their
@@ -244,6 +268,25 @@ def profile_shares(path: pathlib.Path) -> dict:
         ours += bool(mine)
     busy = total - idle
     return {"samples": total, "busy_samples": busy, "kvbaton_share_of_busy": ours / busy if busy else None}
+
+
+PATHS = ("unary", "session", "session-answer")
+
+
+def parse_path(spec: str) -> tuple[str, int | None]:
+    """``session-answer/w0`` -> ("session-answer", 0); no /wN: (name, None), the default."""
+    name, _, w = spec.partition("/w")
+    if name not in PATHS or (w and (not w.isdigit() or name == "unary")):
+        raise ValueError(f"path {spec!r}: one of {', '.join(PATHS)}, session ones optionally with /wN")
+    return name, int(w) if w else None
+
+
+def parse_path_arg(spec: str) -> str:
+    try:
+        parse_path(spec)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return spec
 
 
 def healthy(r: dict, p99_ms: float) -> bool:
@@ -300,12 +343,17 @@ async def run_store(args, store_url: str, store_pids: list[int], variant: str = 
             # Transfer and engine ids unique per server: servers of one run may share an
             # etcd cluster, where another's matched transfers would answer as duplicates.
             prefix = f"{variant}-"
-            for path in args.path:
+            for spec in args.path:
+                path, window = parse_path(spec)
+                default_window = kv.session.max_in_flight
+                if window is not None:  # the sessions' Nagle window (RendezvousSession.max_in_flight)
+                    kv.session.max_in_flight = peer.session.max_in_flight = window
                 best, top = None, 0.0
                 for rate in args.rate:
                     n += 1
                     r = await measure(args, kv, peer, stubs, server.pid, store_pids, path=path, rate=rate,
                                       tag=f"{prefix}{path[0]}{n}", seed=n)
+                    r["path"] = spec
                     out["points"].append(r)
                     top = max(top, r["achieved_rate"])
                     if healthy(r, args.p99_ms):
@@ -317,10 +365,13 @@ async def run_store(args, store_url: str, store_pids: list[int], variant: str = 
                     n += 1
                     r = await measure(args, kv, peer, stubs, server.pid, store_pids, path=path,
                                       rate=round(args.overload * top), tag=f"{prefix}{path[0]}{n}", seed=n)
+                    r["path"] = spec
                     r["overload_of"] = top
                     out["points"].append(r)
                     summary["overload"] = {"rate": r["target_rate"], "answers": r["answers"], "lost": r["lost"]}
-                out["summary"][path] = summary
+                out["summary"][spec] = summary
+                if window is not None:
+                    kv.session.max_in_flight = peer.session.max_in_flight = default_window
     finally:
         for c in channels:
             await c.close(grace=0)
@@ -333,6 +384,7 @@ async def run_store(args, store_url: str, store_pids: list[int], variant: str = 
                 profiler.wait(5)
             out["profile"] = {"file": profile_path, **profile_shares(pathlib.Path(profile_path))}
         stop_group(server)
+        out["loadavg_at_end"] = os.getloadavg()
     return out
 
 
@@ -341,7 +393,8 @@ async def measure(args, kv, peer, stubs, server_pid: int, store_pids: list[int],
     s0, c0 = cpu_seconds(server_pid), cpu_seconds()
     e0 = sum(cpu_seconds(p) for p in store_pids)
     r = await open_loop(kv, peer, stubs, path=path, rate=rate, seconds=args.seconds, grace_s=args.grace, tag=tag,
-                        call_timeout_s=args.call_timeout, transfer_timeout_ms=args.transfer_timeout_ms, seed=seed)
+                        call_timeout_s=args.call_timeout, transfer_timeout_ms=args.transfer_timeout_ms, seed=seed,
+                        offer_lead_ms=args.offer_lead_ms)
     per = max(r["matches"], 1)
     r["server_cpu_us_per_match"] = (cpu_seconds(server_pid) - s0) / per * 1e6
     r["client_cpu_us_per_match"] = (cpu_seconds() - c0) / per * 1e6
@@ -352,6 +405,7 @@ async def measure(args, kv, peer, stubs, server_pid: int, store_pids: list[int],
           f"max {fmt(r['max_ms'])} ms  answers {r['answers']}  lost {r['lost']}  half {r['half']}  "
           f"cpu/match server {r['server_cpu_us_per_match']:.0f} us client {r['client_cpu_us_per_match']:.0f} us"
           + (f" etcd {r['store_cpu_us_per_match']:.0f} us" if store_pids else "")
+          + f"  msgs/match {r['messages_per_match']:.2f}"
           + (f"  batch {r['calls_per_batch']:.1f}" if "calls_per_batch" in r else ""), flush=True)
     return r
 
@@ -363,17 +417,20 @@ def markdown(results: dict) -> str:
     lines = [f"`{results['script']}` {' '.join(results['argv'])} — commit `{results['commit'][:12]}{'-dirty' if results['commit'].endswith('-dirty') else ''}`, "
              f"started {results['started_utc']}, {results['machine']}.", ""]
     for st in results["stores"]:
+        end = f"; at end {', '.join(f'{x:.1f}' for x in st['loadavg_at_end'])}" if "loadavg_at_end" in st else ""
         lines += [f"**{st['store']}, {st.get('variant', 'current')}** (load average at start "
-                  f"{', '.join(f'{x:.1f}' for x in st['loadavg_at_start'])}):", "",
+                  f"{', '.join(f'{x:.1f}' for x in st['loadavg_at_start'])}{end}):", "",
                   "| path | offered /s | achieved /s | p50 ms | p99 ms | max ms | answers | lost | server CPU µs/match "
-                  "| generator CPU µs/match" + (" | etcd CPU µs/match" if "etcd" in st["store"] else "") + " |",
-                  "|---|---:|---:|---:|---:|---:|---|---:|---:|---:" + ("|---:" if "etcd" in st["store"] else "") + "|"]
+                  "| messages/match | generator CPU µs/match" + (" | etcd CPU µs/match" if "etcd" in st["store"] else "") + " |",
+                  "|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:" + ("|---:" if "etcd" in st["store"] else "") + "|"]
         for r in st["points"]:
             answers = ", ".join(f"{k} {v:,}" for k, v in sorted(r["answers"].items()))
             over = f" (2× {r['overload_of']:,.0f})" if "overload_of" in r else ""
-            lines.append(f"| {r['path']} | {r['target_rate']:,.0f}{over} | {r['achieved_rate']:,.0f} | {fmt(r['p50_ms'], 2)} "
+            lead = f" (offer {r['offer_lead_ms']:g} ms ahead)" if r.get("offer_lead_ms") else ""
+            lines.append(f"| {r['path']}{lead} | {r['target_rate']:,.0f}{over} | {r['achieved_rate']:,.0f} | {fmt(r['p50_ms'], 2)} "
                          f"| {fmt(r['p99_ms'], 2)} | {fmt(r['max_ms'], 1)} | {answers} | {r['lost']} "
-                         f"| {r['server_cpu_us_per_match']:,.0f} | {r['client_cpu_us_per_match']:,.0f}"
+                         f"| {r['server_cpu_us_per_match']:,.0f} | {fmt(r.get('messages_per_match'), 2)} "
+                         f"| {r['client_cpu_us_per_match']:,.0f}"
                          + (f" | {r.get('store_cpu_us_per_match', 0):,.0f}" if "etcd" in st["store"] else "") + " |")
         for path, sm in st["summary"].items():
             lines.append(f"\n{path}: highest swept rate with p99 < {p99:g} ms, only OK answers and nothing lost: "
@@ -392,7 +449,14 @@ def main() -> int:
                    help="memory://, etcd://h:p[,h:p], etcd1 or etcd3 (a 1- or 3-member etcd on loopback started "
                         "here); repeatable (default memory://)")
     p.add_argument("--rate", type=float, action="append", help="offered transfers/s, swept in order (repeatable)")
-    p.add_argument("--path", action="append", choices=("unary", "session"), help="repeatable; default both")
+    p.add_argument("--path", action="append", type=parse_path_arg,
+                   help="unary, session or session-answer, the session ones optionally with /wN: the sessions' "
+                        "Nagle window (messages in flight, RendezvousSession.max_in_flight; /w0: no window, the "
+                        "client before it); repeatable; default unary and session")
+    p.add_argument("--offer-lead-ms", type=float, default=0.0,
+                   help="session paths: send each offer this long before its completion (decode offers when it "
+                        "admits a request, prefill completes after computing it); latency counts from the "
+                        "completion's scheduled time")
     p.add_argument("--seconds", type=float, default=4.0, help="Poisson arrivals per point")
     p.add_argument("--grace", type=float, default=3.0, help="s after the last send to wait for MATCH events")
     p.add_argument("--channels", type=int, default=4, help="connections the unary path spreads calls over")

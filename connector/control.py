@@ -12,6 +12,7 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -22,6 +23,7 @@ from kvbaton.security import ClientSecurity
 from kvbaton.services.tracing import grpc_metadata
 from kvbaton.v1 import common_pb2, registrar_pb2, rendezvous_pb2
 
+from .affinity import unpin_this_thread
 from .settings import KvbatonSettings
 
 log = logging.getLogger("kvbaton.connector.control")
@@ -32,9 +34,11 @@ class ControlThread:
     """Owns an event loop on a named daemon thread; registers and refreshes the engine rank."""
 
     def __init__(self, address: str, *, timeout_s: float = 5.0, name: str = "kvbaton-control",
-                 security: ClientSecurity | None = None) -> None:
+                 security: ClientSecurity | None = None, unpin: bool = True) -> None:
         self.address = address
         self.timeout_s = timeout_s
+        self.unpin = unpin  # widen this thread's CPU mask first (connector/affinity.py)
+        self.cpus: set[int] | None = None  # the mask the thread runs on (None: not widened)
         # TLS + token (settings or $KVBATON_TLS_* / $KVBATON_TOKEN); resolved here so a
         # half-configured engine fails at start, not on its first call.
         self.security = security if security is not None else ClientSecurity.resolve()
@@ -49,6 +53,8 @@ class ControlThread:
         self._tasks: list[concurrent.futures.Future[None]] = []
 
     def _run(self) -> None:
+        if self.unpin:  # before the gRPC channel: gRPC's own threads inherit the mask
+            self.cpus = unpin_this_thread()
         asyncio.set_event_loop(self._loop)
         self._client = self.security.client(self.address, timeout_s=self.timeout_s)
         self._ready.set()
@@ -110,17 +116,19 @@ class ControlThread:
         return fut
 
     def subscribe(self, engine_id: str, tp_rank: int,
-                  on_event: Callable[[Any], None]) -> concurrent.futures.Future[None]:
+                  on_event: Callable[[Any], None], *, sole_subscriber: bool = False) -> concurrent.futures.Future[None]:
         """Forward this rank's rendezvous events (not heartbeats) to ``on_event`` until close.
 
         ``KvbatonClient.subscribe`` resumes across disconnects; anything else it raises is
         logged and the subscription restarted after a pause, so events are never silently
-        lost for the life of the engine.
+        lost for the life of the engine. ``sole_subscriber``: no other rank or process
+        subscribes to this engine's events (a one-rank engine), so completions sent from
+        this thread get their MATCH on their answer (``KvbatonClient.subscribe``).
         """
         async def _loop() -> None:
             while True:
                 try:
-                    async for ev in self.client.subscribe(engine_id, tp_rank):
+                    async for ev in self.client.subscribe(engine_id, tp_rank, sole_subscriber=sole_subscriber):
                         on_event(ev)
                 except asyncio.CancelledError:
                     raise
@@ -177,6 +185,40 @@ def rendezvous_call(method: str, req: Any, traceparent: str | None = None,
     if md:
         return lambda c: c.call(getattr(c.rendezvous, method), req, retries=retries, metadata=md)
     return lambda c: getattr(c.session, _SESSION_METHODS[method])(req)
+
+
+def retry_while_unregistered(fn: Callable[[KvbatonClient], Awaitable[T]], budget_s: float, *,
+                             first_delay_s: float = 0.5, max_delay_s: float = 2.0,
+                             sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+                             clock: Callable[[], float] = time.monotonic) -> Callable[[KvbatonClient], Awaitable[T]]:
+    """``fn`` again while the control plane answers ``NOT_FOUND: engine ... is not registered``,
+    within ``budget_s`` (delays 0.5 s doubling to 2 s).
+
+    Why: an engine's registration lapses when its refresh comes late (10 s TTL) and its
+    worker registers again at its next refresh (``register_rank``, every third of the TTL).
+    A push ``Complete`` refused in that gap was lost (fire-and-forget), so decode waited out
+    its whole timeout for a WRITE that never came and recomputed (issue 14: TP-1 prefill ->
+    TP-2 decode on the overloaded 2-core VM, ``Complete`` refused after 8.4 s). Nothing was
+    recorded by the refused call, so sending it again is safe; any other error is final."""
+    async def call(c: KvbatonClient) -> T:
+        deadline = clock() + budget_s
+        delay = first_delay_s
+        while True:
+            try:
+                return await fn(c)
+            except grpc.aio.AioRpcError as exc:
+                if not unregistered(exc) or clock() + delay > deadline:
+                    raise
+            log.info("kvbaton: engine not registered (lapsed?): call again in %.1f s", delay)
+            await sleep(delay)
+            delay = min(delay * 2, max_delay_s)
+    return call
+
+
+def unregistered(exc: BaseException) -> bool:
+    """The control plane's refusal of a call from an engine it does not know (now)."""
+    return (isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.NOT_FOUND
+            and "is not registered" in (exc.details() or ""))
 
 
 def security_of(settings: KvbatonSettings) -> ClientSecurity:

@@ -75,13 +75,13 @@ class KvbatonConnector(KVConnectorBase_V1):
         self._worker: KvbatonWorker | None = None
         # Increases of this process's connector counters, shipped to vLLM's /metrics.
         self._deltas = CounterDeltas(connector_metrics())
+        pc = vllm_config.parallel_config
+        tp_size = int(getattr(pc, "tensor_parallel_size", 1) or 1)
         if role == KVConnectorRole.SCHEDULER:
             self._sched = KvbatonScheduler(self.settings, self.block_size)
         else:
-            pc = vllm_config.parallel_config
             tp_rank = int(getattr(pc, "rank", 0) or 0)
-            self._worker = KvbatonWorker(self.settings, str(ktc.kv_role), tp_rank,
-                                         tp_size=int(getattr(pc, "tensor_parallel_size", 1) or 1),
+            self._worker = KvbatonWorker(self.settings, str(ktc.kv_role), tp_rank, tp_size=tp_size,
                                          total_kv_heads=_total_kv_heads(vllm_config))
 
     # ================================================================== worker side

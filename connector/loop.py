@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from . import wire
+from .affinity import unpin_this_thread
 from .control import ControlThread
 from .flows.context import FlowContext
 from .flows.faults import Faults
@@ -71,6 +72,7 @@ class TransferLoop:
         self._ready = threading.Event()
         self._stop = threading.Event()
         self._error: BaseException | None = None
+        self.cpus: set[int] | None = None  # the thread's CPU mask once widened (connector/affinity.py)
         self._thread = threading.Thread(target=self._run, name=f"kvbaton-xfer-{settings.engine_id}", daemon=True)
 
     @property
@@ -132,6 +134,8 @@ class TransferLoop:
         self.ctx.stats.record("wire_refused", peer=peer, reason=str(exc)[:300], head=raw[:40].decode(errors="replace"))
 
     def _run(self) -> None:
+        if self.settings.unpin_threads:  # before the agent: NIXL's and UCX's threads inherit the mask
+            self.cpus = unpin_this_thread()
         try:
             ep = self._open()
         except BaseException as exc:  # noqa: BLE001 - surfaced by start()

@@ -49,7 +49,7 @@ from kvbaton import params as P
 from kvbaton.services.metrics import connector_metrics
 from kvbaton.v1 import rendezvous_pb2 as rpb
 
-from .control import ControlThread, complete_request, rendezvous_call, security_of
+from .control import ControlThread, complete_request, rendezvous_call, retry_while_unregistered, security_of
 from .metadata import KvbatonMeta, LoadSpec, ReuseSource, SendSpec
 from .reuse import RetentionManager, reusable_blocks
 from .settings import MODE_PULL, MODE_PUSH, MODE_REUSE, KvbatonSettings
@@ -98,7 +98,7 @@ class KvbatonScheduler:
     def _control_thread(self) -> ControlThread:
         if self._control is None:
             self._control = ControlThread(self.settings.control_plane, name="kvbaton-sched-control",
-                                          security=security_of(self.settings))
+                                          security=security_of(self.settings), unpin=self.settings.unpin_threads)
         return self._control
 
     def bind_block_pool(self, block_pool: Any) -> None:
@@ -305,7 +305,8 @@ class KvbatonScheduler:
             if not here:
                 complete = complete_request(self.settings.engine_id, self.settings.timeout_s, tid, ids, n_tokens,
                                             request.request_id, peer)
-                self._rpc("Complete", rendezvous_call("Complete", complete, tp), tid)
+                self._rpc("Complete", retry_while_unregistered(rendezvous_call("Complete", complete, tp),
+                                                               self.settings.timeout_s / 2), tid)
             return True, P.push_handoff(self.settings.engine_id, tid)
         self._sends[request.request_id] = SendSpec(tid, len(block_ids), self.settings.timeout_s, traceparent=tp,
                                                    block_ids=tuple(int(b) for b in block_ids))
@@ -315,7 +316,8 @@ class KvbatonScheduler:
         hold = complete_request(self.settings.engine_id, self.settings.timeout_s, tid,
                                 tuple(int(b) for b in block_ids), int(request.num_computed_tokens), request.request_id,
                                 str(params.get(P.DECODE_ENGINE_ID) or ""))
-        self._rpc("Complete", rendezvous_call("Complete", hold, tp), tid)
+        self._rpc("Complete", retry_while_unregistered(rendezvous_call("Complete", hold, tp),
+                                                       self.settings.timeout_s / 2), tid)
         # this branch is pull whatever the engine default
         return True, P.pull_handoff(self.settings.engine_id, block_ids, int(request.num_computed_tokens), tid)
 

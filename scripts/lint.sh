@@ -4,6 +4,8 @@
 #   mypy          types of kvbaton/, services/ and connector/ (generated code excluded)
 #   lint-imports  import contracts: layering, no product -> tests, no cycles in a package
 #   grep          benchmarks/, scripts/ and tools/ (not packages) never import tests
+#   check_numbers every results file the docs cite exists and records its commit and
+#                 configuration; every table of measurements cites one (scripts/check_numbers.py)
 # Usage: bash scripts/lint.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -46,6 +48,9 @@ if grep -rnE '^\s*(from|import)\s+tests(\.|\s|$)' --include='*.py' benchmarks sc
   echo "the files above import tests: move what they need into the product (kvbaton/)" >&2
   status=1
 fi
+
+step "docs numbers trace to results files"
+"$PY" scripts/check_numbers.py || status=1
 
 if [ "$status" -ne 0 ]; then echo "lint: FAILED" >&2; else echo "lint: OK" >&2; fi
 exit "$status"

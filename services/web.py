@@ -256,8 +256,12 @@ class WebServer:
     async def page(self, request: web.Request) -> web.Response:
         if (refused := self._refusal(request)) is not None:
             return refused
+        try:  # ``?refresh=0``: a still page (a capture must not race the reload)
+            refresh_s = max(0, int(request.query.get("refresh", "1")))
+        except ValueError:
+            return web.Response(status=400, text="refresh must be a whole number of seconds (0: no reload)")
         state = await asyncio.wait_for(self.state(), STATE_TIMEOUT_S * 2)
-        return web.Response(text=render_page(state), content_type="text/html")
+        return web.Response(text=render_page(state, refresh_s=refresh_s), content_type="text/html")
 
 
 # -- HTML -------------------------------------------------------------------------
@@ -296,9 +300,10 @@ def _secs(ms: int | None) -> str:
     return "" if ms is None else f"{ms / 1000:.1f}s"
 
 
-def render_page(state: dict[str, Any]) -> str:
+def render_page(state: dict[str, Any], *, refresh_s: int = 1) -> str:
     """The status page: a plain server-rendered table page that reloads itself every
-    second (no scripts, so it works in any browser and in a headless screenshot)."""
+    ``refresh_s`` seconds (no scripts, so it works in any browser and in a headless
+    screenshot; 0: no reload, for a capture that must not race one)."""
     rates = state.get("rates", {})
     leases = state.get("leases") or {}
     transfers = state.get("transfers") or {}
@@ -345,7 +350,7 @@ def render_page(state: dict[str, Any]) -> str:
         key_totals, [("COUNTER", "counter"), ("VALUE", "value")], "no traffic yet"))
     when = time.strftime("%H:%M:%S", time.localtime(state.get("time_ms", 0) / 1000))
     return f"""<!doctype html>
-<html lang="en"><head><meta charset="utf-8"><meta http-equiv="refresh" content="1">
+<html lang="en"><head><meta charset="utf-8">{f'<meta http-equiv="refresh" content="{refresh_s}">' if refresh_s else ''}
 <title>kvbaton control plane</title><style>{_CSS}</style></head>
 <body><header><h1>kvbaton</h1><span>{html.escape(state.get('address', ''))}</span>
 <span>store {html.escape(state.get('store', ''))}</span><span>{html.escape(', '.join(state.get('services', [])))}</span>

@@ -7,28 +7,16 @@ while the push is pending. Heavy: run under ``flock /tmp/kvbaton-heavy.lock``.
 Usage: python tools/tp_affinity_probe.py [WORKDIR]
 """
 import os
-import random
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import psutil
 
-from kvbaton.stack.pd_stack import PdStack, post_json
+from kvbaton.stack.pd_stack import PdStack, completion_body, post_json, token_ids
 from kvbaton.tinymodel import ensure_tiny_model
-
-
-def ids(seed: int, n: int) -> list[int]:
-    r = random.Random(seed)
-    return [r.randrange(10, 4000) for _ in range(n)]
-
-
-def body(p: list[int], n: int = 24) -> dict[str, Any]:
-    return {"model": "tiny", "prompt": p, "max_tokens": n, "temperature": 0.0, "ignore_eos": True,
-            "return_token_ids": True}
 
 
 def thread_name(pid: int, tid: int) -> str:
@@ -75,11 +63,11 @@ def main() -> None:
                  engine_nice=5) as st:
         print("up", round(time.monotonic() - t0, 1), flush=True)
         for srv in st.engines():
-            srv.post_json("/v1/completions", body(ids(1, 200), 4))
+            srv.post_json("/v1/completions", completion_body(token_ids(1, 200), 4))
         th = threading.Thread(target=snapshot, args=(st,))
         th.start()
         t = time.monotonic()
-        status, _ = post_json(f"{st.routers['push']}/v1/completions", body(ids(50, 300)), timeout_s=120)
+        status, _ = post_json(f"{st.routers['push']}/v1/completions", completion_body(token_ids(50, 300)), timeout_s=120)
         print("push", status, round(time.monotonic() - t, 2), flush=True)
         th.join()
 

@@ -21,7 +21,11 @@ class Faults:
     request (past the reader's deadline: exercises the reader's cancel);
     ``kill_at_reuse_read`` = true: the reader SIGKILLs its whole engine (process group)
     the moment a reuse READ would be posted, pin held (a reader dying with its pin, at a
-    point a test need not race to hit).
+    point a test need not race to hit);
+    ``kill_group_at_reuse_read`` = a process group id: the reader SIGKILLs that group (the
+    owner engine, in a test) once, the moment a reuse READ would be posted, pin held, and
+    holds the READ back until the group is gone (an owner dying under a reader's pin, by
+    construction rather than by a race against a delay window).
     Counts are consumed in this process only (the file is not rewritten).
     """
 
@@ -57,8 +61,24 @@ class Faults:
     def value(self, key: str) -> float:
         return float(self._load().get(key, 0.0) or 0.0)
 
+    def take_once(self, key: str) -> int:
+        """The key's integer value the first time it is asked for (per file version), else 0."""
+        v = int(self._load().get(key, 0) or 0)
+        if not v or self._used.get(key):
+            return 0
+        self._used[key] = 1
+        return v
+
 
 def kill_own_process_group() -> None:
     """SIGKILL this process's group: the whole vLLM server (API process, engine core,
     worker), as ``kill -9`` of the group from outside would (test-only faults)."""
     os.killpg(os.getpgrp(), signal.SIGKILL)
+
+
+def kill_process_group(pgid: int) -> None:
+    """SIGKILL another process group (test-only faults); already gone is fine."""
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass

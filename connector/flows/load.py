@@ -30,8 +30,10 @@ class Load:
     pin_sent: float = 0.0
     read_deadline: float = 0.0
     delay_until: float = 0.0  # test-only fault: reuse READ held back until then
+    fault_killed_group: int = 0  # test-only fault: the owner group killed, READ held until it is gone
     # the ledger (pull and reuse): BeginRead before the READ, ReportOutcome after it
     begin_future: concurrent.futures.Future[Any] | None = None
+    begin_after: float = 0.0  # BeginRead again no sooner (our registration lapsed: flows/receive.py)
     begun: bool = False  # BeginRead answered (or the server has no ledger): READ may be posted
     ledger_attempt: int | None = None  # the ledger's transfer attempt; None: nothing to report
     # verify_kv

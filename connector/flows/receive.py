@@ -27,16 +27,17 @@ from typing import Any
 import grpc
 
 from kvbaton.services.tracing import grpc_metadata
+from kvbaton.stack.procs import process_group_members
 from kvbaton.v1 import lease_pb2 as lpb
 from kvbaton.v1 import rendezvous_pb2 as rpb
 
 from .. import wire
-from ..control import rendezvous_call
+from ..control import rendezvous_call, unregistered
 from ..metadata import LoadSpec
 from ..settings import MODE_PUSH, MODE_REUSE
 from ..transfer.integrity import Fingerprints, KvIntegrityError
 from .context import FlowContext, error_text, fire_and_forget
-from .faults import kill_own_process_group
+from .faults import kill_own_process_group, kill_process_group
 from .load import Load
 from .load_stats import count_load, record_finish
 from .sequence import Move, Mover, push_xfer_id
@@ -48,6 +49,8 @@ log = logging.getLogger("kvbaton.connector.receive")
 # Pull: how long after the load starts a BeginRead answered "no hold" is asked again (the
 # prefill's Complete and its response to the router race; the response may win).
 BEGIN_READ_HOLD_GRACE_S = 2.0
+#: BeginRead refused because this engine is not registered (a lapse): asked again this much later
+UNREGISTERED_RETRY_S = 0.5
 
 
 class ReceiveFlow:
@@ -246,6 +249,8 @@ class ReceiveFlow:
         if ld.begun:
             return True
         if ld.begin_future is None:
+            if now < ld.begin_after:
+                return False
             req = begin_read_request(ld.spec, self.ctx.settings.engine_id, ld.req_id, self.ctx.peers.tp_size)
             # Over the engine's session like offers and completions (a traced one as its
             # own unary call; a server without sessions, or without BeginRead in them,
@@ -265,6 +270,12 @@ class ReceiveFlow:
                     and "no hold" in (exc.details() or "") and now < ld.t0 + BEGIN_READ_HOLD_GRACE_S):
                 # The prefill's Complete (sent as it answered the router) may still be on
                 # its way: ask again shortly rather than recompute a hold about to exist.
+                return False
+            if unregistered(exc) and now + UNREGISTERED_RETRY_S < ld.deadline:
+                # Our registration lapsed (a refresh came late on a starved machine); the
+                # worker registers again at its next refresh (every third of ttl_ms). Nothing
+                # was recorded: ask again shortly rather than recompute (issue 14).
+                ld.begin_after = now + UNREGISTERED_RETRY_S
                 return False
             if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
                 raise RuntimeError(f"read fenced by the ledger: {exc.details()}") from None
@@ -298,6 +309,18 @@ class ReceiveFlow:
             self.ctx.stats.record("fault_kill", req_id=ld.req_id, conversation_id=src.conversation_id if src else "",
                                   pin_id=ld.pin_id, pin_expires_at_ms=ld.pin_expires_at_ms)
             kill_own_process_group()
+        if ld.fault_killed_group:  # the READ waits until the killed owner is really gone
+            if process_group_members(ld.fault_killed_group) and now < ld.read_deadline:
+                return True
+            ld.fault_killed_group = 0
+        elif pgid := self.ctx.faults.take_once("kill_group_at_reuse_read"):
+            src = ld.spec.reuse
+            self.ctx.stats.record("fault_kill_group", req_id=ld.req_id, pgid=pgid,
+                                  conversation_id=src.conversation_id if src else "", pin_id=ld.pin_id,
+                                  pin_expires_at_ms=ld.pin_expires_at_ms)
+            kill_process_group(pgid)
+            ld.fault_killed_group = pgid
+            return True
         if not ld.delay_until:
             ld.delay_until = now + self.ctx.faults.value("delay_reuse_read_s")
             if ld.delay_until > now:

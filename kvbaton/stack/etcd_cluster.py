@@ -210,14 +210,15 @@ class EtcdCluster:
             self.wait_healthy(i)
 
     def stop(self) -> None:
-        """SIGTERM every member, SIGKILL stragglers, verify each pid is gone, remove data."""
-        for m in self.members:
-            if m.alive:
-                assert m.proc is not None
-                m.proc.terminate()
+        """SIGTERM the members one at a time, SIGKILL stragglers, verify each pid is gone,
+        remove data. One at a time: a member stopping hands its leadership to one still up
+        at once, while all stopping together each waited out etcd's leadership-transfer
+        timeout (6.5 s for 3 members, against 0.08 s)."""
         for m in self.members:
             if m.proc is None:
                 continue
+            if m.alive:
+                m.proc.terminate()
             try:
                 m.proc.wait(timeout=STOP_TIMEOUT_S)
             except subprocess.TimeoutExpired:

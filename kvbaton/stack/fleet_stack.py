@@ -136,13 +136,18 @@ class FleetStack(StackBase):
         for url in self.routers:
             while True:
                 with urllib.request.urlopen(f"{url}/kvbaton/fleet", timeout=5) as r:
-                    engines = json.loads(r.read())["engines"]
+                    view = json.loads(r.read())
+                engines = view["engines"]
                 p = sum(1 for e in engines if e["routable"] and e["role"] in ("prefill", "both"))
                 d = sum(1 for e in engines if e["routable"] and e["role"] in ("decode", "both"))
                 if p >= n_prefill and d >= n_decode:
                     break
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"router {url} sees {p} prefill / {d} decode engines")
+                    # What it saw (why an engine is not routable) and what it follows.
+                    seen = [{k: e.get(k) for k in ("engine_id", "role", "routable", "suspect", "draining", "ranks")}
+                            for e in engines]
+                    raise TimeoutError(f"router {url} sees {p} prefill / {d} decode engines: {seen}; "
+                                       f"discovery {view.get('discovery')}")
                 time.sleep(0.1)
 
 

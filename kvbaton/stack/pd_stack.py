@@ -29,6 +29,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import random
 import time
 import urllib.error
 import urllib.request
@@ -143,6 +144,20 @@ def post_json(url: str, body: dict[str, Any], timeout_s: float = 120.0,
             return r.status, r.read()
     except urllib.error.HTTPError as e:
         return e.code, e.read()
+
+
+def token_ids(seed: int, n: int) -> list[int]:
+    """``n`` reproducible token ids of the tiny model's vocabulary (a prompt no two callers
+    share by accident: give each its own seed)."""
+    rnd = random.Random(seed)
+    return [rnd.randrange(10, 4000) for _ in range(n)]
+
+
+def completion_body(prompt: list[int], max_tokens: int = 24, **extra: Any) -> dict[str, Any]:
+    """A greedy ``/v1/completions`` body for the tiny model that returns token ids (what an
+    answer is compared by: exactly ``max_tokens`` of them, EOS ignored)."""
+    return {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+            "return_token_ids": True, **extra}
 
 
 @dataclasses.dataclass

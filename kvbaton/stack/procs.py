@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-__all__ = ["KVBATON", "PY", "ROOT", "stop_group", "wait_port"]
+__all__ = ["KVBATON", "PY", "ROOT", "process_group_members", "stop_group", "wait_port"]
 
 ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable
@@ -50,3 +50,23 @@ def stop_group(proc: subprocess.Popen[bytes], grace_s: float = 10.0) -> None:
     else:  # leader gone: make sure nothing of its group is left either
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def process_group_members(pgid: int) -> list[int]:
+    """PIDs (from /proc) whose process group is ``pgid``: to verify a clean stop, and to see a
+    non-child group die without waiting on it (test-only connector faults)."""
+    pids: list[int] = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as fh:
+                stat = fh.read().decode(errors="replace")
+        except OSError:
+            continue
+        # Field 2 (comm) may contain spaces/parens: split after the last ')'.
+        fields = stat.rsplit(")", 1)[1].split()
+        # fields[0]=state, [1]=ppid, [2]=pgrp
+        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] != "Z":
+            pids.append(int(entry))
+    return pids

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from .ports import free_port
+from .procs import process_group_members
 
 __all__ = [
     "VllmServer", "VllmServerError", "free_port", "process_group_members",
@@ -80,25 +81,6 @@ def _stop_all_live() -> None:
     for srv in list(_LIVE):
         with contextlib.suppress(Exception):
             srv.stop()
-
-
-def process_group_members(pgid: int) -> list[int]:
-    """PIDs (from /proc) whose process group is ``pgid``; used to verify a clean stop."""
-    pids: list[int] = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as fh:
-                stat = fh.read().decode(errors="replace")
-        except OSError:
-            continue
-        # Field 2 (comm) may contain spaces/parens: split after the last ')'.
-        fields = stat.rsplit(")", 1)[1].split()
-        # fields[0]=state, [1]=ppid, [2]=pgrp
-        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] != "Z":
-            pids.append(int(entry))
-    return pids
 
 
 def _tail(path: Path, n_bytes: int = 6000) -> str:

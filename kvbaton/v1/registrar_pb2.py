@@ -26,7 +26,7 @@ _sym_db = _symbol_database.Default()
 from kvbaton.v1 import common_pb2 as kvbaton_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1akvbaton/v1/registrar.proto\x12\nkvbaton.v1\x1a\x17kvbaton/v1/common.proto\"\x9c\x03\n\nEngineRank\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12$\n\x04role\x18\x02 \x01(\x0e\x32\x16.kvbaton.v1.EngineRole\x12\x0f\n\x07tp_size\x18\x03 \x01(\r\x12\x0f\n\x07tp_rank\x18\x04 \x01(\r\x12\x12\n\nagent_name\x18\x05 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x06 \x01(\x0c\x12(\n\x08geometry\x18\x07 \x01(\x0b\x32\x16.kvbaton.v1.KvGeometry\x12\x32\n\x06labels\x18\x08 \x03(\x0b\x32\".kvbaton.v1.EngineRank.LabelsEntry\x12\x18\n\x10registered_at_ms\x18\t \x01(\x03\x12\x13\n\x0bincarnation\x18\n \x01(\t\x12&\n\x07staging\x18\x0b \x01(\x0b\x32\x15.kvbaton.v1.KvStaging\x12\x11\n\tserve_url\x18\x0c \x01(\t\x12\x10\n\x08\x64raining\x18\r \x01(\x08\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"M\n\x15RegisterEngineRequest\x12$\n\x04rank\x18\x01 \x01(\x0b\x32\x16.kvbaton.v1.EngineRank\x12\x0e\n\x06ttl_ms\x18\x02 \x01(\r\"N\n\x16RegisterEngineResponse\x12$\n\x04rank\x18\x01 \x01(\x0b\x32\x16.kvbaton.v1.EngineRank\x12\x0e\n\x06ttl_ms\x18\x02 \x01(\r\"O\n\x14RefreshEngineRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\x12\x13\n\x0bincarnation\x18\x03 \x01(\t\"\'\n\x15RefreshEngineResponse\x12\x0e\n\x06ttl_ms\x18\x01 \x01(\r\"N\n\x17\x44\x65registerEngineRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x14\n\x07tp_rank\x18\x02 \x01(\rH\x00\x88\x01\x01\x42\n\n\x08_tp_rank\"+\n\x18\x44\x65registerEngineResponse\x12\x0f\n\x07removed\x18\x01 \x01(\r\"%\n\x10GetEngineRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\":\n\x11GetEngineResponse\x12%\n\x05ranks\x18\x01 \x03(\x0b\x32\x16.kvbaton.v1.EngineRank\"a\n\x12ListEnginesRequest\x12$\n\x04role\x18\x01 \x01(\x0e\x32\x16.kvbaton.v1.EngineRole\x12\x11\n\tpage_size\x18\x02 \x01(\r\x12\x12\n\npage_token\x18\x03 \x01(\t\"U\n\x13ListEnginesResponse\x12%\n\x05ranks\x18\x01 \x03(\x0b\x32\x16.kvbaton.v1.EngineRank\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\";\n\x13WatchEnginesRequest\x12$\n\x04role\x18\x01 \x01(\x0e\x32\x16.kvbaton.v1.EngineRole\"\xae\x01\n\x0b\x45ngineEvent\x12*\n\x04type\x18\x01 \x01(\x0e\x32\x1c.kvbaton.v1.EngineEvent.Type\x12$\n\x04rank\x18\x02 \x01(\x0b\x32\x16.kvbaton.v1.EngineRank\x12\x10\n\x08revision\x18\x03 \x01(\x03\";\n\x04Type\x12\x14\n\x10TYPE_UNSPECIFIED\x10\x00\x12\x0c\n\x08TYPE_PUT\x10\x01\x12\x0f\n\x0bTYPE_DELETE\x10\x02\"\xc3\x01\n\x0eRetainedBlocks\x12\x17\n\x0f\x63onversation_id\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x14\n\x0c\x62lock_hashes\x18\x05 \x03(\x0c\x12\x18\n\x10tokens_per_block\x18\x06 \x01(\r\x12\x14\n\x0cretention_id\x18\x07 \x01(\t\x12\x18\n\x10registered_at_ms\x18\x08 \x01(\x03\"G\n\x17RegisterRetainedRequest\x12,\n\x08retained\x18\x01 \x01(\x0b\x32\x1a.kvbaton.v1.RetainedBlocks\"\x88\x01\n\x18RegisterRetainedResponse\x12,\n\x08retained\x18\x01 \x01(\x0b\x32\x1a.kvbaton.v1.RetainedBlocks\x12\x31\n\x08replaced\x18\x02 \x01(\x0b\x32\x1a.kvbaton.v1.RetainedBlocksH\x00\x88\x01\x01\x42\x0b\n\t_replaced\"0\n\x15LookupRetainedRequest\x12\x17\n\x0f\x63onversation_id\x18\x01 \x01(\t\"F\n\x16LookupRetainedResponse\x12,\n\x08retained\x18\x01 \x01(\x0b\x32\x1a.kvbaton.v1.RetainedBlocks\"G\n\x16ReleaseRetainedRequest\x12\x17\n\x0f\x63onversation_id\x18\x01 \x01(\t\x12\x14\n\x0cretention_id\x18\x02 \x01(\t\"+\n\x17ReleaseRetainedResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"E\n\x12\x44rainEngineRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0c\n\x04undo\x18\x02 \x01(\x08\x12\x0e\n\x06reason\x18\x03 \x01(\t\"<\n\x13\x44rainEngineResponse\x12%\n\x05ranks\x18\x01 \x03(\x0b\x32\x16.kvbaton.v1.EngineRank2\xe3\x06\n\tRegistrar\x12W\n\x0eRegisterEngine\x12!.kvbaton.v1.RegisterEngineRequest\x1a\".kvbaton.v1.RegisterEngineResponse\x12T\n\rRefreshEngine\x12 .kvbaton.v1.RefreshEngineRequest\x1a!.kvbaton.v1.RefreshEngineResponse\x12]\n\x10\x44\x65registerEngine\x12#.kvbaton.v1.DeregisterEngineRequest\x1a$.kvbaton.v1.DeregisterEngineResponse\x12H\n\tGetEngine\x12\x1c.kvbaton.v1.GetEngineRequest\x1a\x1d.kvbaton.v1.GetEngineResponse\x12N\n\x0bListEngines\x12\x1e.kvbaton.v1.ListEnginesRequest\x1a\x1f.kvbaton.v1.ListEnginesResponse\x12J\n\x0cWatchEngines\x12\x1f.kvbaton.v1.WatchEnginesRequest\x1a\x17.kvbaton.v1.EngineEvent0\x01\x12]\n\x10RegisterRetained\x12#.kvbaton.v1.RegisterRetainedRequest\x1a$.kvbaton.v1.RegisterRetainedResponse\x12W\n\x0eLookupRetained\x12!.kvbaton.v1.LookupRetainedRequest\x1a\".kvbaton.v1.LookupRetainedResponse\x12Z\n\x0fReleaseRetained\x12\".kvbaton.v1.ReleaseRetainedRequest\x1a#.kvbaton.v1.ReleaseRetainedResponse\x12N\n\x0b\x44rainEngine\x12\x1e.kvbaton.v1.DrainEngineRequest\x1a\x1f.kvbaton.v1.DrainEngineResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1akvbaton/v1/registrar.proto\x12\nkvbaton.v1\x1a\x17kvbaton/v1/common.proto\"\x9c\x03\n\nEngineRank\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12$\n\x04role\x18\x02 \x01(\x0e\x32\x16.kvbaton.v1.EngineRole\x12\x0f\n\x07tp_size\x18\x03 \x01(\r\x12\x0f\n\x07tp_rank\x18\x04 \x01(\r\x12\x12\n\nagent_name\x18\x05 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x06 \x01(\x0c\x12(\n\x08geometry\x18\x07 \x01(\x0b\x32\x16.kvbaton.v1.KvGeometry\x12\x32\n\x06labels\x18\x08 \x03(\x0b\x32\".kvbaton.v1.EngineRank.LabelsEntry\x12\x18\n\x10registered_at_ms\x18\t \x01(\x03\x12\x13\n\x0bincarnation\x18\n \x01(\t\x12&\n\x07staging\x18\x0b \x01(\x0b\x32\x15.kvbaton.v1.KvStaging\x12\x11\n\tserve_url\x18\x0c \x01(\t\x12\x10\n\x08\x64raining\x18\r \x01(\x08\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"M\n\x15RegisterEngineRequest\x12$\n\x04rank\x18\x01 \x01(\x0b\x32\x16.kvbaton.v1.EngineRank\x12\x0e\n\x06ttl_ms\x18\x02 \x01(\r\"N\n\x16RegisterEngineResponse\x12$\n\x04rank\x18\x01 \x01(\x0b\x32\x16.kvbaton.v1.EngineRank\x12\x0e\n\x06ttl_ms\x18\x02 \x01(\r\"O\n\x14RefreshEngineRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\x12\x13\n\x0bincarnation\x18\x03 \x01(\t\"\'\n\x15RefreshEngineResponse\x12\x0e\n\x06ttl_ms\x18\x01 \x01(\r\"N\n\x17\x44\x65registerEngineRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x14\n\x07tp_rank\x18\x02 \x01(\rH\x00\x88\x01\x01\x42\n\n\x08_tp_rank\"+\n\x18\x44\x65registerEngineResponse\x12\x0f\n\x07removed\x18\x01 \x01(\r\"%\n\x10GetEngineRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\":\n\x11GetEngineResponse\x12%\n\x05ranks\x18\x01 \x03(\x0b\x32\x16.kvbaton.v1.EngineRank\"a\n\x12ListEnginesRequest\x12$\n\x04role\x18\x01 \x01(\x0e\x32\x16.kvbaton.v1.EngineRole\x12\x11\n\tpage_size\x18\x02 \x01(\r\x12\x12\n\npage_token\x18\x03 \x01(\t\"|\n\x13ListEnginesResponse\x12%\n\x05ranks\x18\x01 \x03(\x0b\x32\x16.kvbaton.v1.EngineRank\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\x12\x10\n\x08revision\x18\x03 \x01(\x03\x12\x13\n\x0bincarnation\x18\x04 \x01(\t\"h\n\x13WatchEnginesRequest\x12$\n\x04role\x18\x01 \x01(\x0e\x32\x16.kvbaton.v1.EngineRole\x12\x16\n\x0e\x61\x66ter_revision\x18\x02 \x01(\x03\x12\x13\n\x0bincarnation\x18\x03 \x01(\t\"\xae\x01\n\x0b\x45ngineEvent\x12*\n\x04type\x18\x01 \x01(\x0e\x32\x1c.kvbaton.v1.EngineEvent.Type\x12$\n\x04rank\x18\x02 \x01(\x0b\x32\x16.kvbaton.v1.EngineRank\x12\x10\n\x08revision\x18\x03 \x01(\x03\";\n\x04Type\x12\x14\n\x10TYPE_UNSPECIFIED\x10\x00\x12\x0c\n\x08TYPE_PUT\x10\x01\x12\x0f\n\x0bTYPE_DELETE\x10\x02\"\xc3\x01\n\x0eRetainedBlocks\x12\x17\n\x0f\x63onversation_id\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x14\n\x0c\x62lock_hashes\x18\x05 \x03(\x0c\x12\x18\n\x10tokens_per_block\x18\x06 \x01(\r\x12\x14\n\x0cretention_id\x18\x07 \x01(\t\x12\x18\n\x10registered_at_ms\x18\x08 \x01(\x03\"G\n\x17RegisterRetainedRequest\x12,\n\x08retained\x18\x01 \x01(\x0b\x32\x1a.kvbaton.v1.RetainedBlocks\"\x88\x01\n\x18RegisterRetainedResponse\x12,\n\x08retained\x18\x01 \x01(\x0b\x32\x1a.kvbaton.v1.RetainedBlocks\x12\x31\n\x08replaced\x18\x02 \x01(\x0b\x32\x1a.kvbaton.v1.RetainedBlocksH\x00\x88\x01\x01\x42\x0b\n\t_replaced\"0\n\x15LookupRetainedRequest\x12\x17\n\x0f\x63onversation_id\x18\x01 \x01(\t\"F\n\x16LookupRetainedResponse\x12,\n\x08retained\x18\x01 \x01(\x0b\x32\x1a.kvbaton.v1.RetainedBlocks\"G\n\x16ReleaseRetainedRequest\x12\x17\n\x0f\x63onversation_id\x18\x01 \x01(\t\x12\x14\n\x0cretention_id\x18\x02 \x01(\t\"+\n\x17ReleaseRetainedResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"E\n\x12\x44rainEngineRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0c\n\x04undo\x18\x02 \x01(\x08\x12\x0e\n\x06reason\x18\x03 \x01(\t\"<\n\x13\x44rainEngineResponse\x12%\n\x05ranks\x18\x01 \x03(\x0b\x32\x16.kvbaton.v1.EngineRank2\xe3\x06\n\tRegistrar\x12W\n\x0eRegisterEngine\x12!.kvbaton.v1.RegisterEngineRequest\x1a\".kvbaton.v1.RegisterEngineResponse\x12T\n\rRefreshEngine\x12 .kvbaton.v1.RefreshEngineRequest\x1a!.kvbaton.v1.RefreshEngineResponse\x12]\n\x10\x44\x65registerEngine\x12#.kvbaton.v1.DeregisterEngineRequest\x1a$.kvbaton.v1.DeregisterEngineResponse\x12H\n\tGetEngine\x12\x1c.kvbaton.v1.GetEngineRequest\x1a\x1d.kvbaton.v1.GetEngineResponse\x12N\n\x0bListEngines\x12\x1e.kvbaton.v1.ListEnginesRequest\x1a\x1f.kvbaton.v1.ListEnginesResponse\x12J\n\x0cWatchEngines\x12\x1f.kvbaton.v1.WatchEnginesRequest\x1a\x17.kvbaton.v1.EngineEvent0\x01\x12]\n\x10RegisterRetained\x12#.kvbaton.v1.RegisterRetainedRequest\x1a$.kvbaton.v1.RegisterRetainedResponse\x12W\n\x0eLookupRetained\x12!.kvbaton.v1.LookupRetainedRequest\x1a\".kvbaton.v1.LookupRetainedResponse\x12Z\n\x0fReleaseRetained\x12\".kvbaton.v1.ReleaseRetainedRequest\x1a#.kvbaton.v1.ReleaseRetainedResponse\x12N\n\x0b\x44rainEngine\x12\x1e.kvbaton.v1.DrainEngineRequest\x1a\x1f.kvbaton.v1.DrainEngineResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -58,31 +58,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LISTENGINESREQUEST']._serialized_start=987
   _globals['_LISTENGINESREQUEST']._serialized_end=1084
   _globals['_LISTENGINESRESPONSE']._serialized_start=1086
-  _globals['_LISTENGINESRESPONSE']._serialized_end=1171
-  _globals['_WATCHENGINESREQUEST']._serialized_start=1173
-  _globals['_WATCHENGINESREQUEST']._serialized_end=1232
-  _globals['_ENGINEEVENT']._serialized_start=1235
-  _globals['_ENGINEEVENT']._serialized_end=1409
-  _globals['_ENGINEEVENT_TYPE']._serialized_start=1350
-  _globals['_ENGINEEVENT_TYPE']._serialized_end=1409
-  _globals['_RETAINEDBLOCKS']._serialized_start=1412
-  _globals['_RETAINEDBLOCKS']._serialized_end=1607
-  _globals['_REGISTERRETAINEDREQUEST']._serialized_start=1609
-  _globals['_REGISTERRETAINEDREQUEST']._serialized_end=1680
-  _globals['_REGISTERRETAINEDRESPONSE']._serialized_start=1683
-  _globals['_REGISTERRETAINEDRESPONSE']._serialized_end=1819
-  _globals['_LOOKUPRETAINEDREQUEST']._serialized_start=1821
-  _globals['_LOOKUPRETAINEDREQUEST']._serialized_end=1869
-  _globals['_LOOKUPRETAINEDRESPONSE']._serialized_start=1871
-  _globals['_LOOKUPRETAINEDRESPONSE']._serialized_end=1941
-  _globals['_RELEASERETAINEDREQUEST']._serialized_start=1943
-  _globals['_RELEASERETAINEDREQUEST']._serialized_end=2014
-  _globals['_RELEASERETAINEDRESPONSE']._serialized_start=2016
-  _globals['_RELEASERETAINEDRESPONSE']._serialized_end=2059
-  _globals['_DRAINENGINEREQUEST']._serialized_start=2061
-  _globals['_DRAINENGINEREQUEST']._serialized_end=2130
-  _globals['_DRAINENGINERESPONSE']._serialized_start=2132
-  _globals['_DRAINENGINERESPONSE']._serialized_end=2192
-  _globals['_REGISTRAR']._serialized_start=2195
-  _globals['_REGISTRAR']._serialized_end=3062
+  _globals['_LISTENGINESRESPONSE']._serialized_end=1210
+  _globals['_WATCHENGINESREQUEST']._serialized_start=1212
+  _globals['_WATCHENGINESREQUEST']._serialized_end=1316
+  _globals['_ENGINEEVENT']._serialized_start=1319
+  _globals['_ENGINEEVENT']._serialized_end=1493
+  _globals['_ENGINEEVENT_TYPE']._serialized_start=1434
+  _globals['_ENGINEEVENT_TYPE']._serialized_end=1493
+  _globals['_RETAINEDBLOCKS']._serialized_start=1496
+  _globals['_RETAINEDBLOCKS']._serialized_end=1691
+  _globals['_REGISTERRETAINEDREQUEST']._serialized_start=1693
+  _globals['_REGISTERRETAINEDREQUEST']._serialized_end=1764
+  _globals['_REGISTERRETAINEDRESPONSE']._serialized_start=1767
+  _globals['_REGISTERRETAINEDRESPONSE']._serialized_end=1903
+  _globals['_LOOKUPRETAINEDREQUEST']._serialized_start=1905
+  _globals['_LOOKUPRETAINEDREQUEST']._serialized_end=1953
+  _globals['_LOOKUPRETAINEDRESPONSE']._serialized_start=1955
+  _globals['_LOOKUPRETAINEDRESPONSE']._serialized_end=2025
+  _globals['_RELEASERETAINEDREQUEST']._serialized_start=2027
+  _globals['_RELEASERETAINEDREQUEST']._serialized_end=2098
+  _globals['_RELEASERETAINEDRESPONSE']._serialized_start=2100
+  _globals['_RELEASERETAINEDRESPONSE']._serialized_end=2143
+  _globals['_DRAINENGINEREQUEST']._serialized_start=2145
+  _globals['_DRAINENGINEREQUEST']._serialized_end=2214
+  _globals['_DRAINENGINERESPONSE']._serialized_start=2216
+  _globals['_DRAINENGINERESPONSE']._serialized_end=2276
+  _globals['_REGISTRAR']._serialized_start=2279
+  _globals['_REGISTRAR']._serialized_end=3146
 # @@protoc_insertion_point(module_scope)

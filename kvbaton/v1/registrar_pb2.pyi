@@ -115,18 +115,26 @@ class ListEnginesRequest(_message.Message):
     def __init__(self, role: _Optional[_Union[_common_pb2.EngineRole, str]] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
 
 class ListEnginesResponse(_message.Message):
-    __slots__ = ("ranks", "next_page_token")
+    __slots__ = ("ranks", "next_page_token", "revision", "incarnation")
     RANKS_FIELD_NUMBER: _ClassVar[int]
     NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     ranks: _containers.RepeatedCompositeFieldContainer[EngineRank]
     next_page_token: str
-    def __init__(self, ranks: _Optional[_Iterable[_Union[EngineRank, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
+    revision: int
+    incarnation: str
+    def __init__(self, ranks: _Optional[_Iterable[_Union[EngineRank, _Mapping]]] = ..., next_page_token: _Optional[str] = ..., revision: _Optional[int] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class WatchEnginesRequest(_message.Message):
-    __slots__ = ("role",)
+    __slots__ = ("role", "after_revision", "incarnation")
     ROLE_FIELD_NUMBER: _ClassVar[int]
+    AFTER_REVISION_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     role: _common_pb2.EngineRole
-    def __init__(self, role: _Optional[_Union[_common_pb2.EngineRole, str]] = ...) -> None: ...
+    after_revision: int
+    incarnation: str
+    def __init__(self, role: _Optional[_Union[_common_pb2.EngineRole, str]] = ..., after_revision: _Optional[int] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class EngineEvent(_message.Message):
     __slots__ = ("type", "rank", "revision")

@@ -25,55 +25,55 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bkvbaton/v1/rendezvous.proto\x12\nkvbaton.v1\"\xa1\x01\n\x0cTransferSide\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\r\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12\x13\n\x0b\x64\x65\x61\x64line_ms\x18\x04 \x01(\x03\x12\x16\n\x0ereceived_at_ms\x18\x05 \x01(\x03\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\x16\n\x0epeer_engine_id\x18\x07 \x01(\t\"\x89\x01\n\x07Outcome\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\x12\x0f\n\x07success\x18\x03 \x01(\x08\x12\r\n\x05\x62ytes\x18\x04 \x01(\x04\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12\x16\n\x0ereported_at_ms\x18\x06 \x01(\x03\x12\x13\n\x0b\x64uration_us\x18\x07 \x01(\r\"\xb3\x03\n\rTransferState\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\r\x12(\n\x05phase\x18\x03 \x01(\x0e\x32\x19.kvbaton.v1.TransferPhase\x12\'\n\x05offer\x18\x04 \x01(\x0b\x32\x18.kvbaton.v1.TransferSide\x12,\n\ncompletion\x18\x05 \x01(\x0b\x32\x18.kvbaton.v1.TransferSide\x12\x15\n\rmatched_at_ms\x18\x06 \x01(\x03\x12\x19\n\x11\x65xpected_outcomes\x18\x07 \x01(\r\x12%\n\x08outcomes\x18\x08 \x03(\x0b\x32\x13.kvbaton.v1.Outcome\x12\x0e\n\x06reason\x18\t \x01(\t\x12\x15\n\rupdated_at_ms\x18\n \x01(\x03\x12\x10\n\x08revision\x18\x0b \x01(\x03\x12&\n\x04kind\x18\x0c \x01(\x0e\x32\x18.kvbaton.v1.TransferKind\x12\x12\n\ngeneration\x18\r \x01(\t\x12\x17\n\x0f\x63onversation_id\x18\x0e \x01(\t\x12\x14\n\x0cwriter_ranks\x18\x0f \x03(\r\"\xf9\x01\n\x10\x42\x65ginReadRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\r\x12&\n\x04kind\x18\x03 \x01(\x0e\x32\x18.kvbaton.v1.TransferKind\x12\x18\n\x10reader_engine_id\x18\x04 \x01(\t\x12\x11\n\tblock_ids\x18\x05 \x03(\r\x12\x0f\n\x07readers\x18\x06 \x01(\r\x12\x12\n\ngeneration\x18\x07 \x01(\t\x12\x17\n\x0f\x63onversation_id\x18\x08 \x01(\t\x12\x18\n\x10source_block_ids\x18\t \x03(\r\x12\x12\n\nrequest_id\x18\n \x01(\t\"\xb8\x01\n\x0cOfferRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\r\x12\x18\n\x10\x64\x65\x63ode_engine_id\x18\x03 \x01(\t\x12\x11\n\tblock_ids\x18\x04 \x03(\r\x12\x12\n\nnum_tokens\x18\x05 \x01(\r\x12\x12\n\ntimeout_ms\x18\x06 \x01(\r\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\x19\n\x11prefill_engine_id\x18\x08 \x01(\t\"\xcc\x01\n\x0f\x43ompleteRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\r\x12\x19\n\x11prefill_engine_id\x18\x03 \x01(\t\x12\x11\n\tblock_ids\x18\x04 \x03(\r\x12\x12\n\nnum_tokens\x18\x05 \x01(\r\x12\x12\n\ntimeout_ms\x18\x06 \x01(\r\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\x0f\n\x07writers\x18\x08 \x01(\r\x12\x18\n\x10\x64\x65\x63ode_engine_id\x18\t \x01(\t\"f\n\x12RendezvousResponse\x12(\n\x05state\x18\x01 \x01(\x0b\x32\x19.kvbaton.v1.TransferState\x12\x13\n\x0bmatched_now\x18\x02 \x01(\x08\x12\x11\n\tduplicate\x18\x03 \x01(\x08\"c\n\x10SubscribeRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\x12\x16\n\x0e\x61\x66ter_revision\x18\x03 \x01(\x03\x12\x13\n\x0bincarnation\x18\x04 \x01(\t\"\xf7\x01\n\x0fRendezvousEvent\x12.\n\x04type\x18\x01 \x01(\x0e\x32 .kvbaton.v1.RendezvousEvent.Type\x12+\n\x08transfer\x18\x02 \x01(\x0b\x32\x19.kvbaton.v1.TransferState\x12\x10\n\x08revision\x18\x03 \x01(\x03\"u\n\x04Type\x12\x14\n\x10TYPE_UNSPECIFIED\x10\x00\x12\x0e\n\nTYPE_MATCH\x10\x01\x12\x10\n\x0cTYPE_EXPIRED\x10\x02\x12\x12\n\x0eTYPE_CANCELLED\x10\x03\x12\r\n\tTYPE_DONE\x10\x04\x12\x12\n\x0eTYPE_HEARTBEAT\x10\x05\"b\n\x14ReportOutcomeRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\r\x12$\n\x07outcome\x18\x03 \x01(\x0b\x32\x13.kvbaton.v1.Outcome\"X\n\rCancelRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\r\x12\x11\n\tengine_id\x18\x03 \x01(\t\x12\x0e\n\x06reason\x18\x04 \x01(\t\")\n\x12GetTransferRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\"\x8a\x01\n\x14ListTransfersRequest\x12)\n\x06phases\x18\x01 \x03(\x0e\x32\x19.kvbaton.v1.TransferPhase\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\r\n\x05limit\x18\x03 \x01(\r\x12\x11\n\tpage_size\x18\x04 \x01(\r\x12\x12\n\npage_token\x18\x05 \x01(\t\"^\n\x15ListTransfersResponse\x12,\n\ttransfers\x18\x01 \x03(\x0b\x32\x19.kvbaton.v1.TransferState\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"8\n\x0eSessionRequest\x12&\n\x05\x63\x61lls\x18\x01 \x03(\x0b\x32\x17.kvbaton.v1.SessionCall\"\x9b\x02\n\x0bSessionCall\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12)\n\x05offer\x18\x02 \x01(\x0b\x32\x18.kvbaton.v1.OfferRequestH\x00\x12/\n\x08\x63omplete\x18\x03 \x01(\x0b\x32\x1b.kvbaton.v1.CompleteRequestH\x00\x12:\n\x0ereport_outcome\x18\x04 \x01(\x0b\x32 .kvbaton.v1.ReportOutcomeRequestH\x00\x12+\n\x06\x63\x61ncel\x18\x05 \x01(\x0b\x32\x19.kvbaton.v1.CancelRequestH\x00\x12\x32\n\nbegin_read\x18\x06 \x01(\x0b\x32\x1c.kvbaton.v1.BeginReadRequestH\x00\x42\x06\n\x04\x62ody\"=\n\x0fSessionResponse\x12*\n\x07results\x18\x01 \x03(\x0b\x32\x19.kvbaton.v1.SessionResult\"\xbc\x01\n\rSessionResult\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x34\n\nrendezvous\x18\x04 \x01(\x0b\x32\x1e.kvbaton.v1.RendezvousResponseH\x00\x12*\n\x05state\x18\x05 \x01(\x0b\x32\x19.kvbaton.v1.TransferStateH\x00\x12\x16\n\x0eretry_after_ms\x18\x06 \x01(\rB\x06\n\x04\x62ody*\xf8\x01\n\rTransferPhase\x12\x1e\n\x1aTRANSFER_PHASE_UNSPECIFIED\x10\x00\x12\x1a\n\x16TRANSFER_PHASE_OFFERED\x10\x01\x12\x1c\n\x18TRANSFER_PHASE_COMPLETED\x10\x02\x12\x1a\n\x16TRANSFER_PHASE_MATCHED\x10\x03\x12\x1c\n\x18TRANSFER_PHASE_SUCCEEDED\x10\x04\x12\x19\n\x15TRANSFER_PHASE_FAILED\x10\x05\x12\x1a\n\x16TRANSFER_PHASE_EXPIRED\x10\x06\x12\x1c\n\x18TRANSFER_PHASE_CANCELLED\x10\x07*v\n\x0cTransferKind\x12\x1d\n\x19TRANSFER_KIND_UNSPECIFIED\x10\x00\x12\x16\n\x12TRANSFER_KIND_PUSH\x10\x01\x12\x16\n\x12TRANSFER_KIND_PULL\x10\x02\x12\x17\n\x13TRANSFER_KIND_REUSE\x10\x03\x32\x9e\x05\n\nRendezvous\x12\x41\n\x05Offer\x12\x18.kvbaton.v1.OfferRequest\x1a\x1e.kvbaton.v1.RendezvousResponse\x12G\n\x08\x43omplete\x12\x1b.kvbaton.v1.CompleteRequest\x1a\x1e.kvbaton.v1.RendezvousResponse\x12H\n\tSubscribe\x12\x1c.kvbaton.v1.SubscribeRequest\x1a\x1b.kvbaton.v1.RendezvousEvent0\x01\x12L\n\rReportOutcome\x12 .kvbaton.v1.ReportOutcomeRequest\x1a\x19.kvbaton.v1.TransferState\x12>\n\x06\x43\x61ncel\x12\x19.kvbaton.v1.CancelRequest\x1a\x19.kvbaton.v1.TransferState\x12H\n\x0bGetTransfer\x12\x1e.kvbaton.v1.GetTransferRequest\x1a\x19.kvbaton.v1.TransferState\x12T\n\rListTransfers\x12 .kvbaton.v1.ListTransfersRequest\x1a!.kvbaton.v1.ListTransfersResponse\x12\x44\n\tBeginRead\x12\x1c.kvbaton.v1.BeginReadRequest\x1a\x19.kvbaton.v1.TransferState\x12\x46\n\x07Session\x12\x1a.kvbaton.v1.SessionRequest\x1a\x1b.kvbaton.v1.SessionResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bkvbaton/v1/rendezvous.proto\x12\nkvbaton.v1\"\xa1\x01\n\x0cTransferSide\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\r\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12\x13\n\x0b\x64\x65\x61\x64line_ms\x18\x04 \x01(\x03\x12\x16\n\x0ereceived_at_ms\x18\x05 \x01(\x03\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\x16\n\x0epeer_engine_id\x18\x07 \x01(\t\"\x89\x01\n\x07Outcome\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\x12\x0f\n\x07success\x18\x03 \x01(\x08\x12\r\n\x05\x62ytes\x18\x04 \x01(\x04\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12\x16\n\x0ereported_at_ms\x18\x06 \x01(\x03\x12\x13\n\x0b\x64uration_us\x18\x07 \x01(\r\"\xcb\x03\n\rTransferState\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\r\x12(\n\x05phase\x18\x03 \x01(\x0e\x32\x19.kvbaton.v1.TransferPhase\x12\'\n\x05offer\x18\x04 \x01(\x0b\x32\x18.kvbaton.v1.TransferSide\x12,\n\ncompletion\x18\x05 \x01(\x0b\x32\x18.kvbaton.v1.TransferSide\x12\x15\n\rmatched_at_ms\x18\x06 \x01(\x03\x12\x19\n\x11\x65xpected_outcomes\x18\x07 \x01(\r\x12%\n\x08outcomes\x18\x08 \x03(\x0b\x32\x13.kvbaton.v1.Outcome\x12\x0e\n\x06reason\x18\t \x01(\t\x12\x15\n\rupdated_at_ms\x18\n \x01(\x03\x12\x10\n\x08revision\x18\x0b \x01(\x03\x12&\n\x04kind\x18\x0c \x01(\x0e\x32\x18.kvbaton.v1.TransferKind\x12\x12\n\ngeneration\x18\r \x01(\t\x12\x17\n\x0f\x63onversation_id\x18\x0e \x01(\t\x12\x14\n\x0cwriter_ranks\x18\x0f \x03(\r\x12\x16\n\x0ematch_answered\x18\x10 \x01(\x08\"\xf9\x01\n\x10\x42\x65ginReadRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\r\x12&\n\x04kind\x18\x03 \x01(\x0e\x32\x18.kvbaton.v1.TransferKind\x12\x18\n\x10reader_engine_id\x18\x04 \x01(\t\x12\x11\n\tblock_ids\x18\x05 \x03(\r\x12\x0f\n\x07readers\x18\x06 \x01(\r\x12\x12\n\ngeneration\x18\x07 \x01(\t\x12\x17\n\x0f\x63onversation_id\x18\x08 \x01(\t\x12\x18\n\x10source_block_ids\x18\t \x03(\r\x12\x12\n\nrequest_id\x18\n \x01(\t\"\xb8\x01\n\x0cOfferRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\r\x12\x18\n\x10\x64\x65\x63ode_engine_id\x18\x03 \x01(\t\x12\x11\n\tblock_ids\x18\x04 \x03(\r\x12\x12\n\nnum_tokens\x18\x05 \x01(\r\x12\x12\n\ntimeout_ms\x18\x06 \x01(\r\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\x19\n\x11prefill_engine_id\x18\x08 \x01(\t\"\xe5\x01\n\x0f\x43ompleteRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\r\x12\x19\n\x11prefill_engine_id\x18\x03 \x01(\t\x12\x11\n\tblock_ids\x18\x04 \x03(\r\x12\x12\n\nnum_tokens\x18\x05 \x01(\r\x12\x12\n\ntimeout_ms\x18\x06 \x01(\r\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\x0f\n\x07writers\x18\x08 \x01(\r\x12\x18\n\x10\x64\x65\x63ode_engine_id\x18\t \x01(\t\x12\x17\n\x0fmatch_in_answer\x18\n \x01(\x08\"\x7f\n\x12RendezvousResponse\x12(\n\x05state\x18\x01 \x01(\x0b\x32\x19.kvbaton.v1.TransferState\x12\x13\n\x0bmatched_now\x18\x02 \x01(\x08\x12\x11\n\tduplicate\x18\x03 \x01(\x08\x12\x17\n\x0fmatch_delivered\x18\x04 \x01(\x08\"c\n\x10SubscribeRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\x12\x16\n\x0e\x61\x66ter_revision\x18\x03 \x01(\x03\x12\x13\n\x0bincarnation\x18\x04 \x01(\t\"\xf7\x01\n\x0fRendezvousEvent\x12.\n\x04type\x18\x01 \x01(\x0e\x32 .kvbaton.v1.RendezvousEvent.Type\x12+\n\x08transfer\x18\x02 \x01(\x0b\x32\x19.kvbaton.v1.TransferState\x12\x10\n\x08revision\x18\x03 \x01(\x03\"u\n\x04Type\x12\x14\n\x10TYPE_UNSPECIFIED\x10\x00\x12\x0e\n\nTYPE_MATCH\x10\x01\x12\x10\n\x0cTYPE_EXPIRED\x10\x02\x12\x12\n\x0eTYPE_CANCELLED\x10\x03\x12\r\n\tTYPE_DONE\x10\x04\x12\x12\n\x0eTYPE_HEARTBEAT\x10\x05\"b\n\x14ReportOutcomeRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\r\x12$\n\x07outcome\x18\x03 \x01(\x0b\x32\x13.kvbaton.v1.Outcome\"X\n\rCancelRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\r\x12\x11\n\tengine_id\x18\x03 \x01(\t\x12\x0e\n\x06reason\x18\x04 \x01(\t\")\n\x12GetTransferRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\"\x8a\x01\n\x14ListTransfersRequest\x12)\n\x06phases\x18\x01 \x03(\x0e\x32\x19.kvbaton.v1.TransferPhase\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\r\n\x05limit\x18\x03 \x01(\r\x12\x11\n\tpage_size\x18\x04 \x01(\r\x12\x12\n\npage_token\x18\x05 \x01(\t\"^\n\x15ListTransfersResponse\x12,\n\ttransfers\x18\x01 \x03(\x0b\x32\x19.kvbaton.v1.TransferState\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"8\n\x0eSessionRequest\x12&\n\x05\x63\x61lls\x18\x01 \x03(\x0b\x32\x17.kvbaton.v1.SessionCall\"\x9b\x02\n\x0bSessionCall\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12)\n\x05offer\x18\x02 \x01(\x0b\x32\x18.kvbaton.v1.OfferRequestH\x00\x12/\n\x08\x63omplete\x18\x03 \x01(\x0b\x32\x1b.kvbaton.v1.CompleteRequestH\x00\x12:\n\x0ereport_outcome\x18\x04 \x01(\x0b\x32 .kvbaton.v1.ReportOutcomeRequestH\x00\x12+\n\x06\x63\x61ncel\x18\x05 \x01(\x0b\x32\x19.kvbaton.v1.CancelRequestH\x00\x12\x32\n\nbegin_read\x18\x06 \x01(\x0b\x32\x1c.kvbaton.v1.BeginReadRequestH\x00\x42\x06\n\x04\x62ody\"=\n\x0fSessionResponse\x12*\n\x07results\x18\x01 \x03(\x0b\x32\x19.kvbaton.v1.SessionResult\"\xbc\x01\n\rSessionResult\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x34\n\nrendezvous\x18\x04 \x01(\x0b\x32\x1e.kvbaton.v1.RendezvousResponseH\x00\x12*\n\x05state\x18\x05 \x01(\x0b\x32\x19.kvbaton.v1.TransferStateH\x00\x12\x16\n\x0eretry_after_ms\x18\x06 \x01(\rB\x06\n\x04\x62ody*\xf8\x01\n\rTransferPhase\x12\x1e\n\x1aTRANSFER_PHASE_UNSPECIFIED\x10\x00\x12\x1a\n\x16TRANSFER_PHASE_OFFERED\x10\x01\x12\x1c\n\x18TRANSFER_PHASE_COMPLETED\x10\x02\x12\x1a\n\x16TRANSFER_PHASE_MATCHED\x10\x03\x12\x1c\n\x18TRANSFER_PHASE_SUCCEEDED\x10\x04\x12\x19\n\x15TRANSFER_PHASE_FAILED\x10\x05\x12\x1a\n\x16TRANSFER_PHASE_EXPIRED\x10\x06\x12\x1c\n\x18TRANSFER_PHASE_CANCELLED\x10\x07*v\n\x0cTransferKind\x12\x1d\n\x19TRANSFER_KIND_UNSPECIFIED\x10\x00\x12\x16\n\x12TRANSFER_KIND_PUSH\x10\x01\x12\x16\n\x12TRANSFER_KIND_PULL\x10\x02\x12\x17\n\x13TRANSFER_KIND_REUSE\x10\x03\x32\x9e\x05\n\nRendezvous\x12\x41\n\x05Offer\x12\x18.kvbaton.v1.OfferRequest\x1a\x1e.kvbaton.v1.RendezvousResponse\x12G\n\x08\x43omplete\x12\x1b.kvbaton.v1.CompleteRequest\x1a\x1e.kvbaton.v1.RendezvousResponse\x12H\n\tSubscribe\x12\x1c.kvbaton.v1.SubscribeRequest\x1a\x1b.kvbaton.v1.RendezvousEvent0\x01\x12L\n\rReportOutcome\x12 .kvbaton.v1.ReportOutcomeRequest\x1a\x19.kvbaton.v1.TransferState\x12>\n\x06\x43\x61ncel\x12\x19.kvbaton.v1.CancelRequest\x1a\x19.kvbaton.v1.TransferState\x12H\n\x0bGetTransfer\x12\x1e.kvbaton.v1.GetTransferRequest\x1a\x19.kvbaton.v1.TransferState\x12T\n\rListTransfers\x12 .kvbaton.v1.ListTransfersRequest\x1a!.kvbaton.v1.ListTransfersResponse\x12\x44\n\tBeginRead\x12\x1c.kvbaton.v1.BeginReadRequest\x1a\x19.kvbaton.v1.TransferState\x12\x46\n\x07Session\x12\x1a.kvbaton.v1.SessionRequest\x1a\x1b.kvbaton.v1.SessionResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvbaton.v1.rendezvous_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TRANSFERPHASE']._serialized_start=2955
-  _globals['_TRANSFERPHASE']._serialized_end=3203
-  _globals['_TRANSFERKIND']._serialized_start=3205
-  _globals['_TRANSFERKIND']._serialized_end=3323
+  _globals['_TRANSFERPHASE']._serialized_start=3029
+  _globals['_TRANSFERPHASE']._serialized_end=3277
+  _globals['_TRANSFERKIND']._serialized_start=3279
+  _globals['_TRANSFERKIND']._serialized_end=3397
   _globals['_TRANSFERSIDE']._serialized_start=44
   _globals['_TRANSFERSIDE']._serialized_end=205
   _globals['_OUTCOME']._serialized_start=208
   _globals['_OUTCOME']._serialized_end=345
   _globals['_TRANSFERSTATE']._serialized_start=348
-  _globals['_TRANSFERSTATE']._serialized_end=783
-  _globals['_BEGINREADREQUEST']._serialized_start=786
-  _globals['_BEGINREADREQUEST']._serialized_end=1035
-  _globals['_OFFERREQUEST']._serialized_start=1038
-  _globals['_OFFERREQUEST']._serialized_end=1222
-  _globals['_COMPLETEREQUEST']._serialized_start=1225
-  _globals['_COMPLETEREQUEST']._serialized_end=1429
-  _globals['_RENDEZVOUSRESPONSE']._serialized_start=1431
-  _globals['_RENDEZVOUSRESPONSE']._serialized_end=1533
-  _globals['_SUBSCRIBEREQUEST']._serialized_start=1535
-  _globals['_SUBSCRIBEREQUEST']._serialized_end=1634
-  _globals['_RENDEZVOUSEVENT']._serialized_start=1637
-  _globals['_RENDEZVOUSEVENT']._serialized_end=1884
-  _globals['_RENDEZVOUSEVENT_TYPE']._serialized_start=1767
-  _globals['_RENDEZVOUSEVENT_TYPE']._serialized_end=1884
-  _globals['_REPORTOUTCOMEREQUEST']._serialized_start=1886
-  _globals['_REPORTOUTCOMEREQUEST']._serialized_end=1984
-  _globals['_CANCELREQUEST']._serialized_start=1986
-  _globals['_CANCELREQUEST']._serialized_end=2074
-  _globals['_GETTRANSFERREQUEST']._serialized_start=2076
-  _globals['_GETTRANSFERREQUEST']._serialized_end=2117
-  _globals['_LISTTRANSFERSREQUEST']._serialized_start=2120
-  _globals['_LISTTRANSFERSREQUEST']._serialized_end=2258
-  _globals['_LISTTRANSFERSRESPONSE']._serialized_start=2260
-  _globals['_LISTTRANSFERSRESPONSE']._serialized_end=2354
-  _globals['_SESSIONREQUEST']._serialized_start=2356
-  _globals['_SESSIONREQUEST']._serialized_end=2412
-  _globals['_SESSIONCALL']._serialized_start=2415
-  _globals['_SESSIONCALL']._serialized_end=2698
-  _globals['_SESSIONRESPONSE']._serialized_start=2700
-  _globals['_SESSIONRESPONSE']._serialized_end=2761
-  _globals['_SESSIONRESULT']._serialized_start=2764
-  _globals['_SESSIONRESULT']._serialized_end=2952
-  _globals['_RENDEZVOUS']._serialized_start=3326
-  _globals['_RENDEZVOUS']._serialized_end=3996
+  _globals['_TRANSFERSTATE']._serialized_end=807
+  _globals['_BEGINREADREQUEST']._serialized_start=810
+  _globals['_BEGINREADREQUEST']._serialized_end=1059
+  _globals['_OFFERREQUEST']._serialized_start=1062
+  _globals['_OFFERREQUEST']._serialized_end=1246
+  _globals['_COMPLETEREQUEST']._serialized_start=1249
+  _globals['_COMPLETEREQUEST']._serialized_end=1478
+  _globals['_RENDEZVOUSRESPONSE']._serialized_start=1480
+  _globals['_RENDEZVOUSRESPONSE']._serialized_end=1607
+  _globals['_SUBSCRIBEREQUEST']._serialized_start=1609
+  _globals['_SUBSCRIBEREQUEST']._serialized_end=1708
+  _globals['_RENDEZVOUSEVENT']._serialized_start=1711
+  _globals['_RENDEZVOUSEVENT']._serialized_end=1958
+  _globals['_RENDEZVOUSEVENT_TYPE']._serialized_start=1841
+  _globals['_RENDEZVOUSEVENT_TYPE']._serialized_end=1958
+  _globals['_REPORTOUTCOMEREQUEST']._serialized_start=1960
+  _globals['_REPORTOUTCOMEREQUEST']._serialized_end=2058
+  _globals['_CANCELREQUEST']._serialized_start=2060
+  _globals['_CANCELREQUEST']._serialized_end=2148
+  _globals['_GETTRANSFERREQUEST']._serialized_start=2150
+  _globals['_GETTRANSFERREQUEST']._serialized_end=2191
+  _globals['_LISTTRANSFERSREQUEST']._serialized_start=2194
+  _globals['_LISTTRANSFERSREQUEST']._serialized_end=2332
+  _globals['_LISTTRANSFERSRESPONSE']._serialized_start=2334
+  _globals['_LISTTRANSFERSRESPONSE']._serialized_end=2428
+  _globals['_SESSIONREQUEST']._serialized_start=2430
+  _globals['_SESSIONREQUEST']._serialized_end=2486
+  _globals['_SESSIONCALL']._serialized_start=2489
+  _globals['_SESSIONCALL']._serialized_end=2772
+  _globals['_SESSIONRESPONSE']._serialized_start=2774
+  _globals['_SESSIONRESPONSE']._serialized_end=2835
+  _globals['_SESSIONRESULT']._serialized_start=2838
+  _globals['_SESSIONRESULT']._serialized_end=3026
+  _globals['_RENDEZVOUS']._serialized_start=3400
+  _globals['_RENDEZVOUS']._serialized_end=4070
 # @@protoc_insertion_point(module_scope)

@@ -75,7 +75,7 @@ class Outcome(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., success: _Optional[bool] = ..., bytes: _Optional[int] = ..., error: _Optional[str] = ..., reported_at_ms: _Optional[int] = ..., duration_us: _Optional[int] = ...) -> None: ...
 
 class TransferState(_message.Message):
-    __slots__ = ("transfer_id", "attempt", "phase", "offer", "completion", "matched_at_ms", "expected_outcomes", "outcomes", "reason", "updated_at_ms", "revision", "kind", "generation", "conversation_id", "writer_ranks")
+    __slots__ = ("transfer_id", "attempt", "phase", "offer", "completion", "matched_at_ms", "expected_outcomes", "outcomes", "reason", "updated_at_ms", "revision", "kind", "generation", "conversation_id", "writer_ranks", "match_answered")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
@@ -91,6 +91,7 @@ class TransferState(_message.Message):
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     CONVERSATION_ID_FIELD_NUMBER: _ClassVar[int]
     WRITER_RANKS_FIELD_NUMBER: _ClassVar[int]
+    MATCH_ANSWERED_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     attempt: int
     phase: TransferPhase
@@ -106,7 +107,8 @@ class TransferState(_message.Message):
     generation: str
     conversation_id: str
     writer_ranks: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, transfer_id: _Optional[str] = ..., attempt: _Optional[int] = ..., phase: _Optional[_Union[TransferPhase, str]] = ..., offer: _Optional[_Union[TransferSide, _Mapping]] = ..., completion: _Optional[_Union[TransferSide, _Mapping]] = ..., matched_at_ms: _Optional[int] = ..., expected_outcomes: _Optional[int] = ..., outcomes: _Optional[_Iterable[_Union[Outcome, _Mapping]]] = ..., reason: _Optional[str] = ..., updated_at_ms: _Optional[int] = ..., revision: _Optional[int] = ..., kind: _Optional[_Union[TransferKind, str]] = ..., generation: _Optional[str] = ..., conversation_id: _Optional[str] = ..., writer_ranks: _Optional[_Iterable[int]] = ...) -> None: ...
+    match_answered: bool
+    def __init__(self, transfer_id: _Optional[str] = ..., attempt: _Optional[int] = ..., phase: _Optional[_Union[TransferPhase, str]] = ..., offer: _Optional[_Union[TransferSide, _Mapping]] = ..., completion: _Optional[_Union[TransferSide, _Mapping]] = ..., matched_at_ms: _Optional[int] = ..., expected_outcomes: _Optional[int] = ..., outcomes: _Optional[_Iterable[_Union[Outcome, _Mapping]]] = ..., reason: _Optional[str] = ..., updated_at_ms: _Optional[int] = ..., revision: _Optional[int] = ..., kind: _Optional[_Union[TransferKind, str]] = ..., generation: _Optional[str] = ..., conversation_id: _Optional[str] = ..., writer_ranks: _Optional[_Iterable[int]] = ..., match_answered: _Optional[bool] = ...) -> None: ...
 
 class BeginReadRequest(_message.Message):
     __slots__ = ("transfer_id", "attempt", "kind", "reader_engine_id", "block_ids", "readers", "generation", "conversation_id", "source_block_ids", "request_id")
@@ -153,7 +155,7 @@ class OfferRequest(_message.Message):
     def __init__(self, transfer_id: _Optional[str] = ..., attempt: _Optional[int] = ..., decode_engine_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., timeout_ms: _Optional[int] = ..., request_id: _Optional[str] = ..., prefill_engine_id: _Optional[str] = ...) -> None: ...
 
 class CompleteRequest(_message.Message):
-    __slots__ = ("transfer_id", "attempt", "prefill_engine_id", "block_ids", "num_tokens", "timeout_ms", "request_id", "writers", "decode_engine_id")
+    __slots__ = ("transfer_id", "attempt", "prefill_engine_id", "block_ids", "num_tokens", "timeout_ms", "request_id", "writers", "decode_engine_id", "match_in_answer")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     PREFILL_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -163,6 +165,7 @@ class CompleteRequest(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     WRITERS_FIELD_NUMBER: _ClassVar[int]
     DECODE_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    MATCH_IN_ANSWER_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     attempt: int
     prefill_engine_id: str
@@ -172,17 +175,20 @@ class CompleteRequest(_message.Message):
     request_id: str
     writers: int
     decode_engine_id: str
-    def __init__(self, transfer_id: _Optional[str] = ..., attempt: _Optional[int] = ..., prefill_engine_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., timeout_ms: _Optional[int] = ..., request_id: _Optional[str] = ..., writers: _Optional[int] = ..., decode_engine_id: _Optional[str] = ...) -> None: ...
+    match_in_answer: bool
+    def __init__(self, transfer_id: _Optional[str] = ..., attempt: _Optional[int] = ..., prefill_engine_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., timeout_ms: _Optional[int] = ..., request_id: _Optional[str] = ..., writers: _Optional[int] = ..., decode_engine_id: _Optional[str] = ..., match_in_answer: _Optional[bool] = ...) -> None: ...
 
 class RendezvousResponse(_message.Message):
-    __slots__ = ("state", "matched_now", "duplicate")
+    __slots__ = ("state", "matched_now", "duplicate", "match_delivered")
     STATE_FIELD_NUMBER: _ClassVar[int]
     MATCHED_NOW_FIELD_NUMBER: _ClassVar[int]
     DUPLICATE_FIELD_NUMBER: _ClassVar[int]
+    MATCH_DELIVERED_FIELD_NUMBER: _ClassVar[int]
     state: TransferState
     matched_now: bool
     duplicate: bool
-    def __init__(self, state: _Optional[_Union[TransferState, _Mapping]] = ..., matched_now: _Optional[bool] = ..., duplicate: _Optional[bool] = ...) -> None: ...
+    match_delivered: bool
+    def __init__(self, state: _Optional[_Union[TransferState, _Mapping]] = ..., matched_now: _Optional[bool] = ..., duplicate: _Optional[bool] = ..., match_delivered: _Optional[bool] = ...) -> None: ...
 
 class SubscribeRequest(_message.Message):
     __slots__ = ("engine_id", "tp_rank", "after_revision", "incarnation")

@@ -40,14 +40,16 @@ class RegistrarServicer(pb_grpc.RegistrarServicer):
 
     @unary
     async def ListEngines(self, request: pb.ListEnginesRequest, context):
-        ranks, token = await self.domain.list_engines_page(request.role, page_size=request.page_size,
-                                                          page_token=request.page_token)
-        return pb.ListEnginesResponse(ranks=ranks, next_page_token=token)
+        ranks, token, revision = await self.domain.list_engines_page(request.role, page_size=request.page_size,
+                                                                    page_token=request.page_token)
+        return pb.ListEnginesResponse(ranks=ranks, next_page_token=token, revision=revision,
+                                      incarnation=self.domain.store.incarnation)
 
     @streaming
     async def WatchEngines(self, request: pb.WatchEnginesRequest, context):
         await incarnation.announce(context, self.domain.store)
-        async for event in self.domain.watch_engines(request.role):
+        async for event in self.domain.watch_engines(request.role, after_revision=request.after_revision,
+                                                     incarnation=request.incarnation):
             yield event
 
     @unary

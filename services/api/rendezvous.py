@@ -14,7 +14,7 @@ from kvbaton.v1 import rendezvous_pb2_grpc as pb_grpc
 from ..domain import limits
 from ..domain.errors import DomainError, exhausted
 from ..domain.hub import SubscriberOverflow
-from ..domain.rendezvous import RendezvousService
+from ..domain.rendezvous import RendezvousService, match_delivered
 from ..store import RequestTooLargeError, StoreError
 from . import incarnation
 from .budget import ByteBudget
@@ -62,9 +62,12 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
         msg = self.domain.validate(is_offer=False, transfer_id=r.transfer_id, attempt=r.attempt,
                                    engine_id=r.prefill_engine_id, block_ids=r.block_ids, num_tokens=r.num_tokens,
                                    timeout_ms=r.timeout_ms, request_id=r.request_id, writers=r.writers,
-                                   peer=r.decode_engine_id)
+                                   peer=r.decode_engine_id, match_in_answer=r.match_in_answer)
         state, matched, dup = await self.domain.submit(msg)
-        return pb.RendezvousResponse(state=state, matched_now=matched, duplicate=dup)
+        # A duplicate of the completion that was answered with the MATCH is answered with it
+        # again (its first answer may have been lost with a broken stream).
+        delivered = r.match_in_answer and (matched or dup) and match_delivered(state, r.prefill_engine_id)
+        return pb.RendezvousResponse(state=state, matched_now=matched, duplicate=dup, match_delivered=delivered)
 
     @unary
     async def Offer(self, r: pb.OfferRequest, context):

@@ -29,7 +29,7 @@ from kvbaton.v1 import common_pb2 as cpb
 from kvbaton.v1 import registrar_pb2 as pb
 
 from ..metrics import ServiceMetrics
-from ..store.base import Compare, Delete, EventType, KeyValue, LeaseNotFoundError, Put, Store
+from ..store.base import CompactedError, Compare, Delete, EventType, KeyValue, LeaseNotFoundError, Put, Store
 from . import limits, paging
 from .clock import Clock, WallClock
 from .errors import Code, DomainError, denied, invalid, not_found, precondition
@@ -285,24 +285,52 @@ class RegistrarService:
         return bool(kvs)
 
     async def list_engines(self, role: int = 0) -> list[pb.EngineRank]:
-        kvs, _ = await self.store.range(self.prefix + b"e/")
+        return (await self._list_engines_at(role))[0]
+
+    async def _list_engines_at(self, role: int = 0) -> tuple[list[pb.EngineRank], int]:
+        kvs, rev = await self.store.range(self.prefix + b"e/")
         ranks = [pb.EngineRank.FromString(kv.value) for kv in kvs]
-        return [r for r in ranks if not role or r.role == role]
+        return [r for r in ranks if not role or r.role == role], rev
 
-    async def list_engines_page(self, role: int = 0, *, page_size: int = 0, page_token: str = "") -> tuple[list[pb.EngineRank], str]:
-        """One page by (engine, rank), bounded in bytes too (agent metadata may be MiBs)."""
-        ranks = sorted(await self.list_engines(role), key=lambda r: (r.engine_id, r.tp_rank))
-        return paging.paginate(ranks, key=lambda r: (r.engine_id, r.tp_rank), size=lambda r: r.ByteSize(), kind="engines",
-                               page_size=paging.page_size(page_size), page_token=page_token)
+    async def list_engines_page(self, role: int = 0, *, page_size: int = 0,
+                                page_token: str = "") -> tuple[list[pb.EngineRank], str, int]:
+        """One page by (engine, rank), bounded in bytes too (agent metadata may be MiBs),
+        and the store revision it was read at (a follower watches the changes after it:
+        :meth:`watch_engines`)."""
+        listed, rev = await self._list_engines_at(role)
+        ranks = sorted(listed, key=lambda r: (r.engine_id, r.tp_rank))
+        page, token = paging.paginate(ranks, key=lambda r: (r.engine_id, r.tp_rank), size=lambda r: r.ByteSize(),
+                                      kind="engines", page_size=paging.page_size(page_size), page_token=page_token)
+        return page, token, rev
 
-    async def watch_engines(self, role: int = 0) -> AsyncIterator[pb.EngineEvent]:
+    async def watch_engines(self, role: int = 0, *, after_revision: int = 0,
+                            incarnation: str = "") -> AsyncIterator[pb.EngineEvent]:
+        """A snapshot (PUTs) then every change; or, with ``after_revision`` (a listing's
+        revision, under store ``incarnation``), only the changes after it, so that a
+        follower that listed first sees each change once and none is lost between its
+        listing and its watch. A revision this store can no longer resume from is refused
+        (the follower lists again)."""
         prefix = self.prefix + b"e/"
-        kvs, rev = await self.store.range(prefix)
-        for kv in kvs:
-            r = pb.EngineRank.FromString(kv.value)
-            if not role or r.role == role:
-                yield pb.EngineEvent(type=pb.EngineEvent.TYPE_PUT, rank=r, revision=kv.mod_revision)
-        watch = await self.store.watch(prefix, start_revision=rev + 1, prev_kv=True)
+        if after_revision:
+            if incarnation and self.store.incarnation and incarnation != self.store.incarnation:
+                raise precondition(f"revision {after_revision} was read under store incarnation {incarnation}, "
+                                   f"now {self.store.incarnation} (the store restarted): list the engines again")
+            current = await self.store.current_revision()
+            if after_revision > current:
+                raise precondition(f"revision {after_revision} lies beyond the store's ({current}): "
+                                   "list the engines again")
+            try:
+                watch = await self.store.watch(prefix, start_revision=after_revision + 1, prev_kv=True)
+            except CompactedError as exc:
+                raise precondition(f"revision {after_revision} is no longer kept (compacted, oldest "
+                                   f"{exc.compact_revision}): list the engines again") from None
+        else:
+            kvs, rev = await self.store.range(prefix)
+            for kv in kvs:
+                r = pb.EngineRank.FromString(kv.value)
+                if not role or r.role == role:
+                    yield pb.EngineEvent(type=pb.EngineEvent.TYPE_PUT, rank=r, revision=kv.mod_revision)
+            watch = await self.store.watch(prefix, start_revision=rev + 1, prev_kv=True)
         try:
             async for batch in watch:
                 for ev in batch:
@@ -316,6 +344,9 @@ class RegistrarService:
                         kind = pb.EngineEvent.TYPE_DELETE
                     if not role or r.role == role:
                         yield pb.EngineEvent(type=kind, rank=r, revision=ev.revision)
+        except CompactedError as exc:
+            raise precondition(f"the watch fell out of the kept history (oldest {exc.compact_revision}): "
+                               "list the engines again") from None
         finally:
             await watch.close()
 

@@ -136,12 +136,23 @@ def derive_events(ev: WatchEvent) -> Iterable[tuple[str, pb.RendezvousEvent]]:
         return out
     event = Ev(type=kind, transfer=new, revision=ev.revision)
     if kind == Ev.TYPE_MATCH:
-        if new.kind not in (PULL, REUSE):  # a read's reader began it itself: nothing to write
+        # A read's reader began it itself: nothing to write. A MATCH delivered on the
+        # answer of the completion that made it is not sent again on the engine's streams.
+        if new.kind not in (PULL, REUSE) and not new.match_answered:
             out.append((new.completion.engine_id, event))
     else:
         out.extend((engine, event) for engine in _owners(new))
     out.append(("*", event))
     return out
+
+
+def _only_rank0_writes(t: pb.TransferState) -> bool:
+    return list(t.writer_ranks) == [0] if t.writer_ranks else t.expected_outcomes <= 1
+
+
+def match_delivered(t: pb.TransferState, engine_id: str) -> bool:
+    """Whether an answer to ``engine_id``'s completion carrying ``t`` is that engine's MATCH."""
+    return t.match_answered and t.phase == MATCHED and t.completion.engine_id == engine_id
 
 
 def _owners(t: pb.TransferState) -> list[str]:
@@ -182,6 +193,7 @@ class SideMessage:
     request_id: str
     writers: int = 1
     peer: str = ""  # the engine this side names for the other side ("" = any)
+    match_in_answer: bool = False  # completion: its answer may be the MATCH (proto CompleteRequest)
 
     @property
     def side_name(self) -> str:
@@ -251,7 +263,8 @@ class RendezvousService:
 
     # -- validation --------------------------------------------------------
     def validate(self, *, is_offer: bool, transfer_id: str, attempt: int, engine_id: str, block_ids: Sequence[int],
-                 num_tokens: int, timeout_ms: int, request_id: str, writers: int = 1, peer: str = "") -> SideMessage:
+                 num_tokens: int, timeout_ms: int, request_id: str, writers: int = 1, peer: str = "",
+                 match_in_answer: bool = False) -> SideMessage:
         limits.check_id("transfer_id", transfer_id)
         limits.check_engine_id("decode_engine_id" if is_offer else "prefill_engine_id", engine_id)
         limits.check_engine_id("prefill_engine_id" if is_offer else "decode_engine_id", peer, required=False)
@@ -263,7 +276,8 @@ class RendezvousService:
         if self.config.require_binding and not peer:
             raise invalid(f"transfer {transfer_id}: {'an offer must name its prefill_engine_id' if is_offer else 'a completion must name its decode_engine_id'} "
                           "(the router passes it; this control plane requires bound transfers)")
-        return SideMessage(is_offer, transfer_id, attempt, engine_id, ids, num_tokens, timeout, request_id, writers, peer)
+        return SideMessage(is_offer, transfer_id, attempt, engine_id, ids, num_tokens, timeout, request_id, writers, peer,
+                           match_in_answer and not is_offer)
 
     # -- offer / complete --------------------------------------------------
     async def submit(self, msg: SideMessage) -> tuple[pb.TransferState, bool, bool]:
@@ -356,6 +370,9 @@ class RendezvousService:
                         del new.writer_ranks[:]
                         new.writer_ranks.extend(verdict.writer_ranks)
                         new.expected_outcomes = len(verdict.writer_ranks)
+                    # The completion's answer is the MATCH when it asked and rank 0 is the
+                    # only writer (one subscriber to tell); otherwise the streams carry it.
+                    new.match_answered = msg.match_in_answer and _only_rank0_writes(new)
             else:
                 new.phase = OFFERED if msg.is_offer else COMPLETED
             new.updated_at_ms = now
@@ -710,7 +727,8 @@ class RendezvousService:
             after_revision = self.hub.revision
             for t, rev in list(self.hub.records.values()):
                 # (A write-through entry ahead of the watch comes as a live event instead.)
-                if rev <= after_revision and t.phase == MATCHED and t.completion.engine_id == engine_id and not any(
+                if rev <= after_revision and t.phase == MATCHED and t.completion.engine_id == engine_id and (
+                    not t.match_answered) and not any(
                     o.tp_rank == tp_rank for o in t.outcomes
                 ):
                     t.revision = rev

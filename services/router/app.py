@@ -226,6 +226,7 @@ class Router:
         self.load_poll_s = load_poll_s
         self._poll: asyncio.Task[None] | None = None
         self.discovered = asyncio.Event()
+        self.discovery: Any = None  # discovery.DiscoveryState while following the registrar
         self.stats: dict[str, Any] = {
             "conversation_turns": 0, "reuse_offered": 0, "reuse_unavailable": 0, "reuse_holder_unusable": 0,
             "retries": 0, "no_engine": 0, "decode_affinity": 0, "decode_no_history": 0,
@@ -269,9 +270,11 @@ class Router:
             self._kv = creds.client(self.control_plane, timeout_s=self.lookup_timeout_s)
             log.info("control plane %s (%s)", self.control_plane, creds.describe())
             if self.discover:
-                from .discovery import follow_registrar
+                from .discovery import DiscoveryState, follow_registrar
 
-                self._watch = asyncio.create_task(follow_registrar(self._kv, self.fleet, ready=self.discovered))
+                self.discovery = DiscoveryState()
+                self._watch = asyncio.create_task(follow_registrar(self._kv, self.fleet, ready=self.discovered,
+                                                                   state=self.discovery))
                 try:  # the first listing, so that the first request has engines to go to
                     await asyncio.wait_for(self.discovered.wait(), 5.0)
                 except TimeoutError:
@@ -360,6 +363,7 @@ class Router:
             return {"n": len(ds), "p50": pct(0.5), "p99": pct(0.99)}
 
         return web.json_response({"mode": self.mode, "discover": self.discover,
+                                  "discovery": self.discovery.json() if self.discovery is not None else None,
                                   "engines": self.fleet.snapshot(time.monotonic()),
                                   "decision_us": summary(self.decisions_ns),
                                   "decision_cpu_us": summary(self.decisions_cpu_ns)})

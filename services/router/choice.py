@@ -82,6 +82,9 @@ class Engine:
     draining: bool = False
     static: bool = False  # from --prefill/--decode: never removed by discovery
     ranks: set[int] = dataclasses.field(default_factory=set)
+    #: tp_rank -> the registration incarnation last seen for it (discovery: a DELETE of an
+    #: older incarnation, replayed after a newer registration was listed, is ignored).
+    incarnations: dict[int, str] = dataclasses.field(default_factory=dict)
     tp_size: int = 1
     prefill_tokens: int = 0  # outstanding prompt tokens on prefill legs
     prefill_requests: int = 0
@@ -152,7 +155,8 @@ class Fleet:
         e.static = True
         return e
 
-    def put_rank(self, engine_id: str, tp_rank: int, tp_size: int, role: str, url: str, draining: bool) -> Engine:
+    def put_rank(self, engine_id: str, tp_rank: int, tp_size: int, role: str, url: str, draining: bool,
+                 incarnation: str = "") -> Engine:
         """A registration (or its update) seen on the registrar."""
         e = self.engines.get(engine_id)
         if e is None:
@@ -162,15 +166,23 @@ class Fleet:
         e.role = role if not e.static else e.role
         e.tp_size = max(1, tp_size)
         e.ranks.add(tp_rank)
+        if incarnation:
+            e.incarnations[tp_rank] = incarnation
         e.draining = draining
         return e
 
-    def delete_rank(self, engine_id: str, tp_rank: int) -> None:
-        """A registration ended: the engine is no longer routable (one missing rank is enough)."""
+    def delete_rank(self, engine_id: str, tp_rank: int, incarnation: str = "") -> None:
+        """A registration ended: the engine is no longer routable (one missing rank is enough).
+        ``incarnation``: the registration that ended; when the rank has been seen registered
+        again since (another incarnation), this end is an old one and changes nothing."""
         e = self.engines.get(engine_id)
         if e is None:
             return
+        known = e.incarnations.get(tp_rank, "")
+        if incarnation and known and known != incarnation:
+            return
         e.ranks.discard(tp_rank)
+        e.incarnations.pop(tp_rank, None)
         if not e.ranks and not e.static and not (e.prefill_requests or e.decode_requests):
             del self.engines[engine_id]
 
@@ -178,6 +190,7 @@ class Fleet:
         """After a fresh listing: discovered engines not in ``live`` are gone."""
         for eid in [k for k, e in self.engines.items() if not e.static and k not in live]:
             self.engines[eid].ranks.clear()
+            self.engines[eid].incarnations.clear()
             if not (self.engines[eid].prefill_requests or self.engines[eid].decode_requests):
                 del self.engines[eid]
 

@@ -30,11 +30,14 @@ __all__ = [
 ]
 
 
-async def open_store(url: str, *, etcd_ca: str = "", etcd_cert: str = "", etcd_key: str = "") -> Store:
+async def open_store(url: str, *, etcd_ca: str = "", etcd_cert: str = "", etcd_key: str = "",
+                     timeout_s: float = 10.0) -> Store:
     """``memory://`` (default), ``etcd://host:port[,host:port...]`` (plaintext) or
     ``etcds://host:port[,...]`` (TLS: ``etcd_ca`` verifies etcd, ``etcd_cert``/``etcd_key``
     are the client certificate for etcd's ``--client-cert-auth``; each defaults to
-    ``$KVBATON_ETCD_CA`` / ``_CERT`` / ``_KEY``). A CA given with ``etcd://`` also turns TLS on."""
+    ``$KVBATON_ETCD_CA`` / ``_CERT`` / ``_KEY``). A CA given with ``etcd://`` also turns TLS on.
+    ``timeout_s``: how long each etcd operation, connecting included, may retry before it
+    raises ``StoreError``."""
     import os
 
     if not url or url == "memory://" or url == "memory":
@@ -57,5 +60,5 @@ async def open_store(url: str, *, etcd_ca: str = "", etcd_cert: str = "", etcd_k
             if path and not os.path.isfile(path):
                 raise ValueError(f"etcd TLS {what} file {path!r} does not exist")
         tls = EtcdTls(ca, cert, key) if ca else None
-        return await EtcdStore.connect(endpoints, tls=tls)
+        return await EtcdStore.connect(endpoints, tls=tls, timeout_s=timeout_s)
     raise ValueError(f"unknown store {url!r}: use memory://, etcd://host:port[,host:port...] or etcds://...")

@@ -121,6 +121,28 @@ def test_a_hold_not_yet_on_the_ledger_is_asked_for_again_briefly() -> None:
     assert r2.results() == [("recv", "req", False, (1, 2, 3))] and r2.ep.xfers == []
 
 
+def test_a_begin_read_refused_for_a_lapsed_registration_is_asked_again_later() -> None:
+    """NOT_FOUND "engine me is not registered": our registration lapsed (a late refresh),
+    nothing was recorded; asked again after UNREGISTERED_RETRY_S, not every step, and the
+    READ goes ahead once answered (issue 14: recomputed before)."""
+    from kvbaton.connector.flows.receive import UNREGISTERED_RETRY_S
+    r = Rig()
+    r.control.begin_read = _refused("engine me is not registered", grpc.StatusCode.NOT_FOUND)
+    r.recv.on_load("req", _pull(), T0)
+    r.recv.progress(T0)
+    r.recv.progress(T0 + UNREGISTERED_RETRY_S / 2)
+    assert r.results() == [] and len(r.control.requests("BeginReadRequest")) == 1  # not yet again
+    r.control.begin_read = rendezvous_pb2.TransferState(transfer_id=TID)
+    r.recv.progress(T0 + UNREGISTERED_RETRY_S)
+    r.recv.progress(T0 + UNREGISTERED_RETRY_S + 0.01)
+    assert len(r.control.requests("BeginReadRequest")) == 2 and len(r.ep.xfers) == 1
+    r2 = Rig()  # another NOT_FOUND is final
+    r2.control.begin_read = _refused("transfer t not found", grpc.StatusCode.NOT_FOUND)
+    r2.recv.on_load("req", _pull(), T0)
+    r2.recv.progress(T0)
+    assert r2.results() == [("recv", "req", False, (1, 2, 3))] and r2.ep.xfers == []
+
+
 def test_a_server_without_begin_read_is_read_from_unrecorded() -> None:
     r = Rig()
     r.control.begin_read = _refused("no BeginRead here", grpc.StatusCode.UNIMPLEMENTED)

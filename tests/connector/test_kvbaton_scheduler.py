@@ -7,6 +7,7 @@ blocks (§0.6), hold blocks only for finished P requests (§7).
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import types
 
@@ -143,19 +144,21 @@ def test_push_messages_carry_the_engines_the_router_named() -> None:
     kv_transfer_params), so the control plane binds the transfer to the pair; the worker's
     Complete (complete_from_worker) gets the name through the SendSpec."""
     sent: list[object] = []
+    async def record(req: object, *_a: object, **_kw: object) -> None:
+        sent.append(req)
     fake = types.SimpleNamespace(rendezvous=types.SimpleNamespace(Complete="Complete", Offer="Offer", Cancel="Cancel"),
-                                 call=lambda method, req, **kw: sent.append(req),
+                                 call=lambda method, req, **kw: record(req),
                                  session=types.SimpleNamespace(  # untraced calls go over the session
-                                     complete=sent.append, offer=sent.append, cancel=sent.append))
+                                     complete=record, offer=record, cancel=record))
     p = KvbatonScheduler(KvbatonSettings(control_plane="127.0.0.1:1", engine_id="p0"), BS)
-    p._rpc = lambda what, fn, tid="": fn(fake)  # type: ignore[method-assign]
+    p._rpc = lambda what, fn, tid="": asyncio.run(fn(fake))  # type: ignore[method-assign]
     r = _req("p1", 300, {"do_remote_decode": True, "transfer_id": "t1", "transfer_mode": "push",
                          "decode_engine_id": "d0"}, status=RequestStatus.FINISHED_LENGTH_CAPPED, computed=300)
     p.request_finished(r, [3, 4, 5])
     assert sent[-1].prefill_engine_id == "p0" and sent[-1].decode_engine_id == "d0"
     assert p.build_connector_meta(None).sends["p1"].peer_engine_id == "d0"
     d = KvbatonScheduler(KvbatonSettings(control_plane="127.0.0.1:1", engine_id="d0"), BS)
-    d._rpc = lambda what, fn, tid="": fn(fake)  # type: ignore[method-assign]
+    d._rpc = lambda what, fn, tid="": asyncio.run(fn(fake))  # type: ignore[method-assign]
     r = _req("d1", 300, {"do_remote_prefill": True, "transfer_id": "t1", "transfer_mode": "push",
                          "prefill_engine_id": "p0"})
     n, _ = d.get_num_new_matched_tokens(r, 0)

@@ -343,3 +343,29 @@ def test_fault_file_counts_and_reloads(tmp_path: Path) -> None:
     assert not faults.take_corruption("reuse") and faults.value("delay_reuse_read_s") == 1.5
     f.unlink()
     assert not faults.take_corruption("pull") and faults.value("delay_reuse_read_s") == 0.0
+
+
+def test_fault_kill_group_fires_once_per_file_version(tmp_path: Path) -> None:
+    import os
+    import subprocess
+
+    from kvbaton.connector.flows.faults import Faults, kill_process_group
+    from kvbaton.stack.procs import process_group_members
+
+    f = tmp_path / "faults.json"
+    faults = Faults(str(f))
+    assert faults.take_once("kill_group_at_reuse_read") == 0  # no file: no fault
+    f.write_text('{"kill_group_at_reuse_read": 4242}')
+    assert [faults.take_once("kill_group_at_reuse_read") for _ in range(2)] == [4242, 0]
+    # A real group (own session, so its pgid is its pid) is gone once killed.
+    child = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    try:
+        assert process_group_members(child.pid) == [child.pid]
+        kill_process_group(child.pid)
+        child.wait(10)
+        assert process_group_members(child.pid) == []
+        kill_process_group(child.pid)  # already gone: no error
+    finally:
+        if child.poll() is None:
+            os.killpg(child.pid, 9)
+            child.wait(10)

@@ -10,8 +10,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
+import grpc
 import pytest
 
 from kvbaton.client import KvbatonClient, LeaseKeeper
@@ -22,6 +24,44 @@ from tests.services.helpers import register
 
 pytestmark = [pytest.mark.etcd, pytest.mark.skipif(find_etcd() is None, reason="etcd not installed")]
 Ev = rendezvous_pb2.RendezvousEvent
+# The engines here are registered once and never refreshed: their registrations must
+# outlive the test on a loaded machine (at the default 10 s TTL, a run whose subscriber
+# took seconds to see its first heartbeat offered for a "dec" that had lapsed: NOT_FOUND).
+LIVE_MS = 600_000
+
+
+class Matches:
+    """The MATCH events one subscriber's stream delivers for a prefill engine, collected in
+    the background; ``ready`` once a heartbeat shows the stream is live."""
+
+    def __init__(self, sub: KvbatonClient, engine_id: str) -> None:
+        self.got: list[str] = []
+        self.ready = asyncio.Event()
+        self._grew = asyncio.Event()
+        self._task = asyncio.ensure_future(self._consume(sub, engine_id))
+
+    async def _consume(self, sub: KvbatonClient, engine_id: str) -> None:
+        async for ev in sub.subscribe(engine_id, 0, heartbeats=True):
+            if ev.type == Ev.TYPE_HEARTBEAT:
+                self.ready.set()
+            elif ev.type == Ev.TYPE_MATCH:
+                self.got.append(ev.transfer.transfer_id)
+                self._grew.set()
+
+    async def wait_for(self, n: int, timeout_s: float) -> None:
+        """Until ``n`` matches arrived (or ``timeout_s``), then a short quiet window in which
+        would-be duplicates would arrive."""
+        deadline = time.monotonic() + timeout_s
+        while len(self.got) < n and (left := deadline - time.monotonic()) > 0:
+            self._grew.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._grew.wait(), left)
+        await asyncio.sleep(0.5)
+
+    async def stop(self) -> list[str]:
+        self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)
+        return sorted(self.got, key=lambda t: int(t[1:]))
 
 
 @pytest.fixture
@@ -46,22 +86,12 @@ async def test_kill_replica_mid_stream_loses_and_duplicates_nothing(replicas):
     # The subscriber and the keeper start on A and know B as the fallback.
     sub = KvbatonClient([a.address, b.address], timeout_s=5)
     keeper_client = KvbatonClient([a.address, b.address], timeout_s=2)
-    await register(writer, "dec", common_pb2.ENGINE_ROLE_DECODE)
-    await register(writer, "pre", common_pb2.ENGINE_ROLE_PREFILL)
+    await register(writer, "dec", common_pb2.ENGINE_ROLE_DECODE, ttl_ms=LIVE_MS)
+    await register(writer, "pre", common_pb2.ENGINE_ROLE_PREFILL, ttl_ms=LIVE_MS)
     await writer.call(writer.lease.Grant, lease_pb2.GrantRequest(conversation_id="agent", engine_id="dec", ttl_ms=3000))
 
-    got: list[str] = []
-    ready = asyncio.Event()
-
-    async def consume():
-        async for ev in sub.subscribe("pre", 0, heartbeats=True):
-            if ev.type == Ev.TYPE_HEARTBEAT:
-                ready.set()
-            elif ev.type == Ev.TYPE_MATCH:
-                got.append(ev.transfer.transfer_id)
-
-    consumer = asyncio.ensure_future(consume())
-    await asyncio.wait_for(ready.wait(), 10)
+    matches = Matches(sub, "pre")
+    await asyncio.wait_for(matches.ready.wait(), 10)
     n = 120
     async with LeaseKeeper(keeper_client, "agent", interval_s=0.5) as keeper:
         for i in range(n):
@@ -72,16 +102,11 @@ async def test_kill_replica_mid_stream_loses_and_duplicates_nothing(replicas):
             if i == n // 3:
                 a.kill()  # the subscriber's and the keeper's replica
             await asyncio.sleep(0.02)
-        deadline = time.monotonic() + 20
-        while len(got) < n and time.monotonic() < deadline:
-            await asyncio.sleep(0.1)
-        await asyncio.sleep(0.5)  # would-be duplicates have time to arrive
+        await matches.wait_for(n, 20)
         info = await writer.call(writer.lease.Get, lease_pb2.GetLeaseRequest(conversation_id="agent"))
         assert info.state == lease_pb2.LEASE_STATE_ACTIVE, info  # kept alive through the failover
         assert keeper.renewals >= 4
-    consumer.cancel()
-    await asyncio.gather(consumer, return_exceptions=True)
-    assert sorted(got, key=lambda t: int(t[1:])) == [f"t{i}" for i in range(n)], "lost or duplicated matches"
+    assert await matches.stop() == [f"t{i}" for i in range(n)], "lost or duplicated matches"
     assert sub.address == b.address
     for c in (writer, sub, keeper_client):
         await c.close()
@@ -95,20 +120,10 @@ async def test_kill_replica_mid_session_loses_and_duplicates_nothing(replicas):
     dec = KvbatonClient([a.address, b.address], timeout_s=5)
     pre = KvbatonClient([a.address, b.address], timeout_s=5)
     sub = KvbatonClient([a.address, b.address], timeout_s=5)
-    await register(dec, "sdec", common_pb2.ENGINE_ROLE_DECODE)
-    await register(pre, "spre", common_pb2.ENGINE_ROLE_PREFILL)
-    got: list[str] = []
-    ready = asyncio.Event()
-
-    async def consume():
-        async for ev in sub.subscribe("spre", 0, heartbeats=True):
-            if ev.type == Ev.TYPE_HEARTBEAT:
-                ready.set()
-            elif ev.type == Ev.TYPE_MATCH:
-                got.append(ev.transfer.transfer_id)
-
-    consumer = asyncio.ensure_future(consume())
-    await asyncio.wait_for(ready.wait(), 10)
+    await register(dec, "sdec", common_pb2.ENGINE_ROLE_DECODE, ttl_ms=LIVE_MS)
+    await register(pre, "spre", common_pb2.ENGINE_ROLE_PREFILL, ttl_ms=LIVE_MS)
+    matches = Matches(sub, "spre")
+    await asyncio.wait_for(matches.ready.wait(), 10)
     n, wave = 200, 10
     made = 0
     for start in range(0, n, wave):
@@ -121,14 +136,16 @@ async def test_kill_replica_mid_session_loses_and_duplicates_nothing(replicas):
         if start == n // 2:
             await asyncio.sleep(0)  # the wave is on its way
             a.kill()
-        made += sum(r.matched_now for r in await pending)  # every call answered, none raised
-    deadline = time.monotonic() + 20
-    while len(got) < n and time.monotonic() < deadline:
-        await asyncio.sleep(0.1)
-    await asyncio.sleep(0.5)  # would-be duplicates have time to arrive
-    consumer.cancel()
-    await asyncio.gather(consumer, return_exceptions=True)
-    assert sorted(got, key=lambda t: int(t[1:])) == [f"s{i}" for i in range(n)], "lost or duplicated matches"
+        try:
+            answers = await pending  # every call answered, none raised
+        except grpc.aio.AioRpcError as exc:
+            raise AssertionError(
+                f"wave {start} (A killed in wave {n // 2}): {exc.code().name}: {exc.details()}\n"
+                f"dec {_session_state(dec)}\npre {_session_state(pre)}\n"
+                f"B's log:\n{b.log_tail()}") from exc
+        made += sum(r.matched_now for r in answers)
+    await matches.wait_for(n, 20)
+    assert await matches.stop() == [f"s{i}" for i in range(n)], "lost or duplicated matches"
     # A match whose answer died with A is answered as a duplicate on B: at most one wave.
     assert n - wave <= made <= n
     for t in (f"s{i}" for i in range(n)):
@@ -140,21 +157,38 @@ async def test_kill_replica_mid_session_loses_and_duplicates_nothing(replicas):
         await c.close()
 
 
+def _session_state(c: KvbatonClient) -> str:
+    """Where a client's session is and what it went through (for a failure message)."""
+    s = c.session
+    return f"on {c.address} (A/B: {c.addresses}), reconnects {s.reconnects}, stats {s.stats}"
+
+
 async def _expiry_leader_pid(store_url_endpoints) -> int:
+    """The pid of the process holding the expiry election (0: none)."""
     from kvbaton.services.store.etcd import EtcdStore
 
     s = await EtcdStore.connect(store_url_endpoints)
     try:
         kv = await s.get(b"election/lease-expiry")
-        assert kv is not None, "no expiry leader"
-        return int(kv.value.split(b"-")[0])
+        return int(kv.value.split(b"-")[0]) if kv is not None else 0
     finally:
         await s.close()
 
 
+async def _leader_among(replicas, endpoints, timeout_s: float = 15) -> Replica:
+    """The replica leading expiry. A replica an earlier test of this module SIGKILLed holds
+    the election until its election lease (3 s) lapses, and a quick test starts inside
+    that window (seen after main gained the faster session: the holder was an earlier
+    test's replica, and the test died on StopIteration): wait for one of these."""
+    deadline = time.monotonic() + timeout_s
+    while (pid := await _expiry_leader_pid(endpoints)) not in [r.proc.pid for r in replicas]:
+        assert time.monotonic() < deadline, f"no replica of these leads expiry within {timeout_s} s (holder pid {pid})"
+        await asyncio.sleep(0.2)
+    return next(r for r in replicas if r.proc.pid == pid)
+
+
 async def test_kill_expiry_leader_another_takes_over(replicas, cluster):
-    pid = await _expiry_leader_pid(cluster.endpoints)
-    leader = next(r for r in replicas if r.proc.pid == pid)
+    leader = await _leader_among(replicas, cluster.endpoints)
     other = next(r for r in replicas if r is not leader)
     async with KvbatonClient(other.address) as kv:
         await kv.call(kv.lease.Grant, lease_pb2.GrantRequest(conversation_id="orphan", engine_id="dec", ttl_ms=500))
@@ -172,8 +206,8 @@ async def test_kill_expiry_leader_another_takes_over(replicas, cluster):
 async def test_etcd_member_restart_under_traffic(replicas, cluster):
     a, _ = replicas
     async with KvbatonClient(a.address, timeout_s=10) as kv:
-        await register(kv, "dec2", common_pb2.ENGINE_ROLE_DECODE)
-        await register(kv, "pre2", common_pb2.ENGINE_ROLE_PREFILL)
+        await register(kv, "dec2", common_pb2.ENGINE_ROLE_DECODE, ttl_ms=LIVE_MS)
+        await register(kv, "pre2", common_pb2.ENGINE_ROLE_PREFILL, ttl_ms=LIVE_MS)
         matched = 0
         for i in range(40):
             if i == 10:

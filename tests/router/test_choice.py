@@ -155,9 +155,9 @@ async def test_discovery_relists_after_a_broken_watch_and_forgets_engines_gone_m
             self.lists = 0
             self.watches = 0
 
-        async def list_engines(self):
+        async def list_engines_at(self):
             self.lists += 1
-            return listings[min(self.lists - 1, 1)]
+            return listings[min(self.lists - 1, 1)], 0, ""
 
         def WatchEngines(self, req):
             self.watches += 1

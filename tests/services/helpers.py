@@ -17,9 +17,11 @@ def engine_rank(engine_id: str, role=common_pb2.ENGINE_ROLE_DECODE, *, tp_size: 
     )
 
 
-async def register(kv, engine_id: str, role=common_pb2.ENGINE_ROLE_DECODE, **kw) -> registrar_pb2.EngineRank:
+async def register(kv, engine_id: str, role=common_pb2.ENGINE_ROLE_DECODE, *, ttl_ms: int = 0,
+                   **kw) -> registrar_pb2.EngineRank:
+    """``ttl_ms``: the registration's liveness TTL (0: the server's default, 10 s)."""
     resp = await kv.call(kv.registrar.RegisterEngine, registrar_pb2.RegisterEngineRequest(
-        rank=engine_rank(engine_id, role, **kw)))
+        rank=engine_rank(engine_id, role, **kw), ttl_ms=ttl_ms))
     return resp.rank
 
 

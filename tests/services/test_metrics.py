@@ -227,13 +227,15 @@ async def test_every_exported_name_is_declared(mplane, mkv):
 
 
 async def _seed(kv) -> None:
-    """A little of everything, for the views."""
-    await register(kv, "dec-0", common_pb2.ENGINE_ROLE_DECODE)
-    await register(kv, "pre-0", common_pb2.ENGINE_ROLE_PREFILL)
+    """A little of everything, for the views. Nothing lapses for minutes: a view rendered
+    late (a headless browser or a CLI child starting on a loaded machine can take tens of
+    seconds) shows all of it."""
+    await register(kv, "dec-0", common_pb2.ENGINE_ROLE_DECODE, ttl_ms=600_000)
+    await register(kv, "pre-0", common_pb2.ENGINE_ROLE_PREFILL, ttl_ms=600_000)
     for i in range(3):
         await kv.call(kv.rendezvous.Offer, rpb.OfferRequest(transfer_id=f"xfer-{i}", decode_engine_id="dec-0",
-                                                            block_ids=[1, 2, 3, 4], num_tokens=64))
-    for i, ttl in enumerate((60_000, 20_000, 40_000)):
+                                                            block_ids=[1, 2, 3, 4], num_tokens=64, timeout_ms=600_000))
+    for i, ttl in enumerate((600_000, 200_000, 400_000)):
         await kv.call(kv.lease.Grant, lease_pb2.GrantRequest(conversation_id=f"conv-{i}", engine_id="dec-0",
                                                              ttl_ms=ttl, num_blocks=8 + i))
     for _ in range(5):
@@ -290,8 +292,14 @@ async def test_api_state_and_page(mplane, mkv):
         async with s.get(base + "/") as r:
             assert r.status == 200 and r.content_type == "text/html"
             page = await r.text()
+        async with s.get(base + "/?refresh=0") as r:
+            assert r.status == 200
+            still = await r.text()
+        async with s.get(base + "/?refresh=soon") as r:
+            assert r.status == 400 and "refresh" in await r.text()
         async with s.get(base + "/healthz") as r:
             assert r.status == 200
+    assert "http-equiv" not in still and "xfer-2" in still  # a capture's page does not reload itself
     assert {e["engine_id"]: e["role"] for e in state["engines"]} == {"dec-0": "decode", "pre-0": "prefill"}
     assert state["transfers"]["counts"]["offered"] == 3
     assert [t["transfer_id"] for t in state["transfers"]["items"]] == ["xfer-0", "xfer-1", "xfer-2"]
@@ -329,7 +337,7 @@ async def test_status_page_renders_in_headless_chromium(store_kind, store):
                          f"--user-data-dir={profile}", "--window-size=1280,900", "--hide-scrollbars"]
                 for extra in ([f"--screenshot={shot}"], ["--dump-dom"]):
                     proc = await asyncio.create_subprocess_exec(
-                        *flags, *extra, cp.web.page_url, stdout=asyncio.subprocess.PIPE,
+                        *flags, *extra, cp.web.page_url + "?refresh=0", stdout=asyncio.subprocess.PIPE,
                         stderr=asyncio.subprocess.PIPE, cwd=ARTIFACTS)
                     try:
                         out, err = await asyncio.wait_for(proc.communicate(), 90)

@@ -37,10 +37,11 @@ def complete(tid, blocks=(7, 8, 9), attempt=0, timeout_ms=0, writers=2, engine="
 class Collector:
     """Reads one engine rank's event stream into a list."""
 
-    def __init__(self, kv, engine, rank=0):
+    def __init__(self, kv, engine, rank=0, *, sole_subscriber=False):
         self.events: list[Ev] = []
         self.changed = asyncio.Event()
-        self.task = asyncio.ensure_future(self._run(kv.subscribe(engine, rank, heartbeats=True)))
+        self.task = asyncio.ensure_future(self._run(kv.subscribe(engine, rank, heartbeats=True,
+                                                                 sole_subscriber=sole_subscriber)))
         self.ready = asyncio.Event()
 
     async def _run(self, it):
