@@ -298,22 +298,7 @@ def test_shared_pool_both_directions_at_once() -> None:
         # both directions at once, stepped from one thread (each engine's owner thread)
         jobs = [p.sa.start_send(p.b.name, p.sb.info(), a_src, b_dst, "ab", timeout_s=30),
                 p.sb.start_send(p.a.name, p.sa.info(), b_src, a_dst, "ba", timeout_s=30)]
-        done = [False, False]
-        deadline = time.monotonic() + 30
-        while not all(done):
-            p.sa.progress()
-            p.sb.progress()
-            for i, j in enumerate(jobs):
-                done[i] = done[i] or j.step()
-            assert time.monotonic() < deadline, "the two directions stalled each other"
-        for j in jobs:
-            j.close()
-        for _ in range(100):  # the last acks/releases
-            p.sa.progress()
-            p.sb.progress()
-            if not (p.sa.grants.busy or p.sb.grants.busy):
-                break
-            time.sleep(0.002)
+        _finish_both(p, jobs, time.monotonic() + 30, "the two directions stalled each other")
         assert checksum(p.tb, b_dst, p.bd) == want_b
         assert checksum(p.ta, a_dst, p.bd) == want_a
         for sp in (p.sa, p.sb):
@@ -321,6 +306,26 @@ def test_shared_pool_both_directions_at_once() -> None:
             assert sp.dropped_chunks == 0
     finally:
         p.close()
+
+
+def _finish_both(p: StagedPair, jobs: list, deadline: float, stalled: str) -> None:
+    """Steps both engines (from one thread, as each engine's owner thread would) until every
+    job is done, then lets the last acks/releases through."""
+    done = [False] * len(jobs)
+    while not all(done):
+        p.sa.progress()
+        p.sb.progress()
+        for i, j in enumerate(jobs):
+            done[i] = done[i] or j.step()
+        assert time.monotonic() < deadline, stalled
+    for j in jobs:
+        j.close()
+    for _ in range(100):
+        p.sa.progress()
+        p.sb.progress()
+        if not (p.sa.grants.busy or p.sb.grants.busy):
+            break
+        time.sleep(0.002)
 
 
 @pytest.mark.nixl
@@ -352,21 +357,7 @@ def test_shared_pool_second_direction_starts_while_first_holds_everything() -> N
             p.sb.progress()
             assert time.monotonic() < deadline, "a lone send never held both whole pools"
         ba = p.sb.start_send(p.a.name, p.sa.info(), b_src, a_dst, "ba", timeout_s=30)
-        jobs, done = [ab, ba], [False, False]
-        while not all(done):
-            p.sa.progress()
-            p.sb.progress()
-            for i, j in enumerate(jobs):
-                done[i] = done[i] or j.step()
-            assert time.monotonic() < deadline, "the late direction never got a slot"
-        for j in jobs:
-            j.close()
-        for _ in range(100):
-            p.sa.progress()
-            p.sb.progress()
-            if not (p.sa.grants.busy or p.sb.grants.busy):
-                break
-            time.sleep(0.002)
+        _finish_both(p, [ab, ba], deadline, "the late direction never got a slot")
         assert checksum(p.tb, b_dst, p.bd) == want_b
         assert checksum(p.ta, a_dst, p.bd) == want_a
         for sp in (p.sa, p.sb):
