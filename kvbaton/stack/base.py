@@ -14,7 +14,8 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import subprocess
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Self
 
@@ -163,6 +164,19 @@ class StackBase:
         evs = [json.loads(x) for x in path.read_text().splitlines()[since:] if x.strip()]
         return [e for e in evs if (event is None or e["event"] == event)
                 and all(e.get(k) == v for k, v in match.items())]
+
+    def wait_events(self, engine: str, event: str, since: int = 0, n: int = 1, timeout_s: float = 10.0,
+                    keep: Callable[[dict[str, Any]], bool] | None = None,
+                    **match: Any) -> list[dict[str, Any]]:
+        """Until ``n`` such events after line ``since`` (also kept by ``keep``, if given) or
+        ``timeout_s``: what there is. Events land after the answer that caused them (a
+        notification reaches the other engine later), so tests wait rather than read once."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            evs = [e for e in self.events(engine, event, since=since, **match) if keep is None or keep(e)]
+            if len(evs) >= n or time.monotonic() > deadline:
+                return evs
+            time.sleep(0.05)
 
     def event_count(self, engine: str, part: str = "worker") -> int:
         """Lines in ``engine``'s stats file so far: a bookmark for :meth:`events`."""

@@ -49,6 +49,7 @@ class PD:
         self.push_router_url = stack.routers["push"]
         self.stats_dir = stack.stats_dir
         self.events = stack.events
+        self.wait_events = stack.wait_events
         self.cp_address = stack.cp_address
 
     def body(self, prompt: str, max_tokens: int = 16) -> dict[str, Any]:
@@ -84,24 +85,12 @@ def test_pull_outputs_match_single_engine(pd: PD) -> None:
     assert not pd.events("d0", "recv_failed")
     # Prefill frees a pull's blocks when decode's Done reaches it, after decode answered:
     # wait for those events (a fresh-clone CI run read them one notification early).
-    done = _wait_events(pd, "p0", "send_done", len(PROMPTS), lambda e: bool(e.get("notif")))
+    done = pd.wait_events("p0", "send_done", n=len(PROMPTS), timeout_s=20.0, keep=lambda e: bool(e.get("notif")))
     assert len(done) >= len(PROMPTS)
-    assert len(_wait_events(pd, "p0", "notif", len(PROMPTS))) >= len(PROMPTS)
+    assert len(pd.wait_events("p0", "notif", n=len(PROMPTS), timeout_s=20.0)) >= len(PROMPTS)
     assert not pd.events("p0", "send_expired")
     assert _usage_back_to_zero(pd.p) == 0.0
     assert _usage_back_to_zero(pd.d) == 0.0
-
-
-def _wait_events(pd: PD, engine: str, event: str, n: int, keep: Any = None,
-                 timeout_s: float = 20.0) -> list[dict[str, Any]]:
-    """Until ``n`` such events (kept by ``keep``) or ``timeout_s`` (the stack's transfer
-    timeout): what there is."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        evs = [e for e in pd.events(engine, event) if keep is None or keep(e)]
-        if len(evs) >= n or time.monotonic() > deadline:
-            return evs
-        time.sleep(0.05)
 
 
 def _ttft_medians(pd: PD, router_url: str, tag: str, n: int = 5) -> tuple[float, float]:

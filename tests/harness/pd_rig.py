@@ -102,12 +102,7 @@ class PdRig:
     def wait_events(self, engine: str, event: str, since: int, n: int = 1, timeout_s: float = 10.0,
                     **match: Any) -> list[dict[str, Any]]:
         """Until ``n`` such events after line ``since`` (or ``timeout_s``); what there is."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            evs = self.s.events(engine, event, since=since, **match)
-            if len(evs) >= n or time.monotonic() > deadline:
-                return evs
-            time.sleep(0.05)
+        return self.s.wait_events(engine, event, since, n, timeout_s, **match)
 
     # ---------------------------------------------------------------- control plane
     def lease(self, conv: str) -> tuple[Any, Any]:
