@@ -475,6 +475,8 @@ def main() -> int:
     p.add_argument("--profile", default="", help="py-spy the server (raw folded stacks to PROFILE.<n>.txt)")
     p.add_argument("--table", metavar="RESULTS", help="only print the markdown tables of a results file")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "control_plane.json"))
+    p.add_argument("--machine", default="", help="what this machine is, recorded in the results (beside its core count)")
+    p.add_argument("--commit", default="", help="the commit measured, where this tree is a copy with no git history")
     args = p.parse_args()
     args.rate = args.rate or [250.0, 500.0, 750.0, 1000.0, 1500.0]
     args.path = args.path or ["unary", "session"]
@@ -484,8 +486,10 @@ def main() -> int:
     if args.baseline:
         args.baseline_commit = subprocess.run(["git", "rev-parse", args.baseline], cwd=ROOT, capture_output=True,
                                               text=True, timeout=10).stdout.strip()
-    results = {"script": "benchmarks/control_plane.py", "argv": sys.argv[1:], "commit": git_commit(),
-               "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": f"{os.cpu_count()} cores",
+    machine = f"{os.cpu_count()} cores" + (f", {args.machine}" if args.machine else "")
+    results = {"script": "benchmarks/control_plane.py", "argv": sys.argv[1:], "commit": args.commit or git_commit(),
+               "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": machine,
+               "loadavg_at_start": list(os.getloadavg()),
                "config": {k: (str(v) if isinstance(v, pathlib.Path) else v) for k, v in vars(args).items() if k != "out"},
                "stores": []}
     for store in args.store or ["memory://"]:
@@ -512,6 +516,7 @@ def main() -> int:
         import shutil
 
         shutil.rmtree(args.baseline_dir, ignore_errors=True)
+    results["loadavg_at_end"] = list(os.getloadavg())
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2))

@@ -132,9 +132,10 @@ async def run(args, baseline_dir: pathlib.Path | None = None) -> dict:
     if baseline_dir is not None:  # the baseline's tree, importable ahead of this checkout
         env["PYTHONPATH"] = str(baseline_dir)
     server = subprocess.Popen([sys.executable, "-m", "kvbaton.cli", "serve", "--insecure", "--listen", f"127.0.0.1:{port}",
-                               "--store", args.store, "--log-level", "WARNING"], env=env, start_new_session=True,
+                               "--store", getattr(args, "store_url", args.store), "--log-level", "WARNING"], env=env, start_new_session=True,
                               cwd=str(baseline_dir) if baseline_dir is not None else None)
-    out: dict = {"benchmark": "leases_scale", "commit": commit(), "machine": f"{os.cpu_count()} cores",
+    machine = f"{os.cpu_count()} cores" + (f", {args.machine}" if args.machine else "")
+    out: dict = {"benchmark": "leases_scale", "commit": args.commit or commit(), "machine": machine,
                  "config": {k: v for k, v in vars(args).items() if k != "out"}, "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                  "loadavg_at_start": list(os.getloadavg())}
     try:
@@ -173,6 +174,7 @@ async def run(args, baseline_dir: pathlib.Path | None = None) -> dict:
             full["get_after"] = await get_latency(kv, "probe", args.gets)
             full["rss_mib_after"] = rss_mib(server.pid)
             print("after:", json.dumps({k: full[k] for k in ("idle_cpu_pct_after", "get_after", "rss_mib_after")}), flush=True)
+            out["loadavg_at_end"] = list(os.getloadavg())
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         try:
@@ -183,9 +185,23 @@ async def run(args, baseline_dir: pathlib.Path | None = None) -> dict:
     return out
 
 
+def on_store(args, baseline_dir: pathlib.Path | None) -> dict:
+    """One server's run; etcd1 / etcd3: on a fresh 1- or 3-member etcd on loopback of its own."""
+    if args.store not in ("etcd1", "etcd3"):
+        return asyncio.run(run(args, baseline_dir))
+    from kvbaton.stack.etcd_cluster import EtcdCluster
+
+    cluster = EtcdCluster(int(args.store[-1])).start()
+    args.store_url = cluster.url
+    try:
+        return asyncio.run(run(args, baseline_dir))
+    finally:
+        cluster.stop()
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--store", default="memory://")
+    p.add_argument("--store", default="memory://", help="memory://, etcd://h:p[,h:p], or etcd1 / etcd3 (started here)")
     p.add_argument("--leases", type=int, default=100_000)
     p.add_argument("--ttl-ms", type=int, default=3_600_000)
     p.add_argument("--idle-s", type=float, default=10.0)
@@ -194,17 +210,19 @@ def main() -> int:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--baseline", default="", help="also measure `kvbaton serve` of this commit, same run, after this tree")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "leases_scale.json"))
+    p.add_argument("--machine", default="", help="what this machine is, recorded in the results (beside its core count)")
+    p.add_argument("--commit", default="", help="the commit measured, where this tree is a copy with no git history")
     args = p.parse_args()
     if sum(args.sizes) * args.repeat > args.leases:
         p.error("--leases must cover sum(--sizes) * --repeat distinct conversations")
-    result = asyncio.run(run(args))
+    result = on_store(args, None)
     if args.baseline:
         # Resolved once, before the export: a branch name may move during the run.
         sha = subprocess.run(["git", "rev-parse", args.baseline], cwd=ROOT, capture_output=True, text=True,
                              timeout=10, check=True).stdout.strip()
         base_dir = export_baseline(sha)
         try:
-            base = asyncio.run(run(args, base_dir))
+            base = on_store(args, base_dir)
         finally:
             shutil.rmtree(base_dir, ignore_errors=True)
         base["commit"] = sha

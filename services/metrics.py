@@ -124,11 +124,12 @@ class ServiceMetrics:
             ["status"], registry=r)
         self.lease_renewal_writes = Counter(
             "kvbaton_lease_renewal_writes_total",
-            "Lease records written to the store because of renewals (the rest were answered from the cache).",
+            "Renewals that wrote a new deadline to the store (journaled, or a lease record rewritten); the rest "
+            "were answered from the cache.",
             registry=r)
         self.lease_renewal_txns = Counter(
             "kvbaton_lease_renewal_txns_total",
-            "Store transactions the renewal flusher committed (each may carry many leases).", registry=r)
+            "Store transactions the renewal flusher committed (a journal write carries a whole flush).", registry=r)
         self.lease_pins = Counter("kvbaton_lease_pins_total", "Pins granted to readers.", registry=r)
         self.lease_pin_refusals = Counter(
             "kvbaton_lease_pin_refusals_total",

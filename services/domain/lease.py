@@ -17,7 +17,9 @@ Rules (the lease invariants this service keeps):
 
 Records: ``<prefix>l/<lease_id>`` holds ``LeaseInfo``; ``<prefix>c/<conversation_id>``
 holds the current lease id. Ended records stay (for ``get``/operators) under a shared
-tombstone store lease for ``tombstone_s``.
+tombstone store lease for ``tombstone_s``. Renewals are written as one journal record per
+batch (``<prefix>j/``, fenced by ``<prefix>f/``; see ``lease_journal``): a lease's
+deadline is the later of its record's and the journal's.
 """
 
 from __future__ import annotations
@@ -33,8 +35,20 @@ import structlog
 from kvbaton.v1 import lease_pb2 as pb
 
 from ..metrics import ServiceMetrics
-from ..store.base import Compare, CompareOp, CompareTarget, EventType, KeyValue, Put, Store, WatchEvent
-from . import limits, paging
+from ..store.base import (
+    Compare,
+    CompareOp,
+    CompareTarget,
+    Delete,
+    EventType,
+    Get,
+    KeyValue,
+    Put,
+    Store,
+    TxnResult,
+    WatchEvent,
+)
+from . import lease_journal, limits, paging
 from .background import Tombstones, cancel_all, leader_ticks
 from .clock import Clock, WallClock
 from .deadlines import DeadlineIndex
@@ -51,6 +65,11 @@ LIVE_STATES = (ACTIVE, DRAINING)
 TERMINAL_STATES = (EXPIRED, REVOKED)
 MAX_PINS = 64
 _CAS_RETRIES = 32
+# Journal writes that lost their "ends" fence (a lease ended meanwhile) before the batch
+# falls back to one compare-and-swap per lease.
+_FENCE_RETRIES = 4
+# Journal records the expiry leader deletes per tick.
+_JOURNAL_DELETES = 64
 _REPLACED_PREFIX = "replaced by lease "
 _RENEW_STATUS = {pb.RENEW_STATUS_OK: "ok", pb.RENEW_STATUS_NOT_FOUND: "not_found", pb.RENEW_STATUS_SUPERSEDED: "superseded",
                  pb.RENEW_STATUS_ENDED: "ended", pb.RENEW_STATUS_INVALID: "invalid"}
@@ -90,11 +109,19 @@ def _live_pins(info: pb.LeaseInfo, now: int) -> list[pb.PinInfo]:
     return [p for p in info.pins if p.expires_at_ms > now]
 
 
-def _due_ms(info: pb.LeaseInfo) -> int:
-    """When a live lease may end: its deadline (ACTIVE) or now (DRAINING), and in either
-    case not before its last pin lapses."""
+def _due_ms(info: pb.LeaseInfo, deadline: int | None = None) -> int:
+    """When a live lease may end: its deadline (ACTIVE; the record's unless given) or now
+    (DRAINING), and in either case not before its last pin lapses."""
     pinned = max((p.expires_at_ms for p in info.pins), default=0) if info.pins else 0
-    return max(pinned, info.expires_at_ms) if info.state == ACTIVE else pinned
+    if info.state != ACTIVE:
+        return pinned
+    return max(pinned, info.expires_at_ms if deadline is None else deadline)
+
+
+def _mod_revision(result: TxnResult) -> int:
+    """The revision of the fence a failed txn's failure branch read (0: never written)."""
+    kv = result.values[0] if result.values else None
+    return kv.mod_revision if kv is not None else 0
 
 
 def derive_events(ev: WatchEvent) -> Iterable[tuple[str, pb.LeaseEvent]]:
@@ -154,8 +181,24 @@ class LeaseService:
             store, prefix + b"l/", parse=_parse, derive=derive_events, name="leases",
             keep=lambda info: info.state in LIVE_STATES,
         )
+        # Renewal batches' deadlines (lease_journal): one watch of the journal records,
+        # merged into every read of a deadline.
+        self.journal = lease_journal.LeaseJournal()
+        self.journal_hub: PrefixHub[lease_journal.JournalBatch, None] = PrefixHub(
+            store, prefix + b"j/", parse=lease_journal.decode, derive=lambda _ev: (), name="lease-journal")
+        self.journal_hub.listeners.append(self._on_journal)
+        self.journal_hub.on_reload.append(self._rebuild_journal)
+        self._fence_ends = prefix + b"f/ends"
+        self._fence_renewals = prefix + b"f/renewals"
+        self._jprefix = prefix + b"j/" + secrets.token_hex(6).encode() + b"-"
+        self._jseq = 0
         self._pending: dict[str, int] = {}  # lease_id -> deadline to write
         self._groups: list[tuple[list[str], asyncio.Future[set[str]]]] = []  # callers waiting on the flusher
+        # Leases that left ACTIVE in the cache (so far): a batch checked against the cache
+        # at the same count needs no second check before its journal write.
+        self._ends = 0
+        self._unchecked = False  # something pending was not checked against the cache (or at another count)
+        self._checked_at: int | None = None  # the count the pending writes were checked at
         self._flush_wakeup = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self._tombstones = Tombstones(store, self.config.tombstone_s, rotate_s=60.0)
@@ -166,7 +209,8 @@ class LeaseService:
         self.hub.listeners.append(self._index)
         self.hub.on_reload.append(self._rebuild_deadlines)
         self.is_leader = lambda: True
-        self.stats = {"renewals": 0, "renewal_writes": 0, "expired": 0, "revoked": 0, "pins": 0}
+        self.stats = {"renewals": 0, "renewal_writes": 0, "journal_writes": 0, "fence_conflicts": 0,
+                      "expired": 0, "revoked": 0, "pins": 0}
 
     # -- lifecycle ---------------------------------------------------------
     async def start(self, *, run_expiry: bool = True) -> None:
@@ -174,6 +218,10 @@ class LeaseService:
         for info, _ in self.hub.records.values():
             if info.state == ACTIVE:
                 self._active_by_conv[info.conversation_id] = info.lease_id
+        # The journal is loaded before any expiry runs: a replica taking over (or a
+        # restart) sees every acknowledged renewal, so it never ends a lease early.
+        await self.journal_hub.start()
+        self._rebuild_journal()
         self._rebuild_deadlines()
         loop = asyncio.get_running_loop()
         self._tasks.append(loop.create_task(self._flusher(), name="lease-flusher"))
@@ -184,6 +232,7 @@ class LeaseService:
 
     async def stop(self) -> None:
         await cancel_all(self._tasks)
+        await self.journal_hub.stop()
         await self.hub.stop()
 
     # -- helpers -----------------------------------------------------------
@@ -193,12 +242,46 @@ class LeaseService:
     def _ckey(self, conversation_id: str) -> bytes:
         return _key(self.prefix, "c", conversation_id)
 
+    def deadline(self, info: pb.LeaseInfo) -> int:
+        """A lease's deadline: its record's, or the journal's when later."""
+        journal = self.journal.deadline.get(info.lease_id)
+        return journal if journal is not None and journal > info.expires_at_ms else info.expires_at_ms
+
+    def _due(self, info: pb.LeaseInfo) -> int:
+        """``_due_ms`` with the journal's deadline."""
+        return _due_ms(info, self.deadline(info))
+
     def _view(self, info: pb.LeaseInfo, now: int | None = None) -> pb.LeaseInfo:
         now = self.clock.now_ms() if now is None else now
         out = pb.LeaseInfo()
         out.CopyFrom(info)
-        out.remaining_ms = max(0, info.expires_at_ms - now) if info.state in LIVE_STATES else 0
+        if info.state in LIVE_STATES:
+            out.expires_at_ms = self.deadline(info)
+            out.remaining_ms = max(0, out.expires_at_ms - now)
+        else:
+            out.remaining_ms = 0
         return out
+
+    def _folded(self, info: pb.LeaseInfo) -> pb.LeaseInfo:
+        """``info`` with the journal's deadline written into the record (a write of the
+        record anyway: the record catches up, the journal entry becomes redundant)."""
+        out = pb.LeaseInfo()
+        out.CopyFrom(info)
+        out.expires_at_ms = self.deadline(info)
+        return out
+
+    def _ends_put(self) -> Put:
+        """Bumps the "ends" fence: a journal write checked against an older cache fails."""
+        return Put(self._fence_ends, b"")
+
+    async def _catch_up_renewals(self, result: TxnResult) -> None:
+        """After a txn that lost the renewals fence (its failure branch read the fence):
+        waits until the journal view holds the journal write that moved it."""
+        await self.journal_hub.wait_for(_mod_revision(result))
+
+    def _renewals_fence(self) -> Compare:
+        """No journal write after what this replica's journal view has applied."""
+        return Compare(self._fence_renewals, CompareTarget.MOD_REVISION, CompareOp.LESS, self.journal_hub.revision + 1)
 
     async def _read(self, conversation_id: str) -> tuple[KeyValue | None, KeyValue | None, pb.LeaseInfo | None]:
         ckv = await self.store.get(self._ckey(conversation_id))
@@ -217,13 +300,12 @@ class LeaseService:
     async def _end_ops(self, info: pb.LeaseInfo, state: pb.LeaseState, reason: str, now: int) -> list[Put]:
         """The writes that end ``info`` (terminal record and index, under the tombstone)."""
         tomb = await self._tombstones.lease()
-        ended = pb.LeaseInfo()
-        ended.CopyFrom(info)
+        ended = self._folded(info)
         ended.state = state
         ended.reason = reason
         ended.ended_at_ms = now
         del ended.pins[:]
-        return [Put(self._lkey(info.lease_id), ended.SerializeToString(), lease=tomb)]
+        return [Put(self._lkey(info.lease_id), ended.SerializeToString(), lease=tomb), self._ends_put()]
 
     # -- grant -------------------------------------------------------------
     async def grant(
@@ -264,11 +346,11 @@ class LeaseService:
                 compares.append(Compare.unchanged(lkv, self._lkey(old.lease_id)))
                 reason = f"{_REPLACED_PREFIX}{info.lease_id}"
                 if _live_pins(old, now):
-                    replaced = pb.LeaseInfo()
-                    replaced.CopyFrom(old)
+                    replaced = self._folded(old)
                     replaced.state = DRAINING
                     replaced.reason = reason
                     ops.append(Put(self._lkey(old.lease_id), replaced.SerializeToString()))
+                    ops.append(self._ends_put())
                 else:
                     end = await self._end_ops(old, REVOKED, reason, now)
                     replaced = _parse(end[0].value)
@@ -335,7 +417,7 @@ class LeaseService:
                 return res
             ttl = ttl_ms or info.ttl_ms
             promised = now + ttl
-            if info.expires_at_ms < promised:
+            if self.deadline(info) < promised:
                 try:
                     await self._schedule_write(info.lease_id, promised + self._slack(ttl), ttl)
                 except _Stale:
@@ -365,7 +447,9 @@ class LeaseService:
         """Keeps conversation -> ACTIVE lease id and the deadline index in step with the
         cache (hub listener; the hub has already parsed and cached a live record)."""
         if ev.type is not EventType.PUT:
+            self._ends += 1
             self._deadlines.drop(ev.kv.key)
+            self.journal.forget(ev.kv.key[len(self._lprefix):].decode())
             return
         entry = self.hub.records.get(ev.kv.key)
         if entry is not None:
@@ -374,6 +458,9 @@ class LeaseService:
         else:
             self._deadlines.drop(ev.kv.key, ev.kv.mod_revision)  # ended: nothing left to expire
             info = _parse(ev.kv.value)
+            self.journal.forget(info.lease_id)
+        if info.state != ACTIVE:
+            self._ends += 1
         if info.state == ACTIVE:
             self._active_by_conv[info.conversation_id] = info.lease_id
         elif self._active_by_conv.get(info.conversation_id) == info.lease_id:
@@ -393,7 +480,7 @@ class LeaseService:
         if lease_id in await self._enqueue_writes([(lease_id, deadline)]):
             raise _Stale()
 
-    def _enqueue_writes(self, writes: Sequence[tuple[str, int]]) -> asyncio.Future[set[str]]:
+    def _enqueue_writes(self, writes: Sequence[tuple[str, int]], checked: int | None = None) -> asyncio.Future[set[str]]:
         """Hands deadlines to the group-commit flusher. One future for the whole group (a
         KeepAlive batch of 10,000 is one future, not 10,000): it resolves, once every
         deadline is written, to the lease ids that were not (the lease changed first:
@@ -404,6 +491,9 @@ class LeaseService:
             if pending.get(lease_id, 0) < deadline:
                 pending[lease_id] = deadline
         self._groups.append(([lease_id for lease_id, _ in writes], fut))
+        if checked is None or self._checked_at not in (None, checked):
+            self._unchecked = True
+        self._checked_at = checked
         self._flush_wakeup.set()
         return fut
 
@@ -417,13 +507,21 @@ class LeaseService:
             self._flush_wakeup.clear()
             pending, self._pending = self._pending, {}
             groups, self._groups = self._groups, []
+            # Checked, and no lease left ACTIVE since: the journal write needs no second check.
+            checked = not self._unchecked and self._checked_at == self._ends
+            self._unchecked, self._checked_at = False, None
             try:
+                stale: set[str] = set()
+                failed: dict[str, BaseException] = {}
                 items = list(pending.items())
+                try:
+                    stale, items = await self._flush_journal(items, checked=checked)
+                except Exception as exc:  # noqa: BLE001 - the store failed: every renewal of this flush fails with it
+                    failed.update((lease_id, exc) for lease_id, _ in items)
+                    items = []
                 size = self.config.flush_batch
                 chunks = [items[i : i + size] for i in range(0, len(items), size)]
                 outcomes = await asyncio.gather(*(self._flush_chunk(chunk) for chunk in chunks), return_exceptions=True)
-                stale: set[str] = set()
-                failed: dict[str, BaseException] = {}
                 for chunk, outcome in zip(chunks, outcomes):
                     if isinstance(outcome, BaseException):
                         failed.update((lease_id, outcome) for lease_id, _ in chunk)
@@ -444,6 +542,94 @@ class LeaseService:
                 for _, fut in groups:
                     if not fut.done():
                         fut.set_exception(DomainError(Code.UNAVAILABLE, "lease service stopping; retry"))
+
+    async def _flush_journal(self, items: list[tuple[str, int]], *, checked: bool = False) -> tuple[set[str], list[tuple[str, int]]]:
+        """Writes the deadlines of every lease live in this replica's cache as journal
+        records, in one transaction fenced by "ends" (no lease ended after the cache's
+        revision, so each is still ACTIVE when it commits). Returns the lease ids that
+        ended (stale) and what is left for per-lease writes: leases the cache does not
+        hold (granted on another replica a moment ago), or the whole batch when ends kept
+        racing the fence. ``checked``: every lease was found ACTIVE in the cache and none
+        has left ACTIVE since, so the first attempt skips checking them again."""
+        step = lease_journal.MAX_ENTRIES
+        if len(items) > step:
+            # One record (and one transaction: etcd's request limit is 1.5 MiB) per chunk.
+            stale_all: set[str] = set()
+            rest_all: list[tuple[str, int]] = []
+            ends = self._ends
+            for i in range(0, len(items), step):
+                # Still checked only while no lease has left ACTIVE since.
+                chunk_stale, chunk_rest = await self._flush_journal(items[i:i + step], checked=checked and self._ends == ends)
+                stale_all |= chunk_stale
+                rest_all += chunk_rest
+            return stale_all, rest_all
+        records, lprefix = self.hub.records, self._lprefix
+        for attempt in range(_FENCE_RETRIES):
+            seen = self.hub.revision
+            ids: list[str] = []
+            deadlines: list[int] = []
+            stale: set[str] = set()
+            rest: list[tuple[str, int]] = []
+            if checked and attempt == 0:
+                ids = [lease_id for lease_id, _ in items]
+                deadlines = [deadline for _, deadline in items]
+            for lease_id, deadline in (() if ids else items):
+                entry = records.get(lprefix + lease_id.encode())
+                if entry is None:
+                    rest.append((lease_id, deadline))
+                elif entry[0].state != ACTIVE:
+                    stale.add(lease_id)
+                elif self.deadline(entry[0]) < deadline:
+                    ids.append(lease_id)
+                    deadlines.append(deadline)
+            if not ids:
+                return stale, rest
+            self._jseq += 1
+            puts = [Put(self._jprefix + b"%016x" % self._jseq, lease_journal.encode(ids, deadlines)),
+                    Put(self._fence_renewals, b"")]
+            fence = Compare(self._fence_ends, CompareTarget.MOD_REVISION, CompareOp.LESS, seen + 1)
+            result = await self.store.txn([fence], puts, [Get(self._fence_ends)])
+            if result.succeeded:
+                self.journal.note(ids, deadlines)
+                self.stats["renewal_writes"] += len(ids)
+                self.stats["journal_writes"] += len(puts) - 1
+                self.metrics.lease_renewal_writes.inc(len(ids))
+                self.metrics.lease_renewal_txns.inc()
+                return stale, rest
+            # A lease ended after the cache's revision: catch up (to the revision of that
+            # end, which the lease watch carries) and check again.
+            self.stats["fence_conflicts"] += 1
+            await self.hub.wait_for(_mod_revision(result))
+        return set(), items
+
+    def _on_journal(self, ev: WatchEvent) -> None:
+        """Journal hub listener: merges a record (or its deletion) into ``journal``."""
+        if ev.type is not EventType.PUT:
+            self.journal.apply_delete(ev.kv.key)
+            return
+        entry = self.journal_hub.records.get(ev.kv.key)
+        if entry is None:
+            return
+        # Only a lease cache at least as new as the record can say a lease already ended.
+        ended = self._ended if self.hub.revision >= ev.revision else None
+        self.journal.apply_put(ev.kv.key, entry[0], ev.revision, ended)
+
+    def _ended(self, lease_id: str) -> bool:
+        return (self._lprefix + lease_id.encode()) not in self.hub.records
+
+    def _rebuild_journal(self) -> None:
+        self.journal.clear()
+        for key, (batch, rev) in sorted(self.journal_hub.records.items(), key=lambda kv: kv[1][1]):
+            ended = self._ended if self.hub.revision >= rev else None
+            self.journal.apply_put(key, batch, rev, ended)
+
+    async def collect_journal(self) -> int:
+        """Deletes journal records that say nothing any more (leader only): returns how many."""
+        keys = self.journal.deletable(self.clock.now_ms(), _JOURNAL_DELETES)
+        if not keys:
+            return 0
+        await self.store.txn([], [Delete(k) for k in keys])
+        return len(keys)
 
     async def _flush_chunk(self, chunk: list[tuple[str, int]]) -> set[str]:
         """Writes one chunk; returns the lease ids that could not be written (stale).
@@ -545,29 +731,36 @@ class LeaseService:
         out = into if into is not None else pb.KeepAliveResponse()
         results = [out.results.add() for _ in batch]
         slow: list[int] = []
-        writes: list[tuple[int, str, int]] = []
-        records, by_conv = self.hub.records, self._active_by_conv
+        writes: list[tuple[int, pb.LeaseInfo, int]] = []
+        records, by_conv, jget = self.hub.records, self._active_by_conv, self.journal.deadline.get
+        lprefix, max_slack, renewed = self._lprefix, self.config.max_slack_ms, self._renewed
+        checked = self._ends  # every lease below is ACTIVE in the cache as of this count
         for i, r in enumerate(batch):
-            cid, lid = r.conversation_id, r.lease_id or by_conv.get(r.conversation_id, "")
-            entry = records.get(self._lkey(lid)) if lid and not r.ttl_ms else None
+            cid = r.conversation_id
+            lid = r.lease_id or by_conv.get(cid, "")
+            entry = records.get(lprefix + lid.encode()) if lid and not r.ttl_ms else None
             if entry is None or entry[0].state != ACTIVE or entry[0].conversation_id != cid:
                 slow.append(i)
                 continue
             info = entry[0]
-            promised = now + info.ttl_ms
-            if info.expires_at_ms < promised:
-                writes.append((i, info.lease_id, promised + self._slack(info.ttl_ms)))
+            ttl = info.ttl_ms
+            deadline = jget(lid, 0)
+            if deadline < info.expires_at_ms:
+                deadline = info.expires_at_ms
+            if deadline < now + ttl:
+                slack = ttl // 4
+                writes.append((i, info, now + ttl + (slack if slack < max_slack else max_slack)))
             else:
-                self._renewed(results[i], cid, info, now)
+                renewed(results[i], cid, info, now, deadline)
         fast = len(batch) - len(slow) - len(writes)
         if writes:
-            stale = await self._enqueue_writes([(lease_id, deadline) for _, lease_id, deadline in writes])
-            for i, lease_id, _ in writes:
-                entry = records.get(self._lkey(lease_id))
-                if lease_id in stale or entry is None:
+            stale = await self._enqueue_writes([(info.lease_id, deadline) for _, info, deadline in writes], checked)
+            for i, info, deadline in writes:
+                if info.lease_id in stale:
                     slow.append(i)
                 else:
-                    self._renewed(results[i], batch[i].conversation_id, entry[0], now)
+                    journal = jget(info.lease_id, 0)
+                    renewed(results[i], info.conversation_id, info, now, journal if journal > deadline else deadline)
                     fast += 1
         self.stats["renewals"] += fast
         if fast:
@@ -579,12 +772,13 @@ class LeaseService:
         return results
 
     @staticmethod
-    def _renewed(res: pb.RenewResult, conversation_id: str, info: pb.LeaseInfo, now: int) -> None:
+    def _renewed(res: pb.RenewResult, conversation_id: str, info: pb.LeaseInfo, now: int, deadline: int) -> None:
         res.conversation_id = conversation_id
         res.status = pb.RENEW_STATUS_OK
         lease = res.lease
         lease.CopyFrom(info)
-        lease.remaining_ms = max(0, info.expires_at_ms - now)
+        lease.expires_at_ms = deadline
+        lease.remaining_ms = max(0, deadline - now)
 
     # -- pins --------------------------------------------------------------
     async def _lease_of(self, conversation_id: str, lease_id: str) -> tuple[KeyValue, pb.LeaseInfo]:
@@ -618,14 +812,15 @@ class LeaseService:
             if info.state != ACTIVE:
                 self.metrics.lease_pin_refusals.labels("ended").inc()
                 raise precondition(f"lease {lease_id} is {pb.LeaseState.Name(info.state)} ({info.reason}): not pinned")
-            if now >= info.expires_at_ms:
+            if now >= self.deadline(info):
                 self.metrics.lease_pin_refusals.labels("past_deadline").inc()
-                raise precondition(f"lease {lease_id} is past its deadline by {now - info.expires_at_ms} ms: not pinned")
+                raise precondition(f"lease {lease_id} is past its deadline by {now - self.deadline(info)} ms: not pinned")
             live = _live_pins(info, now)
             if len(live) >= MAX_PINS:
                 self.metrics.lease_pin_refusals.labels("too_many").inc()
                 raise exhausted(f"lease {lease_id} already has {len(live)} pins; the limit is {MAX_PINS}")
             pin = pb.PinInfo(pin_id=secrets.token_hex(6), reader=reader, expires_at_ms=now + ttl)
+            info = self._folded(info)
             del info.pins[:]
             info.pins.extend(live)
             info.pins.append(pin)
@@ -668,19 +863,23 @@ class LeaseService:
             remaining = [p for p in _live_pins(info, now) if p.pin_id != pin_id]
             del info.pins[:]
             info.pins.extend(remaining)
+            compares = [Compare.unchanged(kv, key)]
             if not remaining and info.state == DRAINING:
                 ops = await self._end_ops(info, REVOKED, info.reason, now)
-            elif not remaining and now >= info.expires_at_ms:
+            elif not remaining and now >= self.deadline(info):
+                # Ends on its deadline: only if no renewal this replica has not seen was journaled.
+                compares.append(self._renewals_fence())
                 ops = await self._end_ops(info, EXPIRED, "ttl elapsed (ended at unpin)", now)
             else:
-                ops = [Put(key, info.SerializeToString())]
-            result = await self.store.txn([Compare.unchanged(kv, key)], ops)
+                ops = [Put(key, self._folded(info).SerializeToString())]
+            result = await self.store.txn(compares, ops, [Get(self._fence_renewals)])
             if result.succeeded:
                 final = _parse(ops[0].value)
                 if final.state in TERMINAL_STATES:
                     self.metrics.lease_ends.labels(end_reason(final.state, final.reason)).inc()
                 await self.hub.wait_for(result.revision)
                 return self._view(final, now)
+            await self._catch_up_renewals(result)  # a renewal fence may have lost: catch up
         raise DomainError(Code.ABORTED, f"unpin on {lease_id} kept conflicting; retry")
 
     # -- revoke ------------------------------------------------------------
@@ -703,9 +902,10 @@ class LeaseService:
             now = self.clock.now_ms()
             key = self._lkey(info.lease_id)
             if _live_pins(info, now):
+                info = self._folded(info)
                 info.state = DRAINING
                 info.reason = reason
-                ops = [Put(key, info.SerializeToString())]
+                ops = [Put(key, info.SerializeToString()), self._ends_put()]
             else:
                 ops = await self._end_ops(info, REVOKED, reason, now)
             result = await self.store.txn([Compare.unchanged(kv, key)], ops)
@@ -755,13 +955,21 @@ class LeaseService:
         else:
             infos = [info for info, _ in self.hub.records.values()]
         out = [
-            i for i in infos
+            self._with_deadline(i) for i in infos
             if i.state in wanted
             and (not engine_id or i.engine_id == engine_id)
-            and (not expiring_within_ms or i.expires_at_ms - now <= expiring_within_ms)
         ]
+        if expiring_within_ms:
+            out = [i for i in out if i.expires_at_ms - now <= expiring_within_ms]
         out.sort(key=lambda i: (i.expires_at_ms, i.lease_id))
         return out
+
+    def _with_deadline(self, info: pb.LeaseInfo) -> pb.LeaseInfo:
+        """``info`` itself, or a copy carrying the journal's later deadline (cached
+        records are shared: never changed in place)."""
+        if info.state not in LIVE_STATES or self.deadline(info) == info.expires_at_ms:
+            return info
+        return self._folded(info)
 
     async def watch(self, engine_id: str = "", *, snapshot: bool = False, after_revision: int = 0) -> AsyncIterator[pb.LeaseEvent]:
         limits.check_id("engine_id", engine_id, required=False)
@@ -778,6 +986,7 @@ class LeaseService:
 
     # -- expiry ------------------------------------------------------------
     def _rebuild_deadlines(self) -> None:
+        self._ends += 1  # the cache was reloaded: what was checked against it is checked again
         self._deadlines.clear()
         for key, (info, rev) in self.hub.records.items():
             self._deadlines.arm(key, _due_ms(info), rev)
@@ -792,8 +1001,8 @@ class LeaseService:
             if entry is None or entry[1] != rev:
                 continue  # ended or changed since: a newer entry (if any) is armed
             info = entry[0]
-            if _live_pins(info, now) or (info.state == ACTIVE and now < info.expires_at_ms):
-                self._deadlines.arm(key, max(_due_ms(info), now + 1), rev)  # re-armed: not ready yet
+            if _live_pins(info, now) or (info.state == ACTIVE and now < self.deadline(info)):
+                self._deadlines.arm(key, max(self._due(info), now + 1), rev)  # re-armed: not ready yet
                 continue
             due.append((key, info, rev))
         ended = 0
@@ -805,6 +1014,7 @@ class LeaseService:
                 for k, _, r in due[i:]:
                     self._deadlines.arm(k, now, r)
                 raise
+        await self.collect_journal()
         return ended
 
     async def _end_due(self, key: bytes, info: pb.LeaseInfo, rev: int, now: int) -> int:
@@ -812,8 +1022,18 @@ class LeaseService:
         reason = info.reason if info.state == DRAINING else f"ttl {info.ttl_ms} ms elapsed without renewal"
         ops = await self._end_ops(info, state, reason, now)
         cmp = Compare(key, CompareTarget.MOD_REVISION, CompareOp.EQUAL, rev)
-        result = await self.store.txn([cmp], ops)
+        # An expiry also requires that no renewal was journaled after what this replica's
+        # journal view holds (DRAINING ends on its pins alone: no renewal can save it).
+        compares = [cmp, self._renewals_fence()] if state == EXPIRED else [cmp]
+        result = await self.store.txn(compares, ops, [Get(self._fence_renewals)])
         if not result.succeeded:
+            entry = self.hub.records.get(key)
+            if entry is not None and entry[1] == rev:
+                # The record is unchanged: a renewal was journaled that this view lacks.
+                # Catch up and look again on the next tick.
+                self.stats["fence_conflicts"] += 1
+                await self._catch_up_renewals(result)
+                self._deadlines.arm(key, max(self._due(info), now + 1), rev)
             return 0  # changed under us (a renewal raced the tick): its new record has its own entry
         self.stats["expired" if state == EXPIRED else "revoked"] += 1
         self.metrics.lease_ends.labels(end_reason(state, reason)).inc()

@@ -117,9 +117,15 @@ async def test_keepalive_batch_answers_every_case_in_order(leases):
     assert res[0].lease.lease_id == a.lease_id and res[0].lease.expires_at_ms >= now + 10_000
     assert res[1].lease.expires_at_ms >= now + 20_000
     assert res[2].lease.lease_id == new.lease_id
-    # The promise is in the store, not only in this replica's cache.
-    stored = pb.LeaseInfo.FromString((await svc.store.get(svc._lkey(a.lease_id))).value)
-    assert stored.expires_at_ms >= now + 10_000
+    # The promise is in the store (the renewal journal), not only in this replica's
+    # cache: another replica starting on the same store reads it.
+    other = LeaseService(svc.store, clock=clock, config=svc.config)
+    await other.start(run_expiry=False)
+    try:
+        assert (await other.get("c-a")).expires_at_ms >= now + 10_000
+        assert (await other.get("c-b")).expires_at_ms >= now + 20_000
+    finally:
+        await other.stop()
 
 
 async def test_keepalive_is_rate_limited_per_renewal_not_per_message():
