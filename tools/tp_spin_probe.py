@@ -122,6 +122,13 @@ def main() -> None:
         d = st.decode_id
         print("recv_done", len(st.events(d, "recv_done")), "recv_failed",
               [e.get("reason", "")[:160] for e in st.events(d, "recv_failed")], flush=True)
+        for eng in (st.prefill_id, d):
+            waits = st.events(eng, "idle_wait", part="scheduler")
+            by: dict[str, list[float]] = {}
+            for e in waits:
+                by.setdefault(e["reason"], []).append(e["waited_ms"])
+            print(f"idle_wait {eng}: " + ", ".join(f"{r} x{len(v)} (max {max(v):.0f} ms, sum {sum(v):.0f} ms)"
+                                                  for r, v in sorted(by.items())), flush=True)
         print("send_failed/expired", [(e.get("event"), e.get("reason", "")[:160]) for e in
                                       st.events(st.prefill_id, "send_expired") + st.events(st.prefill_id, "send_failed")],
               flush=True)
