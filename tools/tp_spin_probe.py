@@ -2,9 +2,9 @@
 
 Starts a P/D stack at the TP sizes given (default 2 -> 2, the shipped connector settings plus
 ``KVBATON_TP_EXTRA`` JSON), warms both engines up, then sends routed requests in the mode given
-and, while the first is pending, samples every engine process's threads at once: CPU seconds
+and, while each is pending, samples every engine process's threads at once: CPU seconds
 per second over ``--window`` s, the busiest threads by name, and (``--pyspy``) a ``py-spy dump``
-of each rank. Prints each request's status and wall time, then the connector's ``idle_stats``
+of each rank (first request only). Prints each request's status and wall time, then the connector's ``idle_stats``
 lines. Heavy: run under ``flock /tmp/kvbaton-heavy.lock``.
 
 Usage: python tools/tp_spin_probe.py [--prefill-tp 2] [--decode-tp 2] [--mode push] [--requests 3]
@@ -110,15 +110,13 @@ def main() -> None:
         for srv in st.engines():
             srv.post_json("/v1/completions", completion_body(token_ids(1, 200), 4))
         for i in range(a.requests):
-            th = threading.Thread(target=sample, args=(st, a.window, a.pyspy and i == 0, a.delay)) if i == 0 else None
-            if th:
-                th.start()
+            th = threading.Thread(target=sample, args=(st, a.window, a.pyspy and i == 0, a.delay))
+            th.start()
             t = time.monotonic()
             status, raw = post_json(f"{st.routers[a.mode]}/v1/completions", completion_body(token_ids(50 + i, 300)),
                                     timeout_s=120)
             print(f"request {i} {a.mode}: {status} in {time.monotonic() - t:.2f} s", flush=True)
-            if th:
-                th.join()
+            th.join()
         d = st.decode_id
         print("recv_done", len(st.events(d, "recv_done")), "recv_failed",
               [e.get("reason", "")[:160] for e in st.events(d, "recv_failed")], flush=True)
