@@ -94,6 +94,7 @@ class KvbatonScheduler:
         self._wake: WakeListener | None = None
         self._inbox: queue.Queue[Any] | None = None
         self._long_waits = self.tp_size > 1 and settings.tp_idle_wait_max_ms > 0
+        self._ended_unwoken = 0  # transfers that ended before any rank's wake came (see below)
         if self._long_waits:
             try:
                 self._wake = WakeListener(wake_name(settings.engine_id, os.getpid()))
@@ -416,6 +417,24 @@ class KvbatonScheduler:
     def update_connector_output(self, finished_sending: set[str] | None,
                                 finished_recving: set[str] | None) -> None:
         """The worker's per-step report: these transfers are over (ok or failed)."""
+        ended = False
         for ids in (finished_sending, finished_recving):
             for rid in ids or ():
-                self._in_flight.pop(rid, None)
+                ended |= self._in_flight.pop(rid, None) is not None
+        if ended and self._wake is not None and self._long_waits and not self._wake.wakes and not self._wake.pending():
+            self._check_wakes_arrive()
+
+    def _check_wakes_arrive(self) -> None:
+        """A rank wakes us right after it reports a transfer ended, so a wake arrives before we
+        can learn of the end here. Transfers ended twice and none came: the ranks cannot reach
+        the socket (they are not this process's children in this vLLM, wakeup.wake_name), and
+        long waits would add up to ``tp_idle_wait_max_ms`` to every transfer: back to short ones.
+        (Twice: the first report can overtake its own wake by a thread switch.)"""
+        assert self._wake is not None
+        self._ended_unwoken += 1
+        if self._ended_unwoken < 2:
+            return
+        log.warning("kvbaton: no wake-up from the ranks after %d ended transfers: short idle steps at TP %d",
+                    self._ended_unwoken, self.tp_size)
+        self._stats.record("wake_unreachable", name=self._wake.name[1:].decode(), ended=self._ended_unwoken)
+        self._long_waits = False

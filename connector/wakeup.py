@@ -75,6 +75,13 @@ class WakeListener:
             got = True
             self.wakes += 1
 
+    def pending(self) -> bool:
+        """A wake is queued (not consumed: the next :meth:`wait` still sees it)."""
+        try:
+            return bool(self._sock.recv(1, socket.MSG_PEEK))
+        except (BlockingIOError, InterruptedError):
+            return False
+
     def wait(self, timeout_s: float, inbox: Any = None, slice_s: float = 0.002,
              clock: Callable[[], float] = time.monotonic) -> str:
         """Wait up to ``timeout_s`` for a wake (:data:`WOKEN`) or, if ``inbox`` is given,

@@ -181,3 +181,45 @@ def test_a_reported_result_wakes_the_engine_loop() -> None:
                       wake=lambda: woken.append(1))
     ctx.report("recv", "r1", True)
     assert ctx.results.get_nowait() == ("recv", "r1", True, ()) and woken == [1]
+
+
+def test_ranks_that_cannot_wake_the_loop_bring_the_short_steps_back() -> None:
+    s = _sched(2, tp_idle_wait_max_ms=20)
+    core = _EngineCore()
+    core.step(lambda: s.build_connector_meta(_empty_step()))  # times out: no rank can reach us
+    s.update_connector_output(None, {"r1"})  # one end without a wake: may have overtaken it
+    assert s._long_waits
+    s._in_flight["r2"] = time.monotonic() + 60.0
+    s.update_connector_output({"r2"}, None)  # a second one: the channel is broken
+    assert not s._long_waits
+    s._in_flight["r3"] = time.monotonic() + 60.0
+    core.step(lambda: s.build_connector_meta(_empty_step()))
+    assert s.idle_stats["long_waits"] == 1 and s.idle_stats["idle_steps"] == 2
+    s.shutdown()
+
+
+def test_wakes_that_arrive_keep_the_long_steps() -> None:
+    import os
+
+    s = _sched(2)
+    rank = WakeSender(wake_name(s.settings.engine_id, os.getpid()))
+    core = _EngineCore()
+    try:
+        for rid in ("r1", "r2", "r3"):
+            s._in_flight[rid] = time.monotonic() + 60.0
+            rank.wake()
+            core.step(lambda: s.build_connector_meta(_empty_step()))
+            s.update_connector_output(None, {rid})
+        assert s._long_waits and s.idle_stats[WOKEN] == 3
+        s2 = _sched(2)  # busy steps never wait: the wakes stay queued, and still count
+        rank2 = WakeSender(wake_name(s2.settings.engine_id, os.getpid()))
+        for rid in ("r1", "r2", "r3"):
+            s2._in_flight[rid] = time.monotonic() + 60.0
+            rank2.wake()
+            s2.update_connector_output(None, {rid})
+        assert s2._long_waits and s2._wake is not None and s2._wake.pending()
+        rank2.close()
+        s2.shutdown()
+    finally:
+        rank.close()
+        s.shutdown()
