@@ -141,20 +141,36 @@ class RenewResult(_message.Message):
     def __init__(self, conversation_id: _Optional[str] = ..., status: _Optional[_Union[RenewStatus, str]] = ..., lease: _Optional[_Union[LeaseInfo, _Mapping]] = ..., error: _Optional[str] = ...) -> None: ...
 
 class KeepAliveRequest(_message.Message):
-    __slots__ = ("renewals", "seq")
+    __slots__ = ("renewals", "seq", "compact")
     RENEWALS_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
+    COMPACT_FIELD_NUMBER: _ClassVar[int]
     renewals: _containers.RepeatedCompositeFieldContainer[RenewRequest]
     seq: int
-    def __init__(self, renewals: _Optional[_Iterable[_Union[RenewRequest, _Mapping]]] = ..., seq: _Optional[int] = ...) -> None: ...
+    compact: bool
+    def __init__(self, renewals: _Optional[_Iterable[_Union[RenewRequest, _Mapping]]] = ..., seq: _Optional[int] = ..., compact: _Optional[bool] = ...) -> None: ...
 
 class KeepAliveResponse(_message.Message):
-    __slots__ = ("results", "seq")
+    __slots__ = ("results", "seq", "compact", "result_index", "renewed", "lease_ids", "expires_at_ms", "ttl_ms", "now_ms")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
+    COMPACT_FIELD_NUMBER: _ClassVar[int]
+    RESULT_INDEX_FIELD_NUMBER: _ClassVar[int]
+    RENEWED_FIELD_NUMBER: _ClassVar[int]
+    LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_AT_MS_FIELD_NUMBER: _ClassVar[int]
+    TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    NOW_MS_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[RenewResult]
     seq: int
-    def __init__(self, results: _Optional[_Iterable[_Union[RenewResult, _Mapping]]] = ..., seq: _Optional[int] = ...) -> None: ...
+    compact: bool
+    result_index: _containers.RepeatedScalarFieldContainer[int]
+    renewed: int
+    lease_ids: _containers.RepeatedScalarFieldContainer[str]
+    expires_at_ms: _containers.RepeatedScalarFieldContainer[int]
+    ttl_ms: _containers.RepeatedScalarFieldContainer[int]
+    now_ms: int
+    def __init__(self, results: _Optional[_Iterable[_Union[RenewResult, _Mapping]]] = ..., seq: _Optional[int] = ..., compact: _Optional[bool] = ..., result_index: _Optional[_Iterable[int]] = ..., renewed: _Optional[int] = ..., lease_ids: _Optional[_Iterable[str]] = ..., expires_at_ms: _Optional[_Iterable[int]] = ..., ttl_ms: _Optional[_Iterable[int]] = ..., now_ms: _Optional[int] = ...) -> None: ...
 
 class PinRequest(_message.Message):
     __slots__ = ("conversation_id", "lease_id", "reader", "ttl_ms", "reader_engine_id")

@@ -211,7 +211,7 @@ def test_journal_view_counts_what_each_record_still_holds():
         j.apply_delete(key)
     assert len(j) == 0 and j.dead == set()
     # A record whose lease already ended (per a lease cache as new as it) owns nothing.
-    j.apply_put(b"r4", lease_journal.decode(lease_journal.encode(["gone"], [500])), 4, ended=lambda _lid: True)
+    j.apply_put(b"r4", lease_journal.decode(lease_journal.encode(["gone"], [500])), 4, ended=set)
     assert j.dead == {b"r4"} and "gone" not in j.deadline
 
 
