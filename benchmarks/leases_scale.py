@@ -8,7 +8,10 @@ during the run):
 - ``Get`` latency of one conversation (``--gets`` sequential calls: p50/p99/max);
 - server CPU of one KeepAlive message of ``--batch`` renewals (and of smaller ones, to
   show the cost grows with the size), for renewals that need a store write (the
-  stored deadline no longer covers now + TTL) and for renewals within the slack (no write);
+  stored deadline no longer covers now + TTL) and for renewals within the slack (no write),
+  first with the full answer (a RenewResult per renewal), then asking for the compact one
+  (``KeepAliveRequest.compact``: a result only per renewal not renewed; a server that
+  predates it answers in full, recorded as ``answer``);
 - server RSS.
 
     flock /tmp/kvbaton-heavy.lock .venv/bin/python benchmarks/leases_scale.py [--leases 100000] [--baseline REV] [--out FILE]
@@ -88,11 +91,13 @@ async def grant_many(kv: KvbatonClient, n: int, ttl_ms: int, concurrency: int = 
     return n / (time.perf_counter() - t0)
 
 
-async def keepalive_cost(kv: KvbatonClient, pid: int, size: int, repeat: int, offset: int, *, twice: bool = False) -> dict:
+async def keepalive_cost(kv: KvbatonClient, pid: int, size: int, repeat: int, offset: int, *, twice: bool = False,
+                         compact: bool = False) -> dict:
     """Server CPU per message of ``size`` renewals, over ``repeat`` messages on one stream.
     ``twice``: each message is sent once unmeasured and at once again, measured: the second
     arrives while the stored deadlines still cover now + TTL (within the slack), so it is
-    answered without a store write."""
+    answered without a store write. ``compact``: the messages ask for the compact answer
+    (a result only per renewal not renewed); ``answer`` records what the server gave."""
     queue: asyncio.Queue = asyncio.Queue()
 
     async def requests():
@@ -103,10 +108,10 @@ async def keepalive_cost(kv: KvbatonClient, pid: int, size: int, repeat: int, of
             yield item
 
     stream = kv.lease.KeepAlive(requests())
-    per_msg, statuses = [], {}
+    per_msg, statuses, answers, sizes = [], {}, set(), []
     for r in range(repeat):
         base = offset + r * size
-        msg = lease_pb2.KeepAliveRequest(seq=r, renewals=[lease_pb2.RenewRequest(conversation_id=f"conv-{base + i}")
+        msg = lease_pb2.KeepAliveRequest(seq=r, compact=compact, renewals=[lease_pb2.RenewRequest(conversation_id=f"conv-{base + i}")
                                                           for i in range(size)])
         if twice:
             await queue.put(msg)
@@ -118,12 +123,17 @@ async def keepalive_cost(kv: KvbatonClient, pid: int, size: int, repeat: int, of
         resp = await asyncio.wait_for(stream.read(), 60)
         await asyncio.sleep(0.05)  # the flusher's tail (it answers after the write, but ticks are coarse)
         per_msg.append((cpu_seconds(pid) - c0) * 1000)
+        answers.add("compact" if resp.compact else "full")
+        sizes.append(resp.ByteSize())
+        if resp.compact:
+            statuses["RENEW_STATUS_OK"] = statuses.get("RENEW_STATUS_OK", 0) + resp.renewed
         for res in resp.results:
             statuses[lease_pb2.RenewStatus.Name(res.status)] = statuses.get(lease_pb2.RenewStatus.Name(res.status), 0) + 1
     await queue.put(None)
     stream.cancel()
     return {"renewals_per_message": size, "messages": repeat, "server_cpu_ms_per_message_mean": sum(per_msg) / len(per_msg),
-            "server_cpu_ms_per_message": per_msg, "statuses": statuses}
+            "server_cpu_ms_per_message": per_msg, "statuses": statuses, "answer_requested": "compact" if compact else "full",
+            "answer": "/".join(sorted(answers)), "answer_bytes": max(sizes)}
 
 
 async def run(args, baseline_dir: pathlib.Path | None = None) -> dict:
@@ -157,18 +167,19 @@ async def run(args, baseline_dir: pathlib.Path | None = None) -> dict:
             # deadline no longer covers now + TTL. Each message renews leases not renewed before.
             ka = []
             offset = 0
-            for size in args.sizes:
-                r = await keepalive_cost(kv, server.pid, size, args.repeat, offset)
-                r["kind"] = "write needed"
-                offset += size * args.repeat
+            for compact in (False, True):  # the full answer (one result per renewal), then the compact one
+                for size in args.sizes:
+                    r = await keepalive_cost(kv, server.pid, size, args.repeat, offset, compact=compact)
+                    r["kind"] = "write needed"
+                    offset += size * args.repeat
+                    ka.append(r)
+                    print("keepalive:", json.dumps({k: v for k, v in r.items() if k != "server_cpu_ms_per_message"}), flush=True)
+                # Each message twice in a row: the second within the slack, answered without a write.
+                r = await keepalive_cost(kv, server.pid, args.sizes[-1], args.repeat,
+                                         offset - args.sizes[-1] * args.repeat, twice=True, compact=compact)
+                r["kind"] = "within slack (no write)"
                 ka.append(r)
                 print("keepalive:", json.dumps({k: v for k, v in r.items() if k != "server_cpu_ms_per_message"}), flush=True)
-            # Each message twice in a row: the second within the slack, answered without a write.
-            r = await keepalive_cost(kv, server.pid, args.sizes[-1], args.repeat,
-                                     offset - args.sizes[-1] * args.repeat, twice=True)
-            r["kind"] = "within slack (no write)"
-            ka.append(r)
-            print("keepalive:", json.dumps({k: v for k, v in r.items() if k != "server_cpu_ms_per_message"}), flush=True)
             out["keepalive"] = ka
             full["idle_cpu_pct_after"] = await idle_cpu(server.pid, args.idle_s)
             full["get_after"] = await get_latency(kv, "probe", args.gets)
@@ -213,8 +224,8 @@ def main() -> int:
     p.add_argument("--machine", default="", help="what this machine is, recorded in the results (beside its core count)")
     p.add_argument("--commit", default="", help="the commit measured, where this tree is a copy with no git history")
     args = p.parse_args()
-    if sum(args.sizes) * args.repeat > args.leases:
-        p.error("--leases must cover sum(--sizes) * --repeat distinct conversations")
+    if 2 * sum(args.sizes) * args.repeat > args.leases:
+        p.error("--leases must cover 2 * sum(--sizes) * --repeat distinct conversations (full and compact answers)")
     result = on_store(args, None)
     if args.baseline:
         # Resolved once, before the export: a branch name may move during the run.
