@@ -29,6 +29,8 @@ import builtins
 import dataclasses
 import secrets
 from collections.abc import AsyncIterator, Iterable, Sequence
+from itertools import repeat
+from operator import itemgetter
 
 import structlog
 
@@ -48,7 +50,7 @@ from ..store.base import (
     TxnResult,
     WatchEvent,
 )
-from . import lease_journal, limits, paging
+from . import lease_journal, limits, paging, renewal_scan
 from .background import Tombstones, cancel_all, leader_ticks
 from .clock import Clock, WallClock
 from .deadlines import DeadlineIndex
@@ -71,6 +73,7 @@ _FENCE_RETRIES = 4
 # Journal records the expiry leader deletes per tick.
 _JOURNAL_DELETES = 64
 _REPLACED_PREFIX = "replaced by lease "
+_FIRST, _SECOND = itemgetter(0), itemgetter(1)
 _RENEW_STATUS = {pb.RENEW_STATUS_OK: "ok", pb.RENEW_STATUS_NOT_FOUND: "not_found", pb.RENEW_STATUS_SUPERSEDED: "superseded",
                  pb.RENEW_STATUS_ENDED: "ended", pb.RENEW_STATUS_INVALID: "invalid"}
 
@@ -449,7 +452,13 @@ class LeaseService:
         if ev.type is not EventType.PUT:
             self._ends += 1
             self._deadlines.drop(ev.kv.key)
-            self.journal.forget(ev.kv.key[len(self._lprefix):].decode())
+            lease_id = ev.kv.key[len(self._lprefix):].decode()
+            self.journal.forget(lease_id)
+            removed = self.hub.removed
+            if removed is not None:  # a live record deleted (not by kvbaton): nothing to renew
+                active = self._active.get(removed[0].conversation_id)
+                if active is not None and active[0] == lease_id:
+                    del self._active[removed[0].conversation_id]
             return
         entry = self.hub.records.get(ev.kv.key)
         if entry is not None:
@@ -488,7 +497,8 @@ class LeaseService:
         if lease_id in await self._enqueue_writes([(lease_id, deadline)]):
             raise _Stale()
 
-    def _enqueue_writes(self, writes: Sequence[tuple[str, int]], checked: int | None = None) -> asyncio.Future[set[str]]:
+    def _enqueue_writes(self, writes: Sequence[tuple[str, int]], checked: int | None = None,
+                        ids: list[str] | None = None) -> asyncio.Future[set[str]]:
         """Hands deadlines to the group-commit flusher. One future for the whole group (a
         KeepAlive batch of 10,000 is one future, not 10,000): it resolves, once every
         deadline is written, to the lease ids that were not (the lease changed first:
@@ -501,7 +511,7 @@ class LeaseService:
             for lease_id, deadline in writes:
                 if pending.get(lease_id, 0) < deadline:
                     pending[lease_id] = deadline
-        self._groups.append(([lease_id for lease_id, _ in writes], fut))
+        self._groups.append((ids if ids is not None else [lease_id for lease_id, _ in writes], fut))
         if checked is None or self._checked_at not in (None, checked):
             self._unchecked = True
         self._checked_at = checked
@@ -582,7 +592,7 @@ class LeaseService:
             stale: set[str] = set()
             rest: list[tuple[str, int]] = []
             if checked and attempt == 0:
-                ids, deadlines = [lease_id for lease_id, _ in items], [deadline for _, deadline in items]
+                ids, deadlines = list(map(_FIRST, items)), list(map(_SECOND, items))
             for lease_id, deadline in (() if ids else items):
                 entry = records.get(lprefix + lease_id.encode())
                 if entry is None:
@@ -747,46 +757,24 @@ class LeaseService:
             raise invalid(f"{n} renewals in one message; the limit is {limits.MAX_KEEPALIVE_BATCH}")
         now = self.clock.now_ms()
         out = into if into is not None else pb.KeepAliveResponse()
-        lids, dls, ttls = [""] * n, [0] * n, [0] * n
-        infos: list[pb.LeaseInfo | None] = [None] * n
-        slow: list[int] = []
-        w_at: list[int] = []
-        writes: list[tuple[str, int]] = []
-        active, records, jget = self._active, self.hub.records, self.journal.deadline.get
-        lprefix, max_slack = self._lprefix, self.config.max_slack_ms
-        checked = self._ends  # every lease below is ACTIVE in the cache as of this count
-        for i, r in enumerate(batch):
-            a = active.get(r.conversation_id)
-            if a is None or r.ttl_ms:
-                slow.append(i)
-                continue
-            lid, ttl, deadline = a
-            want = r.lease_id
-            entry = records.get(lprefix + lid.encode()) if not want or want == lid else None
-            if entry is None:  # another lease asked for, or the record left the cache
-                slow.append(i)
-                continue
-            infos[i] = entry[0]
-            lids[i] = lid
-            ttls[i] = ttl
-            j = jget(lid, 0)
-            if j > deadline:
-                deadline = j
-            if deadline < now + ttl:
-                slack = ttl // 4
-                w_at.append(i)
-                writes.append((lid, now + ttl + (slack if slack < max_slack else max_slack)))
+        jget = self.journal.deadline.get
+        checked = self._ends  # every lease the scan decides is ACTIVE in the cache as of this count
+        sc = renewal_scan.scan(batch, now, self._active, self.hub.records, self._lprefix, jget, self.config.max_slack_ms,
+                               with_records=not compact)
+        lids, dls, ttls, infos, slow = sc.lids, sc.dls, sc.ttls, sc.infos, sc.slow
+        if sc.w_at:
+            stale = await self._enqueue_writes(list(zip(sc.w_lids, sc.w_dls)), checked, ids=sc.w_lids)
+            # The deadline answered: the one written, or the journal's when later.
+            written = list(map(max, map(jget, sc.w_lids, repeat(0, len(sc.w_lids))), sc.w_dls))
+            if len(sc.w_at) == n and not stale:
+                dls = written
             else:
-                dls[i] = deadline
-        if writes:
-            stale = await self._enqueue_writes(writes, checked)
-            for i, (lid, deadline) in zip(w_at, writes):
-                if stale and lid in stale:
-                    slow.append(i)
-                    lids[i], ttls[i], infos[i] = "", 0, None
-                    continue
-                j = jget(lid, 0)
-                dls[i] = j if j > deadline else deadline
+                for i, lid, deadline in zip(sc.w_at, sc.w_lids, written):
+                    if stale and lid in stale:
+                        slow.append(i)
+                        lids[i], ttls[i], infos[i] = "", 0, None
+                    else:
+                        dls[i] = deadline
         fast = n - len(slow)
         self.stats["renewals"] += fast
         if fast:

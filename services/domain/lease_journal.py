@@ -112,8 +112,7 @@ class LeaseJournal:
         if key in self._ids:
             self.apply_delete(key)  # rewritten (not done by kvbaton): replace what it held
         ids, dls = batch.ids, batch.deadlines
-        owner_dl, owner_key = self._owner_dl, self._owner_key
-        prev = list(map(owner_dl.get, ids, repeat(-1, len(ids))))
+        prev = list(map(self._owner_dl.get, ids, repeat(-1, len(ids))))
         if len(set(ids)) == len(ids) and all(map(lt, prev, dls)):
             live = self._put_bulk(key, ids, dls, prev, ended)
         else:
@@ -136,10 +135,11 @@ class LeaseJournal:
         if gone:
             keep = [lid not in gone for lid in ids]
             ids, dls = list(compress(ids, keep)), list(compress(dls, keep))
-        superseded = Counter(map(owner_key.get, ids))
+        superseded: Counter[bytes | None] = Counter(map(owner_key.get, ids))
         superseded.pop(None, None)
         for old, n in superseded.items():
-            self._release(old, n)
+            if old is not None:
+                self._release(old, n)
         owner_key.update(dict.fromkeys(ids, key))
         self._owner_dl.update(zip(ids, dls))
         _raise(self.deadline, ids, dls)
