@@ -282,9 +282,13 @@ class LeaseService:
         waits until the journal view holds the journal write that moved it."""
         await self.journal_hub.wait_for(_mod_revision(result))
 
-    def _renewals_fence(self) -> Compare:
-        """No journal write after what this replica's journal view has applied."""
-        return Compare(self._fence_renewals, CompareTarget.MOD_REVISION, CompareOp.LESS, self.journal_hub.revision + 1)
+    def _renewals_fence(self, seen: int | None = None) -> Compare:
+        """No journal write after what this replica's journal view had applied when it
+        judged the lease due (``seen``; default: now). Take it BEFORE any await between the
+        judgement and the write: a view that moves on meanwhile (a renewal arriving) must
+        not lend its newer revision to a decision made without that renewal."""
+        seen = self.journal_hub.revision if seen is None else seen
+        return Compare(self._fence_renewals, CompareTarget.MOD_REVISION, CompareOp.LESS, seen + 1)
 
     async def _read(self, conversation_id: str) -> tuple[KeyValue | None, KeyValue | None, pb.LeaseInfo | None]:
         ckv = await self.store.get(self._ckey(conversation_id))
@@ -1041,6 +1045,7 @@ class LeaseService:
         """Ends every lease that is due by this clock; returns how many it ended. Pops the
         deadline index, so a tick with nothing due costs O(1) however many leases live."""
         now = self.clock.now_ms()
+        seen = self.journal_hub.revision  # the journal view every decision below is made on
         due: list[tuple[bytes, pb.LeaseInfo, int]] = []
         for key, rev in list(self._deadlines.pop_due(now)):
             entry = self.hub.records.get(key)
@@ -1054,7 +1059,7 @@ class LeaseService:
         ended = 0
         for i, (key, info, rev) in enumerate(due):
             try:
-                ended += await self._end_due(key, info, rev, now)
+                ended += await self._end_due(key, info, rev, now, seen)
             except BaseException:
                 # The store failed mid-tick: what was popped but not ended goes back.
                 for k, _, r in due[i:]:
@@ -1063,14 +1068,14 @@ class LeaseService:
         await self.collect_journal()
         return ended
 
-    async def _end_due(self, key: bytes, info: pb.LeaseInfo, rev: int, now: int) -> int:
+    async def _end_due(self, key: bytes, info: pb.LeaseInfo, rev: int, now: int, seen: int) -> int:
         state = REVOKED if info.state == DRAINING else EXPIRED
         reason = info.reason if info.state == DRAINING else f"ttl {info.ttl_ms} ms elapsed without renewal"
         ops = await self._end_ops(info, state, reason, now)
         cmp = Compare(key, CompareTarget.MOD_REVISION, CompareOp.EQUAL, rev)
         # An expiry also requires that no renewal was journaled after what this replica's
         # journal view holds (DRAINING ends on its pins alone: no renewal can save it).
-        compares = [cmp, self._renewals_fence()] if state == EXPIRED else [cmp]
+        compares = [cmp, self._renewals_fence(seen)] if state == EXPIRED else [cmp]
         result = await self.store.txn(compares, ops, [Get(self._fence_renewals)])
         if not result.succeeded:
             entry = self.hub.records.get(key)

@@ -151,6 +151,37 @@ async def test_expiry_never_ends_a_lease_renewed_behind_its_view(two, store_kind
     assert await b.expire_due() == 1
 
 
+async def test_expiry_fences_on_the_view_it_judged_with(two, store_kind):
+    """The race behind a flake of the test above on etcd: b judges the lease due on a
+    journal view without the renewal, the renewal reaches b's view while b prepares the
+    end (an await), and the end must still be refused: the fence carries the revision of
+    the view the judgement was made on, not the newer one."""
+    a, b, clock = two
+    info, _ = await a.grant("conv", "dec")
+    await settle(a, b)
+    clock.advance(TTL - 10)
+    deadline = clock.now_ms() + TTL
+    judged_on = b.journal_hub.revision
+    assert await a._flush_journal([(info.lease_id, deadline)]) == (set(), [])
+    written = await newest(a, b"j/")
+    prepare = b._end_ops
+
+    async def end_ops_after_the_renewal_arrives(*args, **kwargs):
+        assert await b.journal_hub.wait_for(written)  # the view moves on mid-decision
+        return await prepare(*args, **kwargs)
+
+    b._end_ops = end_ops_after_the_renewal_arrives
+    clock.advance(20)
+    if b.journal_hub.revision == judged_on:  # (etcd may deliver it before the tick: nothing to race)
+        assert await b.expire_due() == 0
+        assert b.stats["fence_conflicts"] == 1
+    b._end_ops = prepare
+    await settle(a, b)
+    got = await b.get("conv")
+    assert got.state == pb.LEASE_STATE_ACTIVE and got.expires_at_ms == deadline
+    assert await b.expire_due() == 0
+
+
 async def test_records_that_say_nothing_are_deleted(two):
     a, b, clock = two
     for i in range(50):
