@@ -609,12 +609,12 @@ class LeaseService:
             if not ids:
                 return stale, rest
             self._jseq += 1
-            puts = [Put(self._jprefix + b"%016x" % self._jseq, lease_journal.encode(ids, deadlines)),
-                    Put(self._fence_renewals, b"")]
+            record = self._jprefix + b"%016x" % self._jseq
+            puts = [Put(record, lease_journal.encode(ids, deadlines)), Put(self._fence_renewals, b"")]
             fence = Compare(self._fence_ends, CompareTarget.MOD_REVISION, CompareOp.LESS, seen + 1)
             result = await self.store.txn([fence], puts, [Get(self._fence_ends)])
             if result.succeeded:
-                self.journal.note(ids, deadlines)
+                self.journal.note(ids, deadlines, record)
                 self.stats["renewal_writes"] += len(ids)
                 self.stats["journal_writes"] += len(puts) - 1
                 self.metrics.lease_renewal_writes.inc(len(ids))

@@ -95,14 +95,20 @@ class LeaseJournal:
         self._live: dict[bytes, int] = {}  # record key -> entries it still owns
         self.dead: set[bytes] = set()  # records that own nothing: deletable
         self._latest: DeadlineIndex[bytes] = DeadlineIndex()  # record key -> its latest deadline
+        # This replica's own records already merged into ``deadline`` by ``note`` (their
+        # watch event then skips that pass); each leaves when its event is applied.
+        self._noted: set[bytes] = set()
 
     def __len__(self) -> int:
         """Records held."""
         return len(self._ids)
 
-    def note(self, ids: Sequence[str], deadlines: Sequence[int]) -> None:
-        """This replica's own write just committed: read your writes before the watch."""
+    def note(self, ids: Sequence[str], deadlines: Sequence[int], key: bytes | None = None) -> None:
+        """This replica's own write (of record ``key``) just committed: read your writes
+        before the watch."""
         _raise(self.deadline, ids, deadlines)
+        if key is not None:
+            self._noted.add(key)
 
     def apply_put(self, key: bytes, batch: JournalBatch, revision: int,
                   ended: Callable[[list[str]], Collection[str]] | None = None) -> None:
@@ -112,9 +118,11 @@ class LeaseJournal:
         if key in self._ids:
             self.apply_delete(key)  # rewritten (not done by kvbaton): replace what it held
         ids, dls = batch.ids, batch.deadlines
+        noted = key in self._noted
+        self._noted.discard(key)
         prev = list(map(self._owner_dl.get, ids, repeat(-1, len(ids))))
         if len(set(ids)) == len(ids) and all(map(lt, prev, dls)):
-            live = self._put_bulk(key, ids, dls, prev, ended)
+            live = self._put_bulk(key, ids, dls, prev, ended, noted=noted)
         else:
             live = self._put_each(key, ids, dls, ended)
         self._ids[key] = ids
@@ -125,8 +133,9 @@ class LeaseJournal:
             self._latest.arm(key, max(dls), revision)
 
     def _put_bulk(self, key: bytes, ids: list[str], dls: Sequence[int], prev: list[int],
-                  ended: Callable[[list[str]], Collection[str]] | None) -> int:
-        """Every entry is later than what this view held (or new), each lease once."""
+                  ended: Callable[[list[str]], Collection[str]] | None, *, noted: bool = False) -> int:
+        """Every entry is later than what this view held (or new), each lease once.
+        ``noted``: ``deadline`` already holds these entries (this replica's own write)."""
         owner_key = self._owner_key
         gone: Collection[str] = ()
         if ended is not None:
@@ -142,7 +151,8 @@ class LeaseJournal:
                 self._release(old, n)
         owner_key.update(dict.fromkeys(ids, key))
         self._owner_dl.update(zip(ids, dls))
-        _raise(self.deadline, ids, dls)
+        if not noted:
+            _raise(self.deadline, ids, dls)
         return len(ids)
 
     def _put_each(self, key: bytes, ids: list[str], dls: Sequence[int],
@@ -212,6 +222,7 @@ class LeaseJournal:
 
     def clear(self) -> None:
         self.deadline.clear()
+        self._noted.clear()
         self._owner_dl.clear()
         self._owner_key.clear()
         self._ids.clear()
