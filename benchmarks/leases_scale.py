@@ -11,7 +11,9 @@ during the run):
   stored deadline no longer covers now + TTL) and for renewals within the slack (no write),
   first with the full answer (a RenewResult per renewal), then asking for the compact one
   (``KeepAliveRequest.compact``: a result only per renewal not renewed; a server that
-  predates it answers in full, recorded as ``answer``);
+  predates it answers in full, recorded as ``answer``), then compact with the renewals
+  packed as ``KeepAliveRequest.conversation_ids`` (a server that predates it renews none
+  of them: its statuses show it);
 - server RSS.
 
     flock /tmp/kvbaton-heavy.lock .venv/bin/python benchmarks/leases_scale.py [--leases 100000] [--baseline REV] [--out FILE]
@@ -92,12 +94,13 @@ async def grant_many(kv: KvbatonClient, n: int, ttl_ms: int, concurrency: int = 
 
 
 async def keepalive_cost(kv: KvbatonClient, pid: int, size: int, repeat: int, offset: int, *, twice: bool = False,
-                         compact: bool = False) -> dict:
+                         compact: bool = False, packed: bool = False) -> dict:
     """Server CPU per message of ``size`` renewals, over ``repeat`` messages on one stream.
     ``twice``: each message is sent once unmeasured and at once again, measured: the second
     arrives while the stored deadlines still cover now + TTL (within the slack), so it is
     answered without a store write. ``compact``: the messages ask for the compact answer
-    (a result only per renewal not renewed); ``answer`` records what the server gave."""
+    (a result only per renewal not renewed); ``answer`` records what the server gave.
+    ``packed``: the renewals go as ``conversation_ids`` (no message per renewal)."""
     queue: asyncio.Queue = asyncio.Queue()
 
     async def requests():
@@ -111,8 +114,10 @@ async def keepalive_cost(kv: KvbatonClient, pid: int, size: int, repeat: int, of
     per_msg, statuses, answers, sizes = [], {}, set(), []
     for r in range(repeat):
         base = offset + r * size
-        msg = lease_pb2.KeepAliveRequest(seq=r, compact=compact, renewals=[lease_pb2.RenewRequest(conversation_id=f"conv-{base + i}")
-                                                          for i in range(size)])
+        convs = [f"conv-{base + i}" for i in range(size)]
+        msg = (lease_pb2.KeepAliveRequest(seq=r, compact=compact, conversation_ids=convs) if packed else
+               lease_pb2.KeepAliveRequest(seq=r, compact=compact, renewals=[lease_pb2.RenewRequest(conversation_id=c)
+                                                                             for c in convs]))
         if twice:
             await queue.put(msg)
             await asyncio.wait_for(stream.read(), 60)
@@ -133,6 +138,7 @@ async def keepalive_cost(kv: KvbatonClient, pid: int, size: int, repeat: int, of
     stream.cancel()
     return {"renewals_per_message": size, "messages": repeat, "server_cpu_ms_per_message_mean": sum(per_msg) / len(per_msg),
             "server_cpu_ms_per_message": per_msg, "statuses": statuses, "answer_requested": "compact" if compact else "full",
+            "request": "conversation_ids (packed)" if packed else "renewals",
             "answer": "/".join(sorted(answers)), "answer_bytes": max(sizes)}
 
 
@@ -166,17 +172,21 @@ async def run(args, baseline_dir: pathlib.Path | None = None) -> dict:
             # Renewals that need a write: granted more than the slack (1 s) ago, so the stored
             # deadline no longer covers now + TTL. Each message renews leases not renewed before.
             ka = []
-            offset = 0
-            for compact in (False, True):  # the full answer (one result per renewal), then the compact one
+            # The full answer (one result per renewal), then the compact one, then the compact
+            # one for packed renewals. Each variant renews the same leases: the 1.2 s pause
+            # puts them past the slack again, so they need a write again.
+            for compact, packed in ((False, False), (True, False), (True, True)):
+                await asyncio.sleep(1.2)
+                offset = 0
                 for size in args.sizes:
-                    r = await keepalive_cost(kv, server.pid, size, args.repeat, offset, compact=compact)
+                    r = await keepalive_cost(kv, server.pid, size, args.repeat, offset, compact=compact, packed=packed)
                     r["kind"] = "write needed"
                     offset += size * args.repeat
                     ka.append(r)
                     print("keepalive:", json.dumps({k: v for k, v in r.items() if k != "server_cpu_ms_per_message"}), flush=True)
                 # Each message twice in a row: the second within the slack, answered without a write.
                 r = await keepalive_cost(kv, server.pid, args.sizes[-1], args.repeat,
-                                         offset - args.sizes[-1] * args.repeat, twice=True, compact=compact)
+                                         offset - args.sizes[-1] * args.repeat, twice=True, compact=compact, packed=packed)
                 r["kind"] = "within slack (no write)"
                 ka.append(r)
                 print("keepalive:", json.dumps({k: v for k, v in r.items() if k != "server_cpu_ms_per_message"}), flush=True)
@@ -224,8 +234,8 @@ def main() -> int:
     p.add_argument("--machine", default="", help="what this machine is, recorded in the results (beside its core count)")
     p.add_argument("--commit", default="", help="the commit measured, where this tree is a copy with no git history")
     args = p.parse_args()
-    if 2 * sum(args.sizes) * args.repeat > args.leases:
-        p.error("--leases must cover 2 * sum(--sizes) * --repeat distinct conversations (full and compact answers)")
+    if sum(args.sizes) * args.repeat > args.leases:
+        p.error("--leases must cover sum(--sizes) * --repeat distinct conversations")
     result = on_store(args, None)
     if args.baseline:
         # Resolved once, before the export: a branch name may move during the run.

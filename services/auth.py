@@ -194,7 +194,19 @@ def _renewals_in_scope(p: Principal, req: Any) -> str | None:
     every conversation, so a 10,000-renewal message costs them one check, not 10,000."""
     if p.role in ("router", "operator"):
         return None
-    return next((r for r in map(partial(_RENEW, p), req.renewals) if r), None)
+    refused = next((r for r in map(partial(_RENEW, p), req.renewals) if r), None)
+    if refused is None and req.conversation_ids:  # the packed renewals (conversation only)
+        refused = next((r for r in map(partial(_RENEW, p), map(_ByConversation, req.conversation_ids)) if r), None)
+    return refused
+
+
+class _ByConversation:
+    """A packed renewal, for the rules that read ``conversation_id``."""
+
+    __slots__ = ("conversation_id",)
+
+    def __init__(self, conversation_id: str) -> None:
+        self.conversation_id = conversation_id
 
 
 # Per message of a client stream (KeepAlive): every renewal must be in scope.

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvbaton/v1/lease.proto\x12\nkvbaton.v1\"@\n\x07PinInfo\x12\x0e\n\x06pin_id\x18\x01 \x01(\t\x12\x0e\n\x06reader\x18\x02 \x01(\t\x12\x15\n\rexpires_at_ms\x18\x03 \x01(\x03\"\xaa\x03\n\tLeaseInfo\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x17\n\x0f\x63onversation_id\x18\x02 \x01(\t\x12\x11\n\tengine_id\x18\x03 \x01(\t\x12%\n\x05state\x18\x04 \x01(\x0e\x32\x16.kvbaton.v1.LeaseState\x12\x0e\n\x06ttl_ms\x18\x05 \x01(\r\x12\x15\n\rgranted_at_ms\x18\x06 \x01(\x03\x12\x15\n\rexpires_at_ms\x18\x07 \x01(\x03\x12\x14\n\x0cremaining_ms\x18\x08 \x01(\x03\x12!\n\x04pins\x18\t \x03(\x0b\x32\x13.kvbaton.v1.PinInfo\x12\x12\n\nnum_blocks\x18\n \x01(\r\x12\x14\n\x0cretention_id\x18\x0b \x01(\t\x12\x10\n\x08renewals\x18\x0c \x01(\x04\x12\x0e\n\x06reason\x18\r \x01(\t\x12\x13\n\x0b\x65nded_at_ms\x18\x0e \x01(\x03\x12\x31\n\x06labels\x18\x0f \x03(\x0b\x32!.kvbaton.v1.LeaseInfo.LabelsEntry\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xd9\x01\n\x0cGrantRequest\x12\x17\n\x0f\x63onversation_id\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x0e\n\x06ttl_ms\x18\x03 \x01(\r\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x14\n\x0cretention_id\x18\x05 \x01(\t\x12\x34\n\x06labels\x18\x06 \x03(\x0b\x32$.kvbaton.v1.GrantRequest.LabelsEntry\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"p\n\rGrantResponse\x12$\n\x05lease\x18\x01 \x01(\x0b\x32\x15.kvbaton.v1.LeaseInfo\x12,\n\x08replaced\x18\x02 \x01(\x0b\x32\x15.kvbaton.v1.LeaseInfoH\x00\x88\x01\x01\x42\x0b\n\t_replaced\"I\n\x0cRenewRequest\x12\x17\n\x0f\x63onversation_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\x0e\n\x06ttl_ms\x18\x03 \x01(\r\"\x84\x01\n\x0bRenewResult\x12\x17\n\x0f\x63onversation_id\x18\x01 \x01(\t\x12\'\n\x06status\x18\x02 \x01(\x0e\x32\x17.kvbaton.v1.RenewStatus\x12$\n\x05lease\x18\x03 \x01(\x0b\x32\x15.kvbaton.v1.LeaseInfo\x12\r\n\x05\x65rror\x18\x04 \x01(\t\"\\\n\x10KeepAliveRequest\x12*\n\x08renewals\x18\x01 \x03(\x0b\x32\x18.kvbaton.v1.RenewRequest\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x0f\n\x07\x63ompact\x18\x03 \x01(\x08\"\xcc\x01\n\x11KeepAliveResponse\x12(\n\x07results\x18\x01 \x03(\x0b\x32\x17.kvbaton.v1.RenewResult\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x0f\n\x07\x63ompact\x18\x03 \x01(\x08\x12\x14\n\x0cresult_index\x18\x04 \x03(\r\x12\x0f\n\x07renewed\x18\x05 \x01(\r\x12\x11\n\tlease_ids\x18\x06 \x03(\t\x12\x15\n\rexpires_at_ms\x18\x07 \x03(\x03\x12\x0e\n\x06ttl_ms\x18\x08 \x03(\r\x12\x0e\n\x06now_ms\x18\t \x01(\x03\"q\n\nPinRequest\x12\x17\n\x0f\x63onversation_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\x0e\n\x06reader\x18\x03 \x01(\t\x12\x0e\n\x06ttl_ms\x18\x04 \x01(\r\x12\x18\n\x10reader_engine_id\x18\x05 \x01(\t\"U\n\x0bPinResponse\x12 \n\x03pin\x18\x01 \x01(\x0b\x32\x13.kvbaton.v1.PinInfo\x12$\n\x05lease\x18\x02 \x01(\x0b\x32\x15.kvbaton.v1.LeaseInfo\"I\n\x0cUnpinRequest\x12\x17\n\x0f\x63onversation_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\x0e\n\x06pin_id\x18\x03 \x01(\t\"J\n\rRevokeRequest\x12\x17\n\x0f\x63onversation_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"*\n\x0fGetLeaseRequest\x12\x17\n\x0f\x63onversation_id\x18\x01 \x01(\t\"\xa0\x01\n\x11ListLeasesRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12&\n\x06states\x18\x02 \x03(\x0e\x32\x16.kvbaton.v1.LeaseState\x12\x1a\n\x12\x65xpiring_within_ms\x18\x03 \x01(\r\x12\r\n\x05limit\x18\x04 \x01(\r\x12\x11\n\tpage_size\x18\x05 \x01(\r\x12\x12\n\npage_token\x18\x06 \x01(\t\"T\n\x12ListLeasesResponse\x12%\n\x06leases\x18\x01 \x03(\x0b\x32\x15.kvbaton.v1.LeaseInfo\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"f\n\x12WatchLeasesRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x10\n\x08snapshot\x18\x02 \x01(\x08\x12\x16\n\x0e\x61\x66ter_revision\x18\x03 \x01(\x03\x12\x13\n\x0bincarnation\x18\x04 \x01(\t\"\xea\x01\n\nLeaseEvent\x12)\n\x04type\x18\x01 \x01(\x0e\x32\x1b.kvbaton.v1.LeaseEvent.Type\x12$\n\x05lease\x18\x02 \x01(\x0b\x32\x15.kvbaton.v1.LeaseInfo\x12\x10\n\x08revision\x18\x03 \x01(\x03\"y\n\x04Type\x12\x14\n\x10TYPE_UNSPECIFIED\x10\x00\x12\x10\n\x0cTYPE_GRANTED\x10\x01\x12\x10\n\x0cTYPE_EXPIRED\x10\x02\x12\x10\n\x0cTYPE_REVOKED\x10\x03\x12\x11\n\rTYPE_DRAINING\x10\x04\x12\x12\n\x0eTYPE_HEARTBEAT\x10\x05*\x8d\x01\n\nLeaseState\x12\x1b\n\x17LEASE_STATE_UNSPECIFIED\x10\x00\x12\x16\n\x12LEASE_STATE_ACTIVE\x10\x01\x12\x18\n\x14LEASE_STATE_DRAINING\x10\x02\x12\x17\n\x13LEASE_STATE_EXPIRED\x10\x03\x12\x17\n\x13LEASE_STATE_REVOKED\x10\x04*\xab\x01\n\x0bRenewStatus\x12\x1c\n\x18RENEW_STATUS_UNSPECIFIED\x10\x00\x12\x13\n\x0fRENEW_STATUS_OK\x10\x01\x12\x1a\n\x16RENEW_STATUS_NOT_FOUND\x10\x02\x12\x16\n\x12RENEW_STATUS_ENDED\x10\x03\x12\x1b\n\x17RENEW_STATUS_SUPERSEDED\x10\x04\x12\x18\n\x14RENEW_STATUS_INVALID\x10\x05\x32\xc2\x04\n\x05Lease\x12<\n\x05Grant\x12\x18.kvbaton.v1.GrantRequest\x1a\x19.kvbaton.v1.GrantResponse\x12:\n\x05Renew\x12\x18.kvbaton.v1.RenewRequest\x1a\x17.kvbaton.v1.RenewResult\x12L\n\tKeepAlive\x12\x1c.kvbaton.v1.KeepAliveRequest\x1a\x1d.kvbaton.v1.KeepAliveResponse(\x01\x30\x01\x12\x36\n\x03Pin\x12\x16.kvbaton.v1.PinRequest\x1a\x17.kvbaton.v1.PinResponse\x12\x38\n\x05Unpin\x12\x18.kvbaton.v1.UnpinRequest\x1a\x15.kvbaton.v1.LeaseInfo\x12:\n\x06Revoke\x12\x19.kvbaton.v1.RevokeRequest\x1a\x15.kvbaton.v1.LeaseInfo\x12\x39\n\x03Get\x12\x1b.kvbaton.v1.GetLeaseRequest\x1a\x15.kvbaton.v1.LeaseInfo\x12\x45\n\x04List\x12\x1d.kvbaton.v1.ListLeasesRequest\x1a\x1e.kvbaton.v1.ListLeasesResponse\x12\x41\n\x05Watch\x12\x1e.kvbaton.v1.WatchLeasesRequest\x1a\x16.kvbaton.v1.LeaseEvent0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvbaton/v1/lease.proto\x12\nkvbaton.v1\"@\n\x07PinInfo\x12\x0e\n\x06pin_id\x18\x01 \x01(\t\x12\x0e\n\x06reader\x18\x02 \x01(\t\x12\x15\n\rexpires_at_ms\x18\x03 \x01(\x03\"\xaa\x03\n\tLeaseInfo\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x17\n\x0f\x63onversation_id\x18\x02 \x01(\t\x12\x11\n\tengine_id\x18\x03 \x01(\t\x12%\n\x05state\x18\x04 \x01(\x0e\x32\x16.kvbaton.v1.LeaseState\x12\x0e\n\x06ttl_ms\x18\x05 \x01(\r\x12\x15\n\rgranted_at_ms\x18\x06 \x01(\x03\x12\x15\n\rexpires_at_ms\x18\x07 \x01(\x03\x12\x14\n\x0cremaining_ms\x18\x08 \x01(\x03\x12!\n\x04pins\x18\t \x03(\x0b\x32\x13.kvbaton.v1.PinInfo\x12\x12\n\nnum_blocks\x18\n \x01(\r\x12\x14\n\x0cretention_id\x18\x0b \x01(\t\x12\x10\n\x08renewals\x18\x0c \x01(\x04\x12\x0e\n\x06reason\x18\r \x01(\t\x12\x13\n\x0b\x65nded_at_ms\x18\x0e \x01(\x03\x12\x31\n\x06labels\x18\x0f \x03(\x0b\x32!.kvbaton.v1.LeaseInfo.LabelsEntry\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xd9\x01\n\x0cGrantRequest\x12\x17\n\x0f\x63onversation_id\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x0e\n\x06ttl_ms\x18\x03 \x01(\r\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x14\n\x0cretention_id\x18\x05 \x01(\t\x12\x34\n\x06labels\x18\x06 \x03(\x0b\x32$.kvbaton.v1.GrantRequest.LabelsEntry\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"p\n\rGrantResponse\x12$\n\x05lease\x18\x01 \x01(\x0b\x32\x15.kvbaton.v1.LeaseInfo\x12,\n\x08replaced\x18\x02 \x01(\x0b\x32\x15.kvbaton.v1.LeaseInfoH\x00\x88\x01\x01\x42\x0b\n\t_replaced\"I\n\x0cRenewRequest\x12\x17\n\x0f\x63onversation_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\x0e\n\x06ttl_ms\x18\x03 \x01(\r\"\x84\x01\n\x0bRenewResult\x12\x17\n\x0f\x63onversation_id\x18\x01 \x01(\t\x12\'\n\x06status\x18\x02 \x01(\x0e\x32\x17.kvbaton.v1.RenewStatus\x12$\n\x05lease\x18\x03 \x01(\x0b\x32\x15.kvbaton.v1.LeaseInfo\x12\r\n\x05\x65rror\x18\x04 \x01(\t\"v\n\x10KeepAliveRequest\x12*\n\x08renewals\x18\x01 \x03(\x0b\x32\x18.kvbaton.v1.RenewRequest\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x0f\n\x07\x63ompact\x18\x03 \x01(\x08\x12\x18\n\x10\x63onversation_ids\x18\x04 \x03(\t\"\xcc\x01\n\x11KeepAliveResponse\x12(\n\x07results\x18\x01 \x03(\x0b\x32\x17.kvbaton.v1.RenewResult\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x0f\n\x07\x63ompact\x18\x03 \x01(\x08\x12\x14\n\x0cresult_index\x18\x04 \x03(\r\x12\x0f\n\x07renewed\x18\x05 \x01(\r\x12\x11\n\tlease_ids\x18\x06 \x03(\t\x12\x15\n\rexpires_at_ms\x18\x07 \x03(\x03\x12\x0e\n\x06ttl_ms\x18\x08 \x03(\r\x12\x0e\n\x06now_ms\x18\t \x01(\x03\"q\n\nPinRequest\x12\x17\n\x0f\x63onversation_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\x0e\n\x06reader\x18\x03 \x01(\t\x12\x0e\n\x06ttl_ms\x18\x04 \x01(\r\x12\x18\n\x10reader_engine_id\x18\x05 \x01(\t\"U\n\x0bPinResponse\x12 \n\x03pin\x18\x01 \x01(\x0b\x32\x13.kvbaton.v1.PinInfo\x12$\n\x05lease\x18\x02 \x01(\x0b\x32\x15.kvbaton.v1.LeaseInfo\"I\n\x0cUnpinRequest\x12\x17\n\x0f\x63onversation_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\x0e\n\x06pin_id\x18\x03 \x01(\t\"J\n\rRevokeRequest\x12\x17\n\x0f\x63onversation_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"*\n\x0fGetLeaseRequest\x12\x17\n\x0f\x63onversation_id\x18\x01 \x01(\t\"\xa0\x01\n\x11ListLeasesRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12&\n\x06states\x18\x02 \x03(\x0e\x32\x16.kvbaton.v1.LeaseState\x12\x1a\n\x12\x65xpiring_within_ms\x18\x03 \x01(\r\x12\r\n\x05limit\x18\x04 \x01(\r\x12\x11\n\tpage_size\x18\x05 \x01(\r\x12\x12\n\npage_token\x18\x06 \x01(\t\"T\n\x12ListLeasesResponse\x12%\n\x06leases\x18\x01 \x03(\x0b\x32\x15.kvbaton.v1.LeaseInfo\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"f\n\x12WatchLeasesRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x10\n\x08snapshot\x18\x02 \x01(\x08\x12\x16\n\x0e\x61\x66ter_revision\x18\x03 \x01(\x03\x12\x13\n\x0bincarnation\x18\x04 \x01(\t\"\xea\x01\n\nLeaseEvent\x12)\n\x04type\x18\x01 \x01(\x0e\x32\x1b.kvbaton.v1.LeaseEvent.Type\x12$\n\x05lease\x18\x02 \x01(\x0b\x32\x15.kvbaton.v1.LeaseInfo\x12\x10\n\x08revision\x18\x03 \x01(\x03\"y\n\x04Type\x12\x14\n\x10TYPE_UNSPECIFIED\x10\x00\x12\x10\n\x0cTYPE_GRANTED\x10\x01\x12\x10\n\x0cTYPE_EXPIRED\x10\x02\x12\x10\n\x0cTYPE_REVOKED\x10\x03\x12\x11\n\rTYPE_DRAINING\x10\x04\x12\x12\n\x0eTYPE_HEARTBEAT\x10\x05*\x8d\x01\n\nLeaseState\x12\x1b\n\x17LEASE_STATE_UNSPECIFIED\x10\x00\x12\x16\n\x12LEASE_STATE_ACTIVE\x10\x01\x12\x18\n\x14LEASE_STATE_DRAINING\x10\x02\x12\x17\n\x13LEASE_STATE_EXPIRED\x10\x03\x12\x17\n\x13LEASE_STATE_REVOKED\x10\x04*\xab\x01\n\x0bRenewStatus\x12\x1c\n\x18RENEW_STATUS_UNSPECIFIED\x10\x00\x12\x13\n\x0fRENEW_STATUS_OK\x10\x01\x12\x1a\n\x16RENEW_STATUS_NOT_FOUND\x10\x02\x12\x16\n\x12RENEW_STATUS_ENDED\x10\x03\x12\x1b\n\x17RENEW_STATUS_SUPERSEDED\x10\x04\x12\x18\n\x14RENEW_STATUS_INVALID\x10\x05\x32\xc2\x04\n\x05Lease\x12<\n\x05Grant\x12\x18.kvbaton.v1.GrantRequest\x1a\x19.kvbaton.v1.GrantResponse\x12:\n\x05Renew\x12\x18.kvbaton.v1.RenewRequest\x1a\x17.kvbaton.v1.RenewResult\x12L\n\tKeepAlive\x12\x1c.kvbaton.v1.KeepAliveRequest\x1a\x1d.kvbaton.v1.KeepAliveResponse(\x01\x30\x01\x12\x36\n\x03Pin\x12\x16.kvbaton.v1.PinRequest\x1a\x17.kvbaton.v1.PinResponse\x12\x38\n\x05Unpin\x12\x18.kvbaton.v1.UnpinRequest\x1a\x15.kvbaton.v1.LeaseInfo\x12:\n\x06Revoke\x12\x19.kvbaton.v1.RevokeRequest\x1a\x15.kvbaton.v1.LeaseInfo\x12\x39\n\x03Get\x12\x1b.kvbaton.v1.GetLeaseRequest\x1a\x15.kvbaton.v1.LeaseInfo\x12\x45\n\x04List\x12\x1d.kvbaton.v1.ListLeasesRequest\x1a\x1e.kvbaton.v1.ListLeasesResponse\x12\x41\n\x05Watch\x12\x1e.kvbaton.v1.WatchLeasesRequest\x1a\x16.kvbaton.v1.LeaseEvent0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,10 +36,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LEASEINFO_LABELSENTRY']._serialized_options = b'8\001'
   _globals['_GRANTREQUEST_LABELSENTRY']._loaded_options = None
   _globals['_GRANTREQUEST_LABELSENTRY']._serialized_options = b'8\001'
-  _globals['_LEASESTATE']._serialized_start=2366
-  _globals['_LEASESTATE']._serialized_end=2507
-  _globals['_RENEWSTATUS']._serialized_start=2510
-  _globals['_RENEWSTATUS']._serialized_end=2681
+  _globals['_LEASESTATE']._serialized_start=2392
+  _globals['_LEASESTATE']._serialized_end=2533
+  _globals['_RENEWSTATUS']._serialized_start=2536
+  _globals['_RENEWSTATUS']._serialized_end=2707
   _globals['_PININFO']._serialized_start=38
   _globals['_PININFO']._serialized_end=102
   _globals['_LEASEINFO']._serialized_start=105
@@ -57,29 +57,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RENEWRESULT']._serialized_start=943
   _globals['_RENEWRESULT']._serialized_end=1075
   _globals['_KEEPALIVEREQUEST']._serialized_start=1077
-  _globals['_KEEPALIVEREQUEST']._serialized_end=1169
-  _globals['_KEEPALIVERESPONSE']._serialized_start=1172
-  _globals['_KEEPALIVERESPONSE']._serialized_end=1376
-  _globals['_PINREQUEST']._serialized_start=1378
-  _globals['_PINREQUEST']._serialized_end=1491
-  _globals['_PINRESPONSE']._serialized_start=1493
-  _globals['_PINRESPONSE']._serialized_end=1578
-  _globals['_UNPINREQUEST']._serialized_start=1580
-  _globals['_UNPINREQUEST']._serialized_end=1653
-  _globals['_REVOKEREQUEST']._serialized_start=1655
-  _globals['_REVOKEREQUEST']._serialized_end=1729
-  _globals['_GETLEASEREQUEST']._serialized_start=1731
-  _globals['_GETLEASEREQUEST']._serialized_end=1773
-  _globals['_LISTLEASESREQUEST']._serialized_start=1776
-  _globals['_LISTLEASESREQUEST']._serialized_end=1936
-  _globals['_LISTLEASESRESPONSE']._serialized_start=1938
-  _globals['_LISTLEASESRESPONSE']._serialized_end=2022
-  _globals['_WATCHLEASESREQUEST']._serialized_start=2024
-  _globals['_WATCHLEASESREQUEST']._serialized_end=2126
-  _globals['_LEASEEVENT']._serialized_start=2129
-  _globals['_LEASEEVENT']._serialized_end=2363
-  _globals['_LEASEEVENT_TYPE']._serialized_start=2242
-  _globals['_LEASEEVENT_TYPE']._serialized_end=2363
-  _globals['_LEASE']._serialized_start=2684
-  _globals['_LEASE']._serialized_end=3262
+  _globals['_KEEPALIVEREQUEST']._serialized_end=1195
+  _globals['_KEEPALIVERESPONSE']._serialized_start=1198
+  _globals['_KEEPALIVERESPONSE']._serialized_end=1402
+  _globals['_PINREQUEST']._serialized_start=1404
+  _globals['_PINREQUEST']._serialized_end=1517
+  _globals['_PINRESPONSE']._serialized_start=1519
+  _globals['_PINRESPONSE']._serialized_end=1604
+  _globals['_UNPINREQUEST']._serialized_start=1606
+  _globals['_UNPINREQUEST']._serialized_end=1679
+  _globals['_REVOKEREQUEST']._serialized_start=1681
+  _globals['_REVOKEREQUEST']._serialized_end=1755
+  _globals['_GETLEASEREQUEST']._serialized_start=1757
+  _globals['_GETLEASEREQUEST']._serialized_end=1799
+  _globals['_LISTLEASESREQUEST']._serialized_start=1802
+  _globals['_LISTLEASESREQUEST']._serialized_end=1962
+  _globals['_LISTLEASESRESPONSE']._serialized_start=1964
+  _globals['_LISTLEASESRESPONSE']._serialized_end=2048
+  _globals['_WATCHLEASESREQUEST']._serialized_start=2050
+  _globals['_WATCHLEASESREQUEST']._serialized_end=2152
+  _globals['_LEASEEVENT']._serialized_start=2155
+  _globals['_LEASEEVENT']._serialized_end=2389
+  _globals['_LEASEEVENT_TYPE']._serialized_start=2268
+  _globals['_LEASEEVENT_TYPE']._serialized_end=2389
+  _globals['_LEASE']._serialized_start=2710
+  _globals['_LEASE']._serialized_end=3288
 # @@protoc_insertion_point(module_scope)

@@ -141,14 +141,16 @@ class RenewResult(_message.Message):
     def __init__(self, conversation_id: _Optional[str] = ..., status: _Optional[_Union[RenewStatus, str]] = ..., lease: _Optional[_Union[LeaseInfo, _Mapping]] = ..., error: _Optional[str] = ...) -> None: ...
 
 class KeepAliveRequest(_message.Message):
-    __slots__ = ("renewals", "seq", "compact")
+    __slots__ = ("renewals", "seq", "compact", "conversation_ids")
     RENEWALS_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     COMPACT_FIELD_NUMBER: _ClassVar[int]
+    CONVERSATION_IDS_FIELD_NUMBER: _ClassVar[int]
     renewals: _containers.RepeatedCompositeFieldContainer[RenewRequest]
     seq: int
     compact: bool
-    def __init__(self, renewals: _Optional[_Iterable[_Union[RenewRequest, _Mapping]]] = ..., seq: _Optional[int] = ..., compact: _Optional[bool] = ...) -> None: ...
+    conversation_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, renewals: _Optional[_Iterable[_Union[RenewRequest, _Mapping]]] = ..., seq: _Optional[int] = ..., compact: _Optional[bool] = ..., conversation_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class KeepAliveResponse(_message.Message):
     __slots__ = ("results", "seq", "compact", "result_index", "renewed", "lease_ids", "expires_at_ms", "ttl_ms", "now_ms")

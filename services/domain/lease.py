@@ -745,7 +745,7 @@ class LeaseService:
         return False
 
     async def keepalive(self, batch: Sequence[pb.RenewRequest], into: pb.KeepAliveResponse | None = None, *,
-                        compact: bool = False) -> list[pb.RenewResult]:
+                        compact: bool = False, conversation_ids: Sequence[str] = ()) -> list[pb.RenewResult]:
         """Renews a batch. The common case (the conversation's ACTIVE lease in this
         replica's cache, its own TTL) is decided in one synchronous pass over plain tuples
         (``_active``), with the deadlines that are due handed to the flusher together, so a
@@ -755,8 +755,9 @@ class LeaseService:
         was NOT renewed (``result_index`` says which) and packed lease ids / deadlines /
         TTLs for all (no message per renewal: building and sending 10,000 ``LeaseInfo``
         cost more than renewing them); returns those results. Otherwise one result per
-        renewal, returned in order."""
-        n = len(batch)
+        renewal, returned in order. ``conversation_ids``: more renewals after ``batch``,
+        by conversation only (packed: no message each)."""
+        n = len(batch) + len(conversation_ids)
         if n > limits.MAX_KEEPALIVE_BATCH:
             raise invalid(f"{n} renewals in one message; the limit is {limits.MAX_KEEPALIVE_BATCH}")
         now = self.clock.now_ms()
@@ -764,7 +765,7 @@ class LeaseService:
         jget = self.journal.deadline.get
         checked = self._ends  # every lease the scan decides is ACTIVE in the cache as of this count
         sc = renewal_scan.scan(batch, now, self._active, self.hub.records, self._lprefix, jget, self.config.max_slack_ms,
-                               with_records=not compact)
+                               with_records=not compact, conversation_ids=conversation_ids)
         lids, dls, ttls, infos, slow = sc.lids, sc.dls, sc.ttls, sc.infos, sc.slow
         if sc.w_at:
             stale = await self._enqueue_writes(list(zip(sc.w_lids, sc.w_dls)), checked, ids=sc.w_lids)
@@ -786,7 +787,8 @@ class LeaseService:
         slow_results: list[pb.RenewResult] = []
         if slow:
             slow.sort()
-            slow_results = await asyncio.gather(*(self.renew(batch[i].conversation_id, batch[i].lease_id, batch[i].ttl_ms)
+            reqs = renewal_scan.requests(batch, conversation_ids)
+            slow_results = await asyncio.gather(*(self.renew(reqs[i].conversation_id, reqs[i].lease_id, reqs[i].ttl_ms)
                                                   for i in slow))
         if compact:
             return self._compact_answer(out, now, slow, slow_results, lids, dls, ttls)

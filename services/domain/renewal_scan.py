@@ -43,17 +43,21 @@ class Scan:
 
 def scan(batch: Sequence[pb.RenewRequest], now: int, active: Mapping[str, tuple[str, int, int]],
          records: Mapping[bytes, tuple[Any, int]], lprefix: bytes, journal: Callable[..., int], max_slack: int,
-         *, with_records: bool = True) -> Scan:
+         *, with_records: bool = True, conversation_ids: Sequence[str] = ()) -> Scan:
     """``active``: conversation -> (lease id, TTL, record deadline) of its ACTIVE lease,
     kept in step with ``records`` (the lease cache) by the caller; ``journal(lease_id, 0)``:
     the journal's deadline. ``with_records``: fill ``infos`` (the full answer copies each
-    record); otherwise ``active`` alone decides the common batch."""
-    n = len(batch)
+    record); otherwise ``active`` alone decides the common batch. ``conversation_ids``:
+    more renewals after ``batch``, by conversation only (KeepAliveRequest.conversation_ids)."""
+    n = len(batch) + len(conversation_ids)
     if not n:
         return Scan([], [], [], [], [], [], [], [])
-    cids, wanted, ttl_asked = zip(*map(_COLUMNS, batch))
-    if any(wanted) or any(ttl_asked):
-        return scan_each(batch, now, active, records, lprefix, journal, max_slack)
+    cids: Sequence[str] = conversation_ids
+    if batch:
+        head, wanted, ttl_asked = zip(*map(_COLUMNS, batch))
+        if any(wanted) or any(ttl_asked):
+            return scan_each(requests(batch, conversation_ids), now, active, records, lprefix, journal, max_slack)
+        cids = head + tuple(conversation_ids) if conversation_ids else head
     acts = list(map(active.get, cids))
     idx: Sequence[int] = range(n)
     slow: list[int] = []
@@ -70,7 +74,7 @@ def scan(batch: Sequence[pb.RenewRequest], now: int, active: Mapping[str, tuple[
     if with_records:
         entries: list[Any] = list(map(records.get, map(lprefix.__add__, map(str.encode, lids))))
         if None in entries:  # the cache dropped a record `active` still names: decide one by one
-            return scan_each(batch, now, active, records, lprefix, journal, max_slack)
+            return scan_each(requests(batch, conversation_ids), now, active, records, lprefix, journal, max_slack)
         infos = list(map(_FIRST, entries))
     deadlines = list(map(max, recorded, map(journal, lids, repeat(0, m))))
     need = list(map(lt, deadlines, map(now.__add__, ttls)))
@@ -89,6 +93,14 @@ def scan(batch: Sequence[pb.RenewRequest], now: int, active: Mapping[str, tuple[
     for k, i in enumerate(idx):
         out.lids[i], out.ttls[i], out.dls[i], out.infos[i] = lids[k], ttls[k], deadlines[k], infos[k]
     return out
+
+
+def requests(batch: Sequence[pb.RenewRequest], conversation_ids: Sequence[str]) -> Sequence[pb.RenewRequest]:
+    """The renewals of a message in answer order: ``batch``, then one RenewRequest per
+    packed conversation id."""
+    if not conversation_ids:
+        return batch
+    return [*batch, *(pb.RenewRequest(conversation_id=cid) for cid in conversation_ids)]
 
 
 def scan_each(batch: Sequence[pb.RenewRequest], now: int, active: Mapping[str, tuple[str, int, int]],

@@ -24,9 +24,9 @@ def clock() -> ManualClock:
     return ManualClock()
 
 
-async def keepalive(kv, renewals: list[pb.RenewRequest], *, compact: bool) -> pb.KeepAliveResponse:
+async def keepalive(kv, renewals: list[pb.RenewRequest], *, compact: bool, packed: list[str] = ()) -> pb.KeepAliveResponse:
     async def requests():
-        yield pb.KeepAliveRequest(seq=7, renewals=renewals, compact=compact)
+        yield pb.KeepAliveRequest(seq=7, renewals=renewals, compact=compact, conversation_ids=packed)
 
     call = kv.lease.KeepAlive(requests())
     try:
@@ -111,3 +111,23 @@ async def test_client_renew_goes_compact_and_reads_back_a_full_result(kv, clock)
     assert res.lease.lease_id == g.lease.lease_id and res.lease.ttl_ms == TTL
     assert res.lease.expires_at_ms >= clock.now_ms() + TTL and res.lease.remaining_ms >= TTL
     assert missing.status == pb.RENEW_STATUS_NOT_FOUND and "missing" in missing.error
+
+
+@pytest.mark.parametrize("head", [0, 2, 8], ids=["packed-only", "plain-head", "mixed-head"])
+async def test_packed_conversation_ids_renew_like_renewals(kv, clock, head):
+    """``conversation_ids`` renew like RenewRequests naming only the conversation, after
+    ``renewals`` in the answer's order, whichever path (column scan or per-renewal loop)
+    the head of the message takes."""
+    renewals, _ = await scene(kv)
+    plain = [r.conversation_id for r in renewals if not r.lease_id and not r.ttl_ms]
+    head_part = renewals[:head] if head != 2 else [pb.RenewRequest(conversation_id=c) for c in plain[:2]]
+    tail = plain + ["nope"]
+    clock.advance(2_000)
+    packed = await keepalive(kv, head_part, compact=True, packed=tail)
+    spelled = await keepalive(kv, head_part + [pb.RenewRequest(conversation_id=c) for c in tail], compact=True)
+    for field in ("result_index", "renewed", "lease_ids", "expires_at_ms", "ttl_ms"):
+        assert getattr(packed, field) == getattr(spelled, field), field
+    assert [r.status for r in packed.results] == [r.status for r in spelled.results]
+    assert packed.results[-1].conversation_id == "nope" and packed.result_index[-1] == len(head_part) + len(tail) - 1
+    full = await keepalive(kv, head_part, compact=False, packed=tail)  # a full answer covers them too
+    assert len(full.results) == len(head_part) + len(tail) and full.results[-1].status == pb.RENEW_STATUS_NOT_FOUND
