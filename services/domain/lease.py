@@ -29,7 +29,6 @@ import builtins
 import dataclasses
 import secrets
 from collections.abc import AsyncIterator, Iterable, Sequence
-from itertools import repeat
 from operator import itemgetter
 
 import structlog
@@ -195,7 +194,10 @@ class LeaseService:
         self._fence_renewals = prefix + b"f/renewals"
         self._jprefix = prefix + b"j/" + secrets.token_hex(6).encode() + b"-"
         self._jseq = 0
-        self._pending: dict[str, int] = {}  # lease_id -> deadline to write
+        # Deadlines to write (lease id, deadline), as two columns: a 10,000-renewal batch
+        # is appended in C, not 10,000 pairs.
+        self._pending_ids: list[str] = []
+        self._pending_dls: list[int] = []
         self._groups: list[tuple[list[str], asyncio.Future[set[str]]]] = []  # callers waiting on the flusher
         # Leases that left ACTIVE in the cache (so far): a batch checked against the cache
         # at the same count needs no second check before its journal write.
@@ -501,21 +503,20 @@ class LeaseService:
         if lease_id in await self._enqueue_writes([(lease_id, deadline)]):
             raise _Stale()
 
-    def _enqueue_writes(self, writes: Sequence[tuple[str, int]], checked: int | None = None,
-                        ids: list[str] | None = None) -> asyncio.Future[set[str]]:
-        """Hands deadlines to the group-commit flusher. One future for the whole group (a
+    def _enqueue_writes(self, writes: Sequence[tuple[str, int]], checked: int | None = None, *,
+                        ids: list[str] | None = None, deadlines: list[int] | None = None) -> asyncio.Future[set[str]]:
+        """Hands deadlines to the group-commit flusher (as ``(lease id, deadline)`` pairs,
+        or as the two columns ``ids`` / ``deadlines``). One future for the whole group (a
         KeepAlive batch of 10,000 is one future, not 10,000): it resolves, once every
         deadline is written, to the lease ids that were not (the lease changed first:
         stale), or fails with the store's error."""
         fut: asyncio.Future[set[str]] = asyncio.get_running_loop().create_future()
-        pending = self._pending
-        if not pending:
-            pending.update(writes)  # in C; a batch names a lease once (or twice with one deadline)
-        else:
-            for lease_id, deadline in writes:
-                if pending.get(lease_id, 0) < deadline:
-                    pending[lease_id] = deadline
-        self._groups.append((ids if ids is not None else [lease_id for lease_id, _ in writes], fut))
+        if ids is None or deadlines is None:
+            ids, deadlines = [lease_id for lease_id, _ in writes], [deadline for _, deadline in writes]
+        # Columns, appended in C; a lease named twice (two groups) is merged by the flusher.
+        self._pending_ids.extend(ids)
+        self._pending_dls.extend(deadlines)
+        self._groups.append((ids, fut))
         if checked is None or self._checked_at not in (None, checked):
             self._unchecked = True
         self._checked_at = checked
@@ -530,7 +531,8 @@ class LeaseService:
         while True:
             await self._flush_wakeup.wait()
             self._flush_wakeup.clear()
-            pending, self._pending = self._pending, {}
+            ids, dls = self._pending_ids, self._pending_dls
+            self._pending_ids, self._pending_dls = [], []
             groups, self._groups = self._groups, []
             # Checked, and no lease left ACTIVE since: the journal write needs no second check.
             checked = not self._unchecked and self._checked_at == self._ends
@@ -538,11 +540,17 @@ class LeaseService:
             try:
                 stale: set[str] = set()
                 failed: dict[str, BaseException] = {}
-                items = list(pending.items())
+                items: list[tuple[str, int]] = []
                 try:
-                    stale, items = await self._flush_journal(items, checked=checked)
+                    if len(set(ids)) < len(ids):  # a lease named twice (two groups): its latest deadline
+                        latest: dict[str, int] = {}
+                        for lease_id, deadline in zip(ids, dls):
+                            if latest.get(lease_id, 0) < deadline:
+                                latest[lease_id] = deadline
+                        ids, dls = list(latest), list(latest.values())
+                    stale, items = await self._flush_journal(None, checked=checked, columns=(ids, dls))
                 except Exception as exc:  # noqa: BLE001 - the store failed: every renewal of this flush fails with it
-                    failed.update((lease_id, exc) for lease_id, _ in items)
+                    failed.update((lease_id, exc) for lease_id in ids)
                     items = []
                 size = self.config.flush_batch
                 chunks = [items[i : i + size] for i in range(0, len(items), size)]
@@ -568,23 +576,34 @@ class LeaseService:
                     if not fut.done():
                         fut.set_exception(DomainError(Code.UNAVAILABLE, "lease service stopping; retry"))
 
-    async def _flush_journal(self, items: list[tuple[str, int]], *, checked: bool = False) -> tuple[set[str], list[tuple[str, int]]]:
+    async def _flush_journal(self, items: list[tuple[str, int]] | None, *, checked: bool = False,
+                             columns: tuple[list[str], list[int]] | None = None) -> tuple[set[str], list[tuple[str, int]]]:
         """Writes the deadlines of every lease live in this replica's cache as journal
         records, in one transaction fenced by "ends" (no lease ended after the cache's
         revision, so each is still ACTIVE when it commits). Returns the lease ids that
         ended (stale) and what is left for per-lease writes: leases the cache does not
         hold (granted on another replica a moment ago), or the whole batch when ends kept
         racing the fence. ``checked``: every lease was found ACTIVE in the cache and none
-        has left ACTIVE since, so the first attempt skips checking them again."""
+        has left ACTIVE since, so the first attempt skips checking them again. ``columns``:
+        the same as two lists (lease ids unique), instead of ``items``: a checked batch then
+        never builds a pair per renewal."""
+        if items is None:
+            if columns is None:
+                raise ValueError("_flush_journal needs items or columns")
+            if len(columns[0]) > lease_journal.MAX_ENTRIES or not checked:
+                items, columns = list(zip(columns[0], columns[1])), None
+        else:
+            columns = None
+        pairs: list[tuple[str, int]] = items if items is not None else []  # built below only if needed
         step = lease_journal.MAX_ENTRIES
-        if len(items) > step:
+        if len(pairs) > step:
             # One record (and one transaction: etcd's request limit is 1.5 MiB) per chunk.
             stale_all: set[str] = set()
             rest_all: list[tuple[str, int]] = []
             ends = self._ends
-            for i in range(0, len(items), step):
+            for i in range(0, len(pairs), step):
                 # Still checked only while no lease has left ACTIVE since.
-                chunk_stale, chunk_rest = await self._flush_journal(items[i:i + step], checked=checked and self._ends == ends)
+                chunk_stale, chunk_rest = await self._flush_journal(pairs[i:i + step], checked=checked and self._ends == ends)
                 stale_all |= chunk_stale
                 rest_all += chunk_rest
             return stale_all, rest_all
@@ -596,8 +615,10 @@ class LeaseService:
             stale: set[str] = set()
             rest: list[tuple[str, int]] = []
             if checked and attempt == 0:
-                ids, deadlines = list(map(_FIRST, items)), list(map(_SECOND, items))
-            for lease_id, deadline in (() if ids else items):
+                ids, deadlines = columns if columns is not None else (list(map(_FIRST, pairs)), list(map(_SECOND, pairs)))
+            elif columns is not None:
+                pairs, columns = list(zip(columns[0], columns[1])), None
+            for lease_id, deadline in (() if ids else pairs):
                 entry = records.get(lprefix + lease_id.encode())
                 if entry is None:
                     rest.append((lease_id, deadline))
@@ -614,7 +635,7 @@ class LeaseService:
             fence = Compare(self._fence_ends, CompareTarget.MOD_REVISION, CompareOp.LESS, seen + 1)
             result = await self.store.txn([fence], puts, [Get(self._fence_ends)])
             if result.succeeded:
-                self.journal.note(ids, deadlines, record)
+                self.journal.note(ids, deadlines, record, unique=True)
                 self.stats["renewal_writes"] += len(ids)
                 self.stats["journal_writes"] += len(puts) - 1
                 self.metrics.lease_renewal_writes.inc(len(ids))
@@ -624,7 +645,7 @@ class LeaseService:
             # end, which the lease watch carries) and check again.
             self.stats["fence_conflicts"] += 1
             await self.hub.wait_for(_mod_revision(result))
-        return set(), items
+        return set(), pairs if columns is None else list(zip(columns[0], columns[1]))
 
     def _on_journal(self, ev: WatchEvent) -> None:
         """Journal hub listener: merges a record (or its deletion) into ``journal``."""
@@ -768,9 +789,10 @@ class LeaseService:
                                with_records=not compact, conversation_ids=conversation_ids)
         lids, dls, ttls, infos, slow = sc.lids, sc.dls, sc.ttls, sc.infos, sc.slow
         if sc.w_at:
-            stale = await self._enqueue_writes(list(zip(sc.w_lids, sc.w_dls)), checked, ids=sc.w_lids)
-            # The deadline answered: the one written, or the journal's when later.
-            written = list(map(max, map(jget, sc.w_lids, repeat(0, len(sc.w_lids))), sc.w_dls))
+            stale = await self._enqueue_writes((), checked, ids=sc.w_lids, deadlines=sc.w_dls)
+            # The deadline answered is the one this renewal wrote (a renewal racing it may
+            # have journaled a later one: the lease lives at least as long as answered).
+            written = sc.w_dls
             if len(sc.w_at) == n and not stale:
                 dls = written
             else:

@@ -103,10 +103,11 @@ class LeaseJournal:
         """Records held."""
         return len(self._ids)
 
-    def note(self, ids: Sequence[str], deadlines: Sequence[int], key: bytes | None = None) -> None:
+    def note(self, ids: Sequence[str], deadlines: Sequence[int], key: bytes | None = None, *,
+             unique: bool = False) -> None:
         """This replica's own write (of record ``key``) just committed: read your writes
-        before the watch."""
-        _raise(self.deadline, ids, deadlines)
+        before the watch. ``unique``: each lease is named once (no need to check)."""
+        _raise(self.deadline, ids, deadlines, unique=unique)
         if key is not None:
             self._noted.add(key)
 
@@ -231,10 +232,10 @@ class LeaseJournal:
         self._latest.clear()
 
 
-def _raise(known: dict[str, int], ids: Sequence[str], deadlines: Sequence[int]) -> None:
+def _raise(known: dict[str, int], ids: Sequence[str], deadlines: Sequence[int], *, unique: bool = False) -> None:
     """``known[id] = max(known[id], deadline)`` for each entry: one C-level update when
     every deadline is later (the usual case: renewals only move deadlines on)."""
-    if len(set(ids)) == len(ids) and all(map(lt, map(known.get, ids, repeat(0, len(ids))), deadlines)):
+    if (unique or len(set(ids)) == len(ids)) and all(map(lt, map(known.get, ids, repeat(0, len(ids))), deadlines)):
         known.update(zip(ids, deadlines))
         return
     for lid, dl in zip(ids, deadlines):
