@@ -47,7 +47,7 @@ class PinInfo(_message.Message):
     def __init__(self, pin_id: _Optional[str] = ..., reader: _Optional[str] = ..., expires_at_ms: _Optional[int] = ...) -> None: ...
 
 class LeaseInfo(_message.Message):
-    __slots__ = ("lease_id", "conversation_id", "engine_id", "state", "ttl_ms", "granted_at_ms", "expires_at_ms", "remaining_ms", "pins", "num_blocks", "retention_id", "renewals", "reason", "ended_at_ms", "labels")
+    __slots__ = ("lease_id", "conversation_id", "engine_id", "state", "ttl_ms", "granted_at_ms", "expires_at_ms", "remaining_ms", "pins", "num_blocks", "retention_id", "renewals", "reason", "ended_at_ms", "labels", "deadline_journaled")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -70,6 +70,7 @@ class LeaseInfo(_message.Message):
     REASON_FIELD_NUMBER: _ClassVar[int]
     ENDED_AT_MS_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_JOURNALED_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     conversation_id: str
     engine_id: str
@@ -85,7 +86,8 @@ class LeaseInfo(_message.Message):
     reason: str
     ended_at_ms: int
     labels: _containers.ScalarMap[str, str]
-    def __init__(self, lease_id: _Optional[str] = ..., conversation_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., state: _Optional[_Union[LeaseState, str]] = ..., ttl_ms: _Optional[int] = ..., granted_at_ms: _Optional[int] = ..., expires_at_ms: _Optional[int] = ..., remaining_ms: _Optional[int] = ..., pins: _Optional[_Iterable[_Union[PinInfo, _Mapping]]] = ..., num_blocks: _Optional[int] = ..., retention_id: _Optional[str] = ..., renewals: _Optional[int] = ..., reason: _Optional[str] = ..., ended_at_ms: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    deadline_journaled: bool
+    def __init__(self, lease_id: _Optional[str] = ..., conversation_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., state: _Optional[_Union[LeaseState, str]] = ..., ttl_ms: _Optional[int] = ..., granted_at_ms: _Optional[int] = ..., expires_at_ms: _Optional[int] = ..., remaining_ms: _Optional[int] = ..., pins: _Optional[_Iterable[_Union[PinInfo, _Mapping]]] = ..., num_blocks: _Optional[int] = ..., retention_id: _Optional[str] = ..., renewals: _Optional[int] = ..., reason: _Optional[str] = ..., ended_at_ms: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., deadline_journaled: _Optional[bool] = ...) -> None: ...
 
 class GrantRequest(_message.Message):
     __slots__ = ("conversation_id", "engine_id", "ttl_ms", "num_blocks", "retention_id", "labels")

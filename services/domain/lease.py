@@ -263,6 +263,7 @@ class LeaseService:
         if info.state in LIVE_STATES:
             out.expires_at_ms = self.deadline(info)
             out.remaining_ms = max(0, out.expires_at_ms - now)
+            out.deadline_journaled = info.deadline_journaled or out.expires_at_ms > info.expires_at_ms
         else:
             out.remaining_ms = 0
         return out
@@ -852,6 +853,7 @@ class LeaseService:
         lease.CopyFrom(info)
         lease.expires_at_ms = deadline
         lease.remaining_ms = max(0, deadline - now)
+        lease.deadline_journaled = deadline > info.expires_at_ms
 
     # -- pins --------------------------------------------------------------
     async def _lease_of(self, conversation_id: str, lease_id: str) -> tuple[KeyValue, pb.LeaseInfo]:
@@ -1042,7 +1044,9 @@ class LeaseService:
         records are shared: never changed in place)."""
         if info.state not in LIVE_STATES or self.deadline(info) == info.expires_at_ms:
             return info
-        return self._folded(info)
+        out = self._folded(info)
+        out.deadline_journaled = True  # (a listing's copy, never stored)
+        return out
 
     async def watch(self, engine_id: str = "", *, snapshot: bool = False, after_revision: int = 0) -> AsyncIterator[pb.LeaseEvent]:
         limits.check_id("engine_id", engine_id, required=False)

@@ -182,6 +182,28 @@ async def test_expiry_fences_on_the_view_it_judged_with(two, store_kind):
     assert await b.expire_due() == 0
 
 
+async def test_answers_and_the_cli_say_when_a_deadline_comes_from_the_journal(two):
+    """An operator reading `kvbaton leases` sees that a lease was renewed since its record
+    was written (its RENEWALS count does not include journaled renewals); the flag is
+    never stored."""
+    from kvbaton.cli import _lease_rows
+
+    a, b, clock = two
+    info, _ = await a.grant("conv", "dec")
+    assert not info.deadline_journaled and _lease_rows([info])[0][7] == "0"
+    clock.advance(2_000)
+    (res,) = await a.keepalive([pb.RenewRequest(conversation_id="conv")])
+    assert res.status == pb.RENEW_STATUS_OK and res.lease.deadline_journaled
+    await settle(a, b)
+    for svc in (a, b):
+        got = await svc.get("conv")
+        assert got.deadline_journaled and got.expires_at_ms == res.lease.expires_at_ms > info.expires_at_ms
+        (listed,) = await svc.list()
+        assert listed.deadline_journaled and _lease_rows([listed])[0][7] == "0+journal"
+    stored = pb.LeaseInfo.FromString((await a.store.get(a._lkey(info.lease_id))).value)
+    assert not stored.deadline_journaled and stored.expires_at_ms == info.expires_at_ms
+
+
 async def test_records_that_say_nothing_are_deleted(two):
     a, b, clock = two
     for i in range(50):
