@@ -122,7 +122,8 @@ class LeaseJournal:
         noted = key in self._noted
         self._noted.discard(key)
         prev = list(map(self._owner_dl.get, ids, repeat(-1, len(ids))))
-        if len(set(ids)) == len(ids) and all(map(lt, prev, dls)):
+        # (An own record names each lease once: its flush wrote unique ids.)
+        if (noted or len(set(ids)) == len(ids)) and all(map(lt, prev, dls)):
             live = self._put_bulk(key, ids, dls, prev, ended, noted=noted)
         else:
             live = self._put_each(key, ids, dls, ended)
