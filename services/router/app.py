@@ -718,7 +718,9 @@ class Router:
                 r.release()
                 self.fleet.end_decode(engine)
                 self.metrics.request_seconds.labels(self.mode, "decode").observe(time.perf_counter() - opened.t0)
-            if conv and status == 200:  # decode's part is done: the wait is the control plane's
+            # decode's part is done: the wait is the control plane's. A draining decode's
+            # RegisterRetained is refused (it frees the blocks): nothing will become visible.
+            if conv and status == 200 and not engine.draining:
                 first = await self._settle_retention(first, headers)
             return web.Response(status=status, body=first, content_type=ctype, headers=headers)
         try:
