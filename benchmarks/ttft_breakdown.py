@@ -49,10 +49,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from fleet import server_timing  # noqa: E402
+from fleet import server_timing
 
-from kvbaton.stack.fleet_stack import FleetStack, stream_tokens, wait_leased  # noqa: E402
-from kvbaton.tinymodel import ensure_tiny_model  # noqa: E402
+from kvbaton.stack.fleet_stack import FleetStack, stream_tokens, wait_leased
+from kvbaton.tinymodel import ensure_tiny_model
 
 BLOCK = 128
 RESULTS = ROOT / "benchmarks" / "results"
