@@ -83,6 +83,51 @@ def _pct(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(q * len(s)))] if s else float("nan")
 
 
+# Where a turn's TTFT goes, from the engines' stats lines (benchmarks/ttft_breakdown.py
+# describes each segment).
+SEGMENTS = ("client→prefill engine", "prefill queue", "reuse READ", "prefill compute",
+            "prefill→decode engine", "decode queue", "pull READ", "first token")
+
+
+def stack_events(stack: FleetStack) -> dict[str, list[dict[str, Any]]]:
+    evs: dict[str, list[dict[str, Any]]] = {}
+    for eng in [*stack.prefill_ids, *stack.decode_ids]:
+        for part in ("worker", "scheduler"):
+            evs.setdefault(eng, []).extend(stack.events(eng, part=part))
+    return evs
+
+
+def split(turn: dict[str, Any], evs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """The turn's segments (ms) from its engines' stats lines, matched by transfer id (and,
+    for the reuse READ, by the prefill's request id)."""
+    tid, p, d = turn["transfer_id"], turn["prefill"], turn["decode"]
+
+    def one(eng: str, event: str, **match: Any) -> dict[str, Any] | None:
+        got = [e for e in evs.get(eng, []) if e["event"] == event and all(e.get(k) == v for k, v in match.items())]
+        return got[0] if got else None
+    p_adm = one(p, "admitted", transfer_id=tid, role="prefill")
+    d_adm = one(d, "admitted", transfer_id=tid, role="decode")
+    complete = one(p, "rpc", rpc="Complete", transfer_id=tid)
+    recv = one(d, "recv_done", transfer_id=tid)
+    read = one(p, "reuse_read", req_id=p_adm["request_id"]) if p_adm else None
+    if not (p_adm and d_adm and complete and recv):
+        return {"missing": [n for n, e in (("prefill admitted", p_adm), ("decode admitted", d_adm),
+                                            ("Complete", complete), ("recv_done", recv)) if e is None]}
+    t_first = turn["t_send"] + turn["ttft_ms"] / 1000
+    t_finished = complete["t"] - complete["latency_ms"] / 1000
+    t_read_end = read["t"] if read else p_adm["t"]
+    marks = [turn["t_send"], p_adm["arrival_t"], p_adm["t"], t_read_end, t_finished, d_adm["arrival_t"],
+             d_adm["t"], recv["t"], t_first]
+    seg = {name: round((b - a) * 1000, 1) for name, a, b in zip(SEGMENTS, marks, marks[1:])}
+    return {"segments_ms": seg,
+            "read": ({k: read[k] for k in ("num_blocks", "nbytes", "duration_s", "pinned_s", "begun_s", "posted_s")}
+                     if read else None),
+            "pull": {k: recv.get(k) for k in ("num_blocks", "nbytes", "duration_s", "begun_s", "posted_s")},
+            "decode_local_hit_tokens": d_adm["local_hit_tokens"], "decode_pulled_tokens": d_adm["external_tokens"],
+            "prefill_local_hit_tokens": p_adm["local_hit_tokens"], "prefill_read_tokens": p_adm["external_tokens"],
+            "complete_rpc_ms": complete["latency_ms"]}
+
+
 # ---------------------------------------------------------------------- 1. decision cost
 def decision_cost(n_prefill: int, n_decode: int, calls: int = 20000) -> dict[str, float]:
     fleet = Fleet(slack=4, discovering=True)
