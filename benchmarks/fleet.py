@@ -233,9 +233,11 @@ def conversation(stack: FleetStack, router: str, conv: str, reuse: bool, seed: i
             smarks = {p: stack.event_count(p, "scheduler") for p in stack.prefill_ids}
         body = {"model": "tiny", "prompt": prompt, "max_tokens": args.output_tokens, "temperature": 0.0,
                 "ignore_eos": True}
+        t_send = time.time()
         res = stream_tokens(f"{router}/v1/completions", body, {"X-Session-ID": conv} if reuse else {})
         h = res["headers"]
         rec = {"conv": conv, "reuse": reuse, "turn": turn, "prompt_tokens": len(prompt),
+               "t_send": t_send, "transfer_id": h.get("X-Kvbaton-Transfer-Id", ""),
                "ttft_ms": round(res["ttft_s"] * 1000, 1), "total_ms": round(res["total_s"] * 1000, 1),
                "prefill": h.get("X-Kvbaton-Prefill"), "decode": h.get("X-Kvbaton-Decode"),
                "attempts": int(h.get("X-Kvbaton-Attempts", 1)), "offered_tokens": int(h.get("X-Kvbaton-Reuse-Tokens", 0)),
@@ -305,6 +307,9 @@ def run_fleet(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             off = statistics.median(t["ttft_ms"] for t in last if not t["reuse"])
             print(f"round {rd}: longest turn TTFT on {on:.0f} ms / off {off:.0f} ms = {on / off:.3f} "
                   f"({rounds[-1]['wall_s']} s)", flush=True)
+        evs = stack_events(stack)
+        for t in turns:
+            t["split"] = split(t, evs)
         with urllib.request.urlopen(f"{router}/kvbaton/fleet", timeout=10) as r:
             fleet_view = json.loads(r.read())
         in_run_cost = {**fleet_view["decision_us"], "cpu": fleet_view.get("decision_cpu_us")}
@@ -357,6 +362,11 @@ def first_reads(turns: list[dict[str, Any]]) -> dict[str, Any]:
             "later_median_ms": round(statistics.median(later), 1) if later else None, "later_reads": len(later)}
 
 
+def _segments(ts: list[dict[str, Any]]) -> dict[str, float] | None:
+    got = [t["split"]["segments_ms"] for t in ts if "segments_ms" in t.get("split", {})]
+    return {k: round(statistics.median(g[k] for g in got), 1) for k in SEGMENTS} if got else None
+
+
 def summarise(fleet: dict[str, Any], turns_n: int) -> dict[str, Any]:
     per_turn = []
     turns = fleet["turns"]
@@ -390,6 +400,10 @@ def summarise(fleet: dict[str, Any], turns_n: int) -> dict[str, Any]:
             "local_hits_on": sum(1 for t in on for o in t.get("reuse_offers", ())
                                  if o["local_hit_tokens"] >= o["reusable_tokens"] > 0)
             if any("reuse_offers" in t for t in on) else None,
+            # Where the TTFT went (medians per segment; turns whose every stats line was found).
+            "segments_on_ms": _segments(on), "segments_off_ms": _segments(off),
+            "pulled_on": med(on, lambda t: t.get("split", {}).get("decode_pulled_tokens")),
+            "pulled_off": med(off, lambda t: t.get("split", {}).get("decode_pulled_tokens")),
             "same_prefill_on": sum(1 for t in on if prev_prefill.get(t["conv"]) == t["prefill"]),
             "same_prefill_off": sum(1 for t in off if prev_prefill.get(t["conv"]) == t["prefill"]),
         })
@@ -527,6 +541,14 @@ def markdown(result: dict[str, Any]) -> str:
                      f"{lr['min']}–{lr['max']}) | {al['median']} ({al['q1']}–{al['q3']}; {al['min']}–{al['max']}) "
                      f"| {ft['median']} ({ft['q1']}–{ft['q3']}; {ft['min']}–{ft['max']}) |")
         lines += ["", f"Rounds whose longest turn met on/off ≤ 0.5: {s['rounds_meeting_half']} of {len(s['per_round'])}."]
+    last = s["per_turn"][-1]
+    if last.get("segments_on_ms") and last.get("segments_off_ms"):
+        lines += ["", f"Where the longest turn's TTFT went (ms, median per segment over the turns whose stats lines "
+                      f"were all found; segments of different turns, so they need not add up to the TTFT median; "
+                      f"tokens decode pulled from prefill: on {last.get('pulled_on')}, off {last.get('pulled_off')}):",
+                  "", "| segment | reuse on | reuse off |", "|---|---|---|"]
+        for k in SEGMENTS:
+            lines.append(f"| {k} | {last['segments_on_ms'][k]:.0f} | {last['segments_off_ms'][k]:.0f} |")
     rd = s.get("reads") or {}
     if rd.get("first_per_pair_ms"):
         lines += ["", f"READs: first between each prefill/decode pair {rd['first_per_pair_ms']} ms "
