@@ -243,6 +243,7 @@ async def test_decode_dying_before_any_token_is_retried_once_elsewhere(fleet, mo
     assert b"d1" in raw
     tids = [b["kv_transfer_params"]["transfer_id"] for b in fleet.engines["p0"].bodies]
     assert len(tids) == 2 and tids[0] != tids[1]  # a new transfer attempt
+    assert headers["X-Kvbaton-Transfer-Id"] == tids[1]  # the one that answered (the engines' stats lines name it)
     # d0 is suspect now: the next request goes straight to d1.
     status, headers, _ = await fleet.post(router, {"prompt": "hi", "max_tokens": 2})
     assert status == 200 and headers["X-Kvbaton-Attempts"] == "1" and headers["X-Kvbaton-Decode"] == "d1"
