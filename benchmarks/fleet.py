@@ -297,9 +297,20 @@ def run_fleet(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                    [(f"bench-r{rd}-off-{i}", False, 1000 * rd + 500 + i) for i in range(args.convs)]
             rnd.shuffle(jobs)
             t_round = time.monotonic()
-            with concurrent.futures.ThreadPoolExecutor(len(jobs)) as ex:
-                futs = [ex.submit(conversation, stack, router, c, r, s, args, lock) for c, r, s in jobs]
-                got = [dict(t, round=rd) for f in futs for t in f.result(timeout=1800)]
+            if args.arms == "together":
+                groups = [jobs]
+            else:
+                # --arms alternate: the round's two arms one after the other (the first arm
+                # alternates between rounds), each with the fleet to itself: a fleet whose
+                # agents all send conversation ids vs one whose agents send none, instead of
+                # each arm's turns queueing behind the other arm's prefills.
+                first = rd % 2 == 1
+                groups = [[j for j in jobs if j[1] == first], [j for j in jobs if j[1] != first]]
+            got = []
+            for group in groups:
+                with concurrent.futures.ThreadPoolExecutor(len(group)) as ex:
+                    futs = [ex.submit(conversation, stack, router, c, r, s, args, lock) for c, r, s in group]
+                    got += [dict(t, round=rd) for f in futs for t in f.result(timeout=1800)]
             turns += got
             rounds.append({"round": rd, "wall_s": round(time.monotonic() - t_round, 1), "loadavg": os.getloadavg()})
             last = [t for t in got if t["turn"] == args.turns]
@@ -497,7 +508,8 @@ def markdown(result: dict[str, Any]) -> str:
     summary is recomputed from the file's turns (files from before a column have "–")."""
     cfg = result["config"]
     s = summarise(result["fleet"], cfg["turns"])
-    lines = [f"{cfg['convs']} conversations with reuse + {cfg['convs']} without, concurrently, {cfg['turns']} turns "
+    lines = [f"{cfg['convs']} conversations with reuse + {cfg['convs']} without, "
+             f"{'arms alternating' if cfg.get('arms') == 'alternate' else 'concurrently'}, {cfg['turns']} turns "
              f"(+{cfg['new_tokens']} tokens a turn, {cfg['output_tokens']} out), {cfg['mode']}; "
              f"commit `{result['commit'][:7]}`",
              f"prefill KV cache {cfg.get('prefill_kv_mib') or 64} MiB, decode {cfg.get('decode_kv_mib') or 64} MiB "
@@ -510,7 +522,9 @@ def markdown(result: dict[str, Any]) -> str:
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     n_rounds = cfg.get("rounds", 1)
     if n_rounds > 1:
-        lines.insert(2, f"{n_rounds} rounds of fresh conversations, both arms at the same time in each; per-turn "
+        how = ("one arm after the other in each (alternating which goes first), each alone on the fleet"
+               if cfg.get("arms") == "alternate" else "both arms at the same time in each")
+        lines.insert(2, f"{n_rounds} rounds of fresh conversations, {how}; per-turn "
                         f"medians over all {n_rounds * cfg['convs']} conversations of an arm")
 
     def f0(x: float | None) -> str:
@@ -580,6 +594,9 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=1,
                     help="rounds of fresh conversations (both arms at once in each); the verdict is the median "
                          "of the rounds' longest-turn on/off ratios")
+    ap.add_argument("--arms", choices=("together", "alternate"), default="together",
+                    help="together: both arms' conversations at the same time in each round (the verdict); "
+                         "alternate: each round runs one arm, then the other, each alone on the fleet")
     ap.add_argument("--first-tokens", type=int, default=400)
     ap.add_argument("--new-tokens", type=int, default=400)
     ap.add_argument("--output-tokens", type=int, default=16)
