@@ -85,7 +85,7 @@ def _pct(xs: list[float], q: float) -> float:
 
 # Where a turn's TTFT goes, from the engines' stats lines (benchmarks/ttft_breakdown.py
 # describes each segment).
-SEGMENTS = ("client→prefill engine", "prefill queue", "reuse READ", "prefill compute",
+SEGMENTS = ("client→prefill engine", "prefill queue", "reuse READ", "READ→compute admitted", "prefill compute",
             "prefill→decode engine", "decode queue", "pull READ", "first token")
 
 
@@ -105,7 +105,9 @@ def split(turn: dict[str, Any], evs: dict[str, list[dict[str, Any]]]) -> dict[st
     def one(eng: str, event: str, **match: Any) -> dict[str, Any] | None:
         got = [e for e in evs.get(eng, []) if e["event"] == event and all(e.get(k) == v for k, v in match.items())]
         return got[0] if got else None
-    p_adm = one(p, "admitted", transfer_id=tid, role="prefill")
+    p_adms = [e for e in evs.get(p, []) if e["event"] == "admitted" and e.get("transfer_id") == tid
+              and e.get("role") == "prefill"]
+    p_adm = p_adms[0] if p_adms else None
     d_adm = one(d, "admitted", transfer_id=tid, role="decode")
     complete = one(p, "rpc", rpc="Complete", transfer_id=tid)
     recv = one(d, "recv_done", transfer_id=tid)
@@ -116,7 +118,10 @@ def split(turn: dict[str, Any], evs: dict[str, list[dict[str, Any]]]) -> dict[st
     t_first = turn["t_send"] + turn["ttft_ms"] / 1000
     t_finished = complete["t"] - complete["latency_ms"] / 1000
     t_read_end = read["t"] if read else p_adm["t"]
-    marks = [turn["t_send"], p_adm["arrival_t"], p_adm["t"], t_read_end, t_finished, d_adm["arrival_t"],
+    # A READ'd leg is admitted again once its load is over (vLLM schedules it then): the
+    # wait between the READ's end and that is the step granularity of an async load.
+    t_compute = max(p_adms[1]["t"], t_read_end) if read and len(p_adms) > 1 else t_read_end
+    marks = [turn["t_send"], p_adm["arrival_t"], p_adm["t"], t_read_end, t_compute, t_finished, d_adm["arrival_t"],
              d_adm["t"], recv["t"], t_first]
     seg = {name: round((b - a) * 1000, 1) for name, a, b in zip(SEGMENTS, marks, marks[1:])}
     return {"segments_ms": seg,

@@ -16,6 +16,8 @@ processes run on this machine, ``time.time()``):
 * ``prefill queue``: arrival → the prefill scheduler admits it (``admitted`` stats line);
 * ``reuse READ`` (reuse on): admitted → the READ from decode's retained blocks is over
   (``reuse_read``: pin, BeginRead, posting and the data, each with its offset);
+* ``READ→compute admitted`` (reuse on): the READ is over → the scheduler admits the leg again
+  (its second ``admitted`` line): an async load's step granularity;
 * ``prefill compute``: then → prefill's ``request_finished`` (the Complete call's submit);
 * ``prefill→decode engine``: → decode's API server hands the decode leg to its engine
   (prefill's HTTP answer, the router, the decode request);

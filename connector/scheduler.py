@@ -241,7 +241,8 @@ class KvbatonScheduler:
                                                        traceparent=self._tp(params))
 
     def _stamp_admitted(self, request: Request, params: dict[str, Any], num_external_tokens: int) -> None:
-        """One ``admitted`` stats line per scheduled P/D request: when the engine got it
+        """An ``admitted`` stats line each time a P/D leg is scheduled (a leg whose KV was
+        loaded is scheduled again when the load is over, and stamped again): when the engine got it
         (vLLM's ``arrival_time``) and when it left the waiting queue (now), how much of its
         prompt was a local prefix hit and how much comes from elsewhere (decode: the pull's
         size; prefill: the reuse READ). It splits a turn's TTFT into queueing, transfers and
