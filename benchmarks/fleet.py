@@ -628,7 +628,7 @@ def main() -> int:
                                 text=True, cwd=ROOT).stdout.strip())
     result: dict[str, Any] = {"benchmark": "fleet", "commit": commit, "dirty": dirty,
                               "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-                              "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                              "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "nice": os.nice(0),
                                           "loadavg_start": os.getloadavg()},
                               "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     print("decision cost (in-process) ...", flush=True)

@@ -140,7 +140,7 @@ def main() -> int:
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
     result: dict[str, Any] = {"benchmark": "ttft_breakdown", "commit": commit,
                               "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-                              "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                              "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "nice": os.nice(0),
                                           "loadavg_start": os.getloadavg()},
                               "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     workdir = Path(tempfile.mkdtemp(prefix="kvbaton-ttft-breakdown-"))
