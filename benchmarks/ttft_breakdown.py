@@ -48,6 +48,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -70,9 +71,13 @@ def reset_prefill_caches(stack: FleetStack, timeout_s: float = 10.0) -> bool:
     while pending and time.monotonic() < deadline:
         for eid in list(pending):
             req = urllib.request.Request(f"{stack.engines[eid].base_url}/reset_prefix_cache", data=b"", method="POST")
-            with urllib.request.urlopen(req, timeout=10) as r:
-                if json.loads(r.read()).get("success"):
-                    pending.remove(eid)
+            try:
+                with urllib.request.urlopen(req, timeout=10) as r:
+                    if json.loads(r.read()).get("success"):
+                        pending.remove(eid)
+            except urllib.error.HTTPError as exc:  # no dev endpoint: the turn says its caches were not reset
+                print(f"reset_prefix_cache on {eid}: HTTP {exc.code}", flush=True)
+                return False
         if pending:
             time.sleep(0.1)
     return not pending
