@@ -57,11 +57,14 @@ from kvbaton.connector.transfer.descriptors import coalesce_runs, plan_transfer
 from kvbaton.connector.transfer.geometry import KvLayout
 from kvbaton.connector.transfer.nixl_agent import NixlEndpoint
 from kvbaton.connector.transfer.staging import (
+    LOCKSTEP_ALL,
+    LOCKSTEP_EACH,
     PREFIX,
     GpuRowCopier,
     PoolDefaults,
     StagedPeer,
     choose_strategy,
+    default_lockstep,
     default_pool,
     pack_blocks,
     plan_tiles,
@@ -167,7 +170,11 @@ REF_POOL = PoolDefaults(slot_bytes=256 * MiB, slots=4, send_slots=4, target_chun
 
 #: variants of a pool, as name suffixes: the same pools, one protocol setting changed
 VARIANTS = {"-nospin": "sleep-backoff polling",
-            "-noahead": "gather only once a receive slot is idle (before gather-ahead)"}
+            "-noahead": "gather only once a receive slot is idle (before gather-ahead)",
+            "-pipelined": "pipelined sender (a chunk gathered whenever a send slot is free)",
+            "-lockstep": "lockstep sender (batches of every slot pair held, each chunk posted once gathered)",
+            "-lockall": "lockstep sender (batches, posted once the whole batch is gathered)"}
+_PACE = {"-pipelined": "", "-lockstep": LOCKSTEP_EACH, "-lockall": LOCKSTEP_ALL}
 
 
 def base_pool(name: str) -> tuple[str, str]:
@@ -237,6 +244,7 @@ class Pools:
         self.active = self.peers[base]
         self.active.spin = spin and self.active.cuda and variant != "-nospin"
         self.active.gather_ahead = variant != "-noahead"
+        self.active.lockstep = _PACE.get(variant, default_lockstep(self.active.device.type))
         return self.active
 
     def close(self) -> None:

@@ -53,6 +53,12 @@ from .staging_grants import Handout, SlotGrants
 from .timerslack import set_timer_slack
 
 Strategy = Literal["runs", "pack"]
+#: sender pacing (:attr:`StagedPeer.lockstep`): "" pipelined (a chunk is gathered as soon as
+#: a send slot is free), "each" lockstep batches posting each chunk once gathered, "all"
+#: lockstep batches posting once the whole batch is gathered
+LOCKSTEP_EACH = "each"
+LOCKSTEP_ALL = "all"
+LOCKSTEP_MODES = ("", LOCKSTEP_EACH, LOCKSTEP_ALL)
 #: the grantee name of our own sends in a shared pool (NIXL agent names are never empty)
 LOCAL = ""
 PREFIX = wire.staged_prefix()
@@ -78,6 +84,11 @@ GPU_POLL_MAX_S = 50e-6
 
 HOST_COSTS = PathCosts(desc_s=3e-6, link_bps=10e9, pack_bps=4e9, pack_fixed_s=300e-6)
 GPU_COSTS = PathCosts(desc_s=7e-6, link_bps=300e9, pack_bps=150e9, pack_fixed_s=100e-6)
+
+
+def default_lockstep(device: str) -> str:
+    """The sender pacing an engine uses by default on ``device`` ("cuda" or "cpu")."""
+    return ""
 
 
 def choose_strategy(num_runs: int, total_bytes: int, *, device: str = "cpu",
@@ -410,7 +421,8 @@ class StagedPeer:
                  target_chunks: int = 16, min_chunk_bytes: int = 4 << 20,
                  use_kernel: bool | None = None, send_slots: int | None = None,
                  grant_margin_s: float = 2.0, shared: bool = False,
-                 on_complete: Callable[[str, str], None] | None = None) -> None:
+                 on_complete: Callable[[str, str], None] | None = None,
+                 lockstep: str | None = None) -> None:
         """Allocate and register two pools (send: ``send_slots`` (default ``num_slots``),
         receive: ``num_slots``, both ``slot_bytes``) on the KV's device.
 
@@ -498,6 +510,15 @@ class StagedPeer:
         #: post a finished slot → slot WRITE request again instead of making a new one
         #: (False: a new request per chunk, as before; kept for the benchmark's comparison)
         self.reuse_requests = True
+        #: sender pacing (:data:`LOCKSTEP_MODES`). Lockstep: gather a batch (every slot pair
+        #: held), post it, and gather the next only once all of it is acked. On one GPU
+        #: shared by both engines the GPU time-slices between them; a pipelined sender
+        #: gathers while the receiver scatters, so each chunk pays the switch
+        #: (benchmarks/results/gpu_timeslice_h200x1.json); in lockstep the two alternate.
+        self.lockstep = default_lockstep(self.device.type) if lockstep is None else lockstep
+        if self.lockstep not in LOCKSTEP_MODES:
+            raise ValueError(f"lockstep must be one of {LOCKSTEP_MODES}, not {self.lockstep!r}")
+        self.batches = 0  # lockstep batches started by our sends (tests, benchmark)
         endpoint.on_notif(PREFIX, self._on_notif)
 
     def info(self) -> StagingInfo:
@@ -921,6 +942,7 @@ class StagedSend:
         self.tiles: list[tuple[int, int, int, int]] | None = None
         self.nchunks = 0
         self.next_c = self.acked = 0
+        self.batch_left = 0  # lockstep: chunks of the current batch not gathered yet
         # our send slots: the whole send pool, or (shared pool) what our grant holds
         self.local_free = collections.deque(() if sp.shared else range(sp.send_pool.num_slots))
         self.packing: collections.deque[tuple[int, int, int, object]] = collections.deque()
@@ -991,21 +1013,27 @@ class StagedSend:
             sp._note("grant", 0)
         if self.tiles is not None and g is not None:
             tiles = self.tiles
+            if sp.lockstep:
+                self._start_batch()
             # Gather ahead: a free send slot is packed at once; a receive slot is needed
             # only to post. (Packing only once both were free put the gather on every
             # receive slot's round trip: measured ~0.26 of its ~0.9 ms on an H200.)
-            while self.next_c < self.nchunks and self.local_free and (sp.gather_ahead or out.idle):
+            while self.next_c < self.nchunks and self.local_free and self._may_gather():
                 ls = self.local_free.popleft()
                 r0, r1, b0, b1 = tiles[self.next_c]
-                self.packing.append((self.next_c, ls, -1 if sp.gather_ahead else out.idle.popleft(),
+                ahead = sp.gather_ahead and not sp.lockstep
+                self.packing.append((self.next_c, ls, -1 if ahead else out.idle.popleft(),
                                      sp._start_pack(self.lids, self.ids_dev, b0, b1, r0, r1, ls)))
                 sp._note("pack", self.next_c)
                 self.next_c += 1
+                if sp.lockstep:
+                    self.batch_left -= 1
             while self.packing and sp._pack_done(self.packing[0][3]):
                 c, ls, rs, handle = self.packing.popleft()
                 sp._pack_finished(handle, c)
                 self.ready.append((c, ls, rs, sp._pack_result(handle)))
-            while self.ready and (self.ready[0][2] >= 0 or out.idle):
+            while self.ready and (self.ready[0][2] >= 0 or out.idle) and not (
+                    sp.lockstep == LOCKSTEP_ALL and self.packing):
                 c, ls, rs, nbytes = self.ready.popleft()
                 if rs < 0:
                     rs = out.idle.popleft()
@@ -1041,6 +1069,22 @@ class StagedSend:
                                f"{self.nchunks or '?'} chunks acked after {self.timeout_s:.3f}s"
                                + ("" if g is not None else " (no grant from the receiver)"))
         return False
+
+    def _start_batch(self) -> None:
+        """Lockstep pacing: a new batch starts only once every chunk gathered so far is
+        acked; it is as many chunks as we hold both a send slot and a receive slot for."""
+        if self.batch_left > 0 or self.acked < self.next_c or self.next_c >= self.nchunks:
+            return
+        self.batch_left = min(len(self.local_free), len(self.out.idle))
+        if self.batch_left:
+            self.sp.batches += 1
+
+    def _may_gather(self) -> bool:
+        """Whether the next chunk may be gathered now (a send slot is known to be free)."""
+        sp = self.sp
+        if sp.lockstep:
+            return self.batch_left > 0 and bool(self.out.idle)
+        return sp.gather_ahead or bool(self.out.idle)
 
     def _slot_written(self, ls: int) -> None:
         """A chunk's WRITE is done: its send slot packs the next chunk, or (shared pool,

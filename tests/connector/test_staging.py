@@ -113,7 +113,7 @@ def test_choose_strategy() -> None:
 # ---------------------------------------------------------------------- over NIXL
 class StagedPair:
     def __init__(self, shape_first: str, slot_bytes: int, num_slots: int,
-                 send_slots: int | None = None, shared: bool = False) -> None:
+                 send_slots: int | None = None, shared: bool = False, lockstep: str = "") -> None:
         pytest.importorskip("nixl")
         from kvbaton.connector.transfer.nixl_agent import NixlEndpoint
         from kvbaton.connector.transfer.staging import StagedPeer
@@ -128,6 +128,7 @@ class StagedPair:
                              send_slots=send_slots, shared=shared)
         self.sb = StagedPeer(self.b, self.tb, self.lb, slot_bytes=slot_bytes, num_slots=num_slots,
                              send_slots=send_slots, shared=shared)
+        self.sa.lockstep = self.sb.lockstep = lockstep
         self.a.add_peer(self.b.name, self.b.metadata())
         self.b.add_peer(self.a.name, self.a.metadata())
 
@@ -214,6 +215,81 @@ def test_send_gathers_ahead_of_receive_slots(ahead: bool) -> None:
         assert not p.sb.grants.busy and p.sb.grants.free_slots() == 1
     finally:
         p.close()
+
+
+@pytest.mark.nixl
+@pytest.mark.parametrize("mode", ["each", "all"])
+def test_lockstep_sends_in_batches(mode: str) -> None:
+    """Lockstep pacing: a batch is gathered into every slot pair the send holds, and the
+    next batch's first gather starts only after every chunk of the one before was acked
+    ("all": no chunk of a batch is posted before the whole batch is gathered). Every
+    byte lands, with the same receiver (grants) as the pipelined sender."""
+    block_bytes = LAYERS * 2 * TPB * 2 * 8 * 2
+    p = StagedPair("kv", slot_bytes=2 * block_bytes, num_slots=3, send_slots=3, lockstep=mode)
+    try:
+        p.sa.trace = []
+        p.send_verified(30, 4, "ls")
+        n = p.sa.last_send_chunks  # 18 chunks, 3 slot pairs: 6 batches of 3
+        assert n == 18 and p.sa.batches == 6
+        at = {(what, seq): t for t, what, seq in p.sa.trace}
+        for b in range(1, 6):
+            first, prev = 3 * b, range(3 * (b - 1), 3 * b)
+            assert all(at[("ack", c)] < at[("pack", first)] for c in prev)
+            # the whole batch is gathered back to back, before any of it is acked
+            assert all(at[("pack", c)] < at[("ack", first)] for c in range(first, first + 3))
+        if mode == "all":
+            for b in range(6):
+                assert max(at[("packed", c)] for c in range(3 * b, 3 * b + 3)) < at[("post", 3 * b)]
+        assert not p.sb.grants.busy and p.sb.grants.free_slots() == 3
+    finally:
+        p.close()
+
+
+@pytest.mark.nixl
+def test_lockstep_staged_read_and_shared_pool_both_directions() -> None:
+    """Lockstep senders on a pool shared by both directions: two engines sending to each
+    other at once still never deadlock (a batch is only what the grants hold), and a
+    staged READ (a pull answered by a lockstep send) lands every byte."""
+    block_bytes = LAYERS * 2 * TPB * 2 * 8 * 2
+    p = StagedPair("kv", slot_bytes=2 * block_bytes, num_slots=2, send_slots=2, shared=True,
+                   lockstep="each")
+    try:
+        for t in p.ta:
+            t[:, 40:].zero_()
+        for t in p.tb:
+            t.view(torch.uint8)[:, :40].copy_(torch.randint(0, 256, t.view(torch.uint8)[:, :40].shape,
+                                                          dtype=torch.uint8))
+            t[:, 40:].zero_()
+        rng = np.random.default_rng(3)
+        a_src, b_dst = rng.permutation(40), 40 + rng.permutation(40)
+        b_src, a_dst = rng.permutation(40), 40 + rng.permutation(40)
+        want_b, want_a = checksum(p.ta, a_src, p.bd), checksum(p.tb, b_src, p.bd)
+        jobs = [p.sa.start_send(p.b.name, p.sb.info(), a_src, b_dst, "ab", timeout_s=30),
+                p.sb.start_send(p.a.name, p.sa.info(), b_src, a_dst, "ba", timeout_s=30)]
+        _finish_both(p, jobs, time.monotonic() + 30, "lockstep directions stalled each other")
+        assert checksum(p.tb, b_dst, p.bd) == want_b and checksum(p.ta, a_dst, p.bd) == want_a
+        assert p.sa.batches > 1 and p.sb.batches > 1
+        # staged READ: B pulls A's blocks 0..39 again into its blocks 40..79, in lockstep
+        for t in p.tb:
+            t[:, 40:].zero_()
+        p.sb.request_pull(p.a.name, a_src, b_dst, "rd")
+        deadline = time.monotonic() + 20
+        while not p.sa.serve_pulls(timeout_s=20, idle=p.sb.progress):
+            p.sb.progress()
+            p.sa.progress()
+            assert time.monotonic() < deadline, "pull request never arrived"
+        assert p.sb.wait_complete("rd", timeout_s=10) == p.a.name
+        assert checksum(p.tb, b_dst, p.bd) == want_b
+        for sp in (p.sa, p.sb):
+            assert sp.dropped_chunks == 0
+    finally:
+        p.close()
+
+
+def test_lockstep_mode_is_checked() -> None:
+    from kvbaton.connector.transfer.staging import LOCKSTEP_MODES, default_lockstep
+
+    assert default_lockstep("cpu") in LOCKSTEP_MODES and default_lockstep("cuda") in LOCKSTEP_MODES
 
 
 @pytest.mark.nixl
