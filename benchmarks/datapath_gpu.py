@@ -173,7 +173,9 @@ VARIANTS = {"-nospin": "sleep-backoff polling",
             "-noahead": "gather only once a receive slot is idle (before gather-ahead)",
             "-pipelined": "pipelined sender (a chunk gathered whenever a send slot is free)",
             "-lockstep": "lockstep sender (batches of every slot pair held, each chunk posted once gathered)",
-            "-lockall": "lockstep sender (batches, posted once the whole batch is gathered)"}
+            "-lockall": "lockstep sender (batches, posted once the whole batch is gathered)",
+            "-sendnotif": "chunk notification sent by the sender once its WRITE is seen done",
+            "-k1": "one Triton launch per chunk whatever its regions"}
 _PACE = {"-pipelined": "", "-lockstep": LOCKSTEP_EACH, "-lockall": LOCKSTEP_ALL}
 
 
@@ -245,6 +247,8 @@ class Pools:
         self.active.spin = spin and self.active.cuda and variant != "-nospin"
         self.active.gather_ahead = variant != "-noahead"
         self.active.lockstep = _PACE.get(variant, default_lockstep(self.active.device.type))
+        self.active.notif_after_done = variant == "-sendnotif"
+        self.active.kernel_min_regions = 1 if variant == "-k1" else 4
         return self.active
 
     def close(self) -> None:

@@ -519,6 +519,9 @@ class StagedPeer:
         if self.lockstep not in LOCKSTEP_MODES:
             raise ValueError(f"lockstep must be one of {LOCKSTEP_MODES}, not {self.lockstep!r}")
         self.batches = 0  # lockstep batches started by our sends (tests, benchmark)
+        #: send each chunk's notification ourselves once its WRITE is seen done, instead of
+        #: NIXL's notification riding on the WRITE (benchmark comparison)
+        self.notif_after_done = False
         endpoint.on_notif(PREFIX, self._on_notif)
 
     def info(self) -> StagingInfo:
@@ -949,6 +952,7 @@ class StagedSend:
         #: packed chunks waiting for a receive slot: (chunk, send slot, receive slot or -1, bytes)
         self.ready: collections.deque[tuple[int, int, int, int]] = collections.deque()
         self.inflight: dict[int, tuple[int, int, Transfer]] = {}  # send slot → (recv slot, seq, WRITE)
+        self.chunk_msgs: dict[int, bytes] = {}  # notif_after_done: send slot → its chunk message
         #: finished WRITE requests by (send slot, receive slot, bytes, receiver's pool), posted again
         self.requests: dict[tuple[int, int, int, int], Transfer] = {}
         self.progressed = False
@@ -1040,7 +1044,9 @@ class StagedSend:
                 sp._note("posting", c)
                 r0, r1, b0, b1 = tiles[c]
                 msg = wire.encode(wire.StagedChunk(self.xfer_id, rs, c, self.nchunks, r0, r1, b0, b1))
-                self.inflight[ls] = (rs, c, self._post(ls, rs, nbytes, g, msg))
+                if sp.notif_after_done:  # sent by us once the WRITE is seen done
+                    self.chunk_msgs[ls] = msg
+                self.inflight[ls] = (rs, c, self._post(ls, rs, nbytes, g, b"" if sp.notif_after_done else msg))
                 sp._note("post", c)
                 self.progressed = True
             for ls, (rs, c, x) in list(self.inflight.items()):
@@ -1051,6 +1057,8 @@ class StagedSend:
                     if not sp.reuse_requests:
                         sp.ep.release(x)
                     del self.inflight[ls]
+                    if sp.notif_after_done:
+                        sp.ep.send_notif(self.peer, self.chunk_msgs.pop(ls))
                     self._slot_written(ls)  # our copy is out: the send slot is free
                     sp._note("wrote", c)
                     self.progressed = True

@@ -286,6 +286,21 @@ def test_lockstep_staged_read_and_shared_pool_both_directions() -> None:
         p.close()
 
 
+@pytest.mark.nixl
+def test_chunk_notification_after_write_done() -> None:
+    """``notif_after_done``: the WRITE carries no notification; the sender sends the chunk's
+    message itself once it sees the WRITE done. Every byte still lands, slots come back."""
+    block_bytes = LAYERS * 2 * TPB * 2 * 8 * 2
+    p = StagedPair("kv", slot_bytes=2 * block_bytes, num_slots=2, send_slots=2)
+    try:
+        p.sa.notif_after_done = True
+        p.send_verified(40, 6, "nd")
+        assert p.sa.last_send_chunks >= 12
+        assert not p.sb.grants.busy and p.sb.grants.free_slots() == 2
+    finally:
+        p.close()
+
+
 def test_lockstep_mode_is_checked() -> None:
     from kvbaton.connector.transfer.staging import LOCKSTEP_MODES, default_lockstep
 
