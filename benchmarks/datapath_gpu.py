@@ -57,14 +57,11 @@ from kvbaton.connector.transfer.descriptors import coalesce_runs, plan_transfer
 from kvbaton.connector.transfer.geometry import KvLayout
 from kvbaton.connector.transfer.nixl_agent import NixlEndpoint
 from kvbaton.connector.transfer.staging import (
-    LOCKSTEP_ALL,
-    LOCKSTEP_EACH,
     PREFIX,
     GpuRowCopier,
     PoolDefaults,
     StagedPeer,
     choose_strategy,
-    default_lockstep,
     default_pool,
     pack_blocks,
     plan_tiles,
@@ -171,12 +168,8 @@ REF_POOL = PoolDefaults(slot_bytes=256 * MiB, slots=4, send_slots=4, target_chun
 #: variants of a pool, as name suffixes: the same pools, one protocol setting changed
 VARIANTS = {"-nospin": "sleep-backoff polling",
             "-noahead": "gather only once a receive slot is idle (before gather-ahead)",
-            "-pipelined": "pipelined sender (a chunk gathered whenever a send slot is free)",
-            "-lockstep": "lockstep sender (batches of every slot pair held, each chunk posted once gathered)",
-            "-lockall": "lockstep sender (batches, posted once the whole batch is gathered)",
-            "-sendnotif": "chunk notification sent by the sender once its WRITE is seen done",
-            "-k1": "one Triton launch per chunk whatever its regions"}
-_PACE = {"-pipelined": "", "-lockstep": LOCKSTEP_EACH, "-lockall": LOCKSTEP_ALL}
+            "-k1": "one Triton launch per chunk whatever its regions",
+            "-nomerge": "one torch gather/scatter launch per region (before K/V merging)"}
 
 
 def base_pool(name: str) -> tuple[str, str]:
@@ -246,9 +239,8 @@ class Pools:
         self.active = self.peers[base]
         self.active.spin = spin and self.active.cuda and variant != "-nospin"
         self.active.gather_ahead = variant != "-noahead"
-        self.active.lockstep = _PACE.get(variant, default_lockstep(self.active.device.type))
-        self.active.notif_after_done = variant == "-sendnotif"
         self.active.kernel_min_regions = 1 if variant == "-k1" else 4
+        self.active.merge_regions = self.active.cuda and variant != "-nomerge"
         return self.active
 
     def close(self) -> None:

@@ -28,7 +28,7 @@ def _steps() -> dict[str, Callable[[], Any]]:
 
     from kvbaton.connector import wire
     from kvbaton.connector.transfer.geometry import KvLayout
-    from kvbaton.connector.transfer.staging import GpuRowCopier, region_byte_views, unpack_blocks
+    from kvbaton.connector.transfer.staging import GpuRowCopier, region_byte_views, region_groups, unpack_blocks
 
     n = 1024
     cache = [torch.zeros((2, n, 16, 8, 128), dtype=torch.bfloat16, device="cuda") for _ in range(64)]
@@ -49,6 +49,12 @@ def _steps() -> dict[str, Callable[[], Any]]:
     def index_copy2() -> None:
         with torch.cuda.stream(s):
             unpack_blocks(views[4:6], ids, src)
+
+    merged = region_groups(views[4:6])
+
+    def index_copy_merged() -> None:
+        with torch.cuda.stream(s):
+            unpack_blocks(views[4:6], ids, src, merged)
 
     def triton_scatter() -> None:
         with torch.cuda.stream(s):
@@ -77,7 +83,7 @@ def _steps() -> dict[str, Callable[[], Any]]:
             e = torch.cuda.Event()
             e.record(s)
 
-    return {f.__name__: f for f in (stream_ctx, index_copy2, triton_scatter, event_record, event_query,
+    return {f.__name__: f for f in (stream_ctx, index_copy2, index_copy_merged, triton_scatter, event_record, event_query,
                                     ids_slice, wire_chunk, wire_ack, start_unpack_like)}
 
 

@@ -53,12 +53,6 @@ from .staging_grants import Handout, SlotGrants
 from .timerslack import set_timer_slack
 
 Strategy = Literal["runs", "pack"]
-#: sender pacing (:attr:`StagedPeer.lockstep`): "" pipelined (a chunk is gathered as soon as
-#: a send slot is free), "each" lockstep batches posting each chunk once gathered, "all"
-#: lockstep batches posting once the whole batch is gathered
-LOCKSTEP_EACH = "each"
-LOCKSTEP_ALL = "all"
-LOCKSTEP_MODES = ("", LOCKSTEP_EACH, LOCKSTEP_ALL)
 #: the grantee name of our own sends in a shared pool (NIXL agent names are never empty)
 LOCAL = ""
 PREFIX = wire.staged_prefix()
@@ -84,11 +78,6 @@ GPU_POLL_MAX_S = 50e-6
 
 HOST_COSTS = PathCosts(desc_s=3e-6, link_bps=10e9, pack_bps=4e9, pack_fixed_s=300e-6)
 GPU_COSTS = PathCosts(desc_s=7e-6, link_bps=300e9, pack_bps=150e9, pack_fixed_s=100e-6)
-
-
-def default_lockstep(device: str) -> str:
-    """The sender pacing an engine uses by default on ``device`` ("cuda" or "cpu")."""
-    return ""
 
 
 def choose_strategy(num_runs: int, total_bytes: int, *, device: str = "cpu",
@@ -239,24 +228,67 @@ def _packed(views: Sequence[torch.Tensor], n: int, buf: torch.Tensor) -> torch.T
     return buf[:nbytes].view(views[0].dtype).view(len(views), n, row)
 
 
-def pack_blocks(views: Sequence[torch.Tensor], ids: torch.Tensor, out: torch.Tensor) -> int:
+RegionGroups = list[tuple[int, int, torch.Tensor]]
+
+
+def region_groups(views: Sequence[torch.Tensor]) -> RegionGroups:
+    """Runs of consecutive regions evenly spaced in one storage, each as one
+    ``[k, blocks, row]`` view: ``(first, end, view)``.
+
+    Why: a kernel launch costs ~20-25 µs of CPU on CUDA (benchmarks/results/
+    launch_cost_h200x1.json) and a staged chunk's gather and scatter sit on its round
+    trip. vLLM keeps a layer's K and V in one tensor (K and V regions evenly spaced), so
+    a tile of whole layers is one ``index_select`` / ``index_copy_`` per layer, not per
+    region. Regions of separate tensors stay one view each.
+    """
+    groups: RegionGroups = []
+    i = 0
+    while i < len(views):
+        v, j, delta = views[i], i + 1, 0
+        ptr = v.untyped_storage().data_ptr()
+        while j < len(views):
+            w = views[j]
+            d = w.storage_offset() - views[j - 1].storage_offset()
+            if (w.untyped_storage().data_ptr() != ptr or w.shape != v.shape or w.stride() != v.stride()
+                    or w.dtype != v.dtype or d <= 0 or (delta and d != delta)):
+                break
+            delta, j = d, j + 1
+        g = (v.unsqueeze(0) if j == i + 1
+             else v.as_strided((j - i, *v.shape), (delta, *v.stride()), v.storage_offset()))
+        groups.append((i, j, g))
+        i = j
+    return groups
+
+
+def pack_blocks(views: Sequence[torch.Tensor], ids: torch.Tensor, out: torch.Tensor,
+                groups: RegionGroups | None = None) -> int:
     """Gather blocks ``ids`` of every region into ``out`` (region-major); returns bytes.
 
-    One ``index_select`` per region: the block lists are shared by all regions, so a
-    transfer of n blocks over R regions is R kernel calls, independent of fragmentation.
-    (On CUDA the staged path uses :class:`GpuRowCopier` instead: one kernel for all.)
+    One ``index_select`` per region (or per :func:`region_groups` group when given): the
+    block lists are shared by all regions, so a transfer of n blocks over R regions is at
+    most R kernel calls, independent of fragmentation. (On CUDA tiles of many regions use
+    :class:`GpuRowCopier` instead: one kernel for all.)
     """
     dst = _packed(views, int(ids.shape[0]), out)
-    for r, v in enumerate(views):
-        torch.index_select(v, 0, ids, out=dst[r])
+    if groups is not None:
+        for i, j, g in groups:
+            torch.index_select(g, 1, ids, out=dst[i:j])
+    else:
+        for r, v in enumerate(views):
+            torch.index_select(v, 0, ids, out=dst[r])
     return dst.numel() * dst.element_size()
 
 
-def unpack_blocks(views: Sequence[torch.Tensor], ids: torch.Tensor, src: torch.Tensor) -> None:
+def unpack_blocks(views: Sequence[torch.Tensor], ids: torch.Tensor, src: torch.Tensor,
+                  groups: RegionGroups | None = None) -> None:
     """Scatter a :func:`pack_blocks` buffer into blocks ``ids`` of every region."""
     packed = _packed(views, int(ids.shape[0]), src)
-    for r, v in enumerate(views):
-        v.index_copy_(0, ids, packed[r])
+    if groups is not None:
+        for i, j, g in groups:
+            g.index_copy_(1, ids, packed[i:j])
+    else:
+        for r, v in enumerate(views):
+            v.index_copy_(0, ids, packed[r])
 
 
 # ---------------------------------------------------------------------------- GPU kernel
@@ -421,8 +453,7 @@ class StagedPeer:
                  target_chunks: int = 16, min_chunk_bytes: int = 4 << 20,
                  use_kernel: bool | None = None, send_slots: int | None = None,
                  grant_margin_s: float = 2.0, shared: bool = False,
-                 on_complete: Callable[[str, str], None] | None = None,
-                 lockstep: str | None = None) -> None:
+                 on_complete: Callable[[str, str], None] | None = None) -> None:
         """Allocate and register two pools (send: ``send_slots`` (default ``num_slots``),
         receive: ``num_slots``, both ``slot_bytes``) on the KV's device.
 
@@ -485,6 +516,10 @@ class StagedPeer:
         #: tiles with fewer regions than this are moved with one torch kernel per region
         #: (a Triton launch costs more CPU time than a few torch launches)
         self.kernel_min_regions = 4
+        #: torch gathers/scatters: one launch per run of evenly spaced regions (a layer's
+        #: K and V), not per region (:func:`region_groups`); CUDA only (launches cost there)
+        self.merge_regions = self.cuda
+        self._group_cache: dict[tuple[int, int], RegionGroups] = {}
         # Destination ids of incoming transfers, received once (grant request or our pull)
         # and uploaded once on CUDA; chunks name a range of them (no ids per chunk).
         self._dst_ids: collections.OrderedDict[tuple[str, str], np.ndarray] = collections.OrderedDict()
@@ -510,18 +545,6 @@ class StagedPeer:
         #: post a finished slot → slot WRITE request again instead of making a new one
         #: (False: a new request per chunk, as before; kept for the benchmark's comparison)
         self.reuse_requests = True
-        #: sender pacing (:data:`LOCKSTEP_MODES`). Lockstep: gather a batch (every slot pair
-        #: held), post it, and gather the next only once all of it is acked. On one GPU
-        #: shared by both engines the GPU time-slices between them; a pipelined sender
-        #: gathers while the receiver scatters, so each chunk pays the switch
-        #: (benchmarks/results/gpu_timeslice_h200x1.json); in lockstep the two alternate.
-        self.lockstep = default_lockstep(self.device.type) if lockstep is None else lockstep
-        if self.lockstep not in LOCKSTEP_MODES:
-            raise ValueError(f"lockstep must be one of {LOCKSTEP_MODES}, not {self.lockstep!r}")
-        self.batches = 0  # lockstep batches started by our sends (tests, benchmark)
-        #: send each chunk's notification ourselves once its WRITE is seen done, instead of
-        #: NIXL's notification riding on the WRITE (benchmark comparison)
-        self.notif_after_done = False
         endpoint.on_notif(PREFIX, self._on_notif)
 
     def info(self) -> StagingInfo:
@@ -653,10 +676,20 @@ class StagedPeer:
             if self.copier is not None and r1 - r0 >= self.kernel_min_regions:
                 nbytes = self.copier.gather(ids, r0, r1, out)
             else:
-                nbytes = pack_blocks(self.views[r0:r1], ids, out)
+                nbytes = pack_blocks(self.views[r0:r1], ids, out, self._groups(r0, r1))
             ev = torch.cuda.Event(enable_timing=ev0 is not None)
             ev.record(self._pack_stream)
         return (ev, nbytes, ev0)
+
+    def _groups(self, r0: int, r1: int) -> RegionGroups | None:
+        """The torch gathers' merged views of regions ``r0..r1`` (CUDA only; cached: tiles
+        repeat the same region ranges)."""
+        if not self.merge_regions:
+            return None
+        g = self._group_cache.get((r0, r1))
+        if g is None:
+            g = self._group_cache[(r0, r1)] = region_groups(self.views[r0:r1])
+        return g
 
     def _on_device(self) -> None:
         """Make the KV's GPU the calling thread's current device (Triton launches on the
@@ -874,7 +907,7 @@ class StagedPeer:
             if self.copier is not None and m.r1 - m.r0 >= self.kernel_min_regions:
                 self.copier.scatter(ids_dev, m.r0, m.r1, src)
             else:
-                unpack_blocks(self.views[m.r0:m.r1], ids_dev, src)
+                unpack_blocks(self.views[m.r0:m.r1], ids_dev, src, self._groups(m.r0, m.r1))
             ev = torch.cuda.Event(enable_timing=ev0 is not None)
             ev.record(self._unpack_stream)
         self._note("unpack", m.seq)
@@ -945,14 +978,12 @@ class StagedSend:
         self.tiles: list[tuple[int, int, int, int]] | None = None
         self.nchunks = 0
         self.next_c = self.acked = 0
-        self.batch_left = 0  # lockstep: chunks of the current batch not gathered yet
         # our send slots: the whole send pool, or (shared pool) what our grant holds
         self.local_free = collections.deque(() if sp.shared else range(sp.send_pool.num_slots))
         self.packing: collections.deque[tuple[int, int, int, object]] = collections.deque()
         #: packed chunks waiting for a receive slot: (chunk, send slot, receive slot or -1, bytes)
         self.ready: collections.deque[tuple[int, int, int, int]] = collections.deque()
         self.inflight: dict[int, tuple[int, int, Transfer]] = {}  # send slot → (recv slot, seq, WRITE)
-        self.chunk_msgs: dict[int, bytes] = {}  # notif_after_done: send slot → its chunk message
         #: finished WRITE requests by (send slot, receive slot, bytes, receiver's pool), posted again
         self.requests: dict[tuple[int, int, int, int], Transfer] = {}
         self.progressed = False
@@ -1017,36 +1048,28 @@ class StagedSend:
             sp._note("grant", 0)
         if self.tiles is not None and g is not None:
             tiles = self.tiles
-            if sp.lockstep:
-                self._start_batch()
             # Gather ahead: a free send slot is packed at once; a receive slot is needed
             # only to post. (Packing only once both were free put the gather on every
             # receive slot's round trip: measured ~0.26 of its ~0.9 ms on an H200.)
-            while self.next_c < self.nchunks and self.local_free and self._may_gather():
+            while self.next_c < self.nchunks and self.local_free and (sp.gather_ahead or out.idle):
                 ls = self.local_free.popleft()
                 r0, r1, b0, b1 = tiles[self.next_c]
-                ahead = sp.gather_ahead and not sp.lockstep
-                self.packing.append((self.next_c, ls, -1 if ahead else out.idle.popleft(),
+                self.packing.append((self.next_c, ls, -1 if sp.gather_ahead else out.idle.popleft(),
                                      sp._start_pack(self.lids, self.ids_dev, b0, b1, r0, r1, ls)))
                 sp._note("pack", self.next_c)
                 self.next_c += 1
-                if sp.lockstep:
-                    self.batch_left -= 1
             while self.packing and sp._pack_done(self.packing[0][3]):
                 c, ls, rs, handle = self.packing.popleft()
                 sp._pack_finished(handle, c)
                 self.ready.append((c, ls, rs, sp._pack_result(handle)))
-            while self.ready and (self.ready[0][2] >= 0 or out.idle) and not (
-                    sp.lockstep == LOCKSTEP_ALL and self.packing):
+            while self.ready and (self.ready[0][2] >= 0 or out.idle):
                 c, ls, rs, nbytes = self.ready.popleft()
                 if rs < 0:
                     rs = out.idle.popleft()
                 sp._note("posting", c)
                 r0, r1, b0, b1 = tiles[c]
                 msg = wire.encode(wire.StagedChunk(self.xfer_id, rs, c, self.nchunks, r0, r1, b0, b1))
-                if sp.notif_after_done:  # sent by us once the WRITE is seen done
-                    self.chunk_msgs[ls] = msg
-                self.inflight[ls] = (rs, c, self._post(ls, rs, nbytes, g, b"" if sp.notif_after_done else msg))
+                self.inflight[ls] = (rs, c, self._post(ls, rs, nbytes, g, msg))
                 sp._note("post", c)
                 self.progressed = True
             for ls, (rs, c, x) in list(self.inflight.items()):
@@ -1057,8 +1080,6 @@ class StagedSend:
                     if not sp.reuse_requests:
                         sp.ep.release(x)
                     del self.inflight[ls]
-                    if sp.notif_after_done:
-                        sp.ep.send_notif(self.peer, self.chunk_msgs.pop(ls))
                     self._slot_written(ls)  # our copy is out: the send slot is free
                     sp._note("wrote", c)
                     self.progressed = True
@@ -1077,22 +1098,6 @@ class StagedSend:
                                f"{self.nchunks or '?'} chunks acked after {self.timeout_s:.3f}s"
                                + ("" if g is not None else " (no grant from the receiver)"))
         return False
-
-    def _start_batch(self) -> None:
-        """Lockstep pacing: a new batch starts only once every chunk gathered so far is
-        acked; it is as many chunks as we hold both a send slot and a receive slot for."""
-        if self.batch_left > 0 or self.acked < self.next_c or self.next_c >= self.nchunks:
-            return
-        self.batch_left = min(len(self.local_free), len(self.out.idle))
-        if self.batch_left:
-            self.sp.batches += 1
-
-    def _may_gather(self) -> bool:
-        """Whether the next chunk may be gathered now (a send slot is known to be free)."""
-        sp = self.sp
-        if sp.lockstep:
-            return self.batch_left > 0 and bool(self.out.idle)
-        return sp.gather_ahead or bool(self.out.idle)
 
     def _slot_written(self, ls: int) -> None:
         """A chunk's WRITE is done: its send slot packs the next chunk, or (shared pool,

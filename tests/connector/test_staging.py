@@ -18,6 +18,7 @@ from kvbaton.connector.transfer.staging import (
     pack_blocks,
     plan_tiles,
     region_byte_views,
+    region_groups,
     unpack_blocks,
 )
 
@@ -63,6 +64,41 @@ def test_pack_unpack_roundtrip(shape_first: str, seed: int) -> None:
     rest = np.setdiff1d(np.arange(NUM_BLOCKS), dids)
     assert all(int(t.index_select(bd, torch.from_numpy(rest)).view(torch.uint8).sum()) == 0
                for t in dst)
+
+
+@pytest.mark.parametrize("shape_first", ["kv", "block"])
+def test_region_groups_merge_a_layers_k_and_v(shape_first: str) -> None:
+    """K and V of one layer live in one tensor, evenly spaced: one merged view per layer
+    (one gather/scatter launch instead of two), and packing through the merged views gives
+    the same bytes as region by region, for any region range."""
+    rng = np.random.default_rng(7)
+    src, dst = kv(shape_first, True), kv(shape_first, False)
+    ls, ld = KvLayout.from_tensors(src, TPB), KvLayout.from_tensors(dst, TPB)
+    vs, vd = region_byte_views(src, ls), region_byte_views(dst, ld)
+    groups = region_groups(vs)
+    if shape_first == "block":  # a block holds K and V together: one region per layer
+        assert [(i, j) for i, j, _ in groups] == [(0, 1), (1, 2), (2, 3)]
+        ranges = [(0, 3), (1, 2)]
+    else:
+        assert [(i, j) for i, j, _ in groups] == [(0, 2), (2, 4), (4, 6)]
+        assert all(g.shape == (2, *vs[0].shape) and g[1].data_ptr() == vs[i + 1].data_ptr()
+                   and g[1].stride() == vs[i + 1].stride() for i, _, g in groups)
+        assert [(i, j) for i, j, _ in region_groups(vs[1:5])] == [(0, 1), (1, 3), (3, 4)]
+        ranges = [(0, 6), (1, 5), (3, 4)]
+    n = 29
+    sids, dids = torch.from_numpy(rng.permutation(NUM_BLOCKS)[:n]), torch.from_numpy(rng.permutation(NUM_BLOCKS)[:n])
+    for r0, r1 in ranges:
+        size = (r1 - r0) * n * ls.bytes_per_block
+        a, b = torch.zeros(size, dtype=torch.uint8), torch.zeros(size, dtype=torch.uint8)
+        assert pack_blocks(vs[r0:r1], sids, a) == pack_blocks(vs[r0:r1], sids, b, region_groups(vs[r0:r1])) == size
+        assert torch.equal(a, b)
+        for t in dst:
+            t.zero_()
+        unpack_blocks(vd[r0:r1], dids, b, region_groups(vd[r0:r1]))
+        for r in range(len(vs)):  # raw bytes (random bits seen as complex words hold NaNs)
+            got = vd[r].index_select(0, dids).view(torch.uint8)
+            want = vs[r].index_select(0, sids).view(torch.uint8) if r0 <= r < r1 else torch.zeros_like(got)
+            assert torch.equal(got, want)
 
 
 def test_region_views_follow_layout() -> None:
@@ -113,7 +149,7 @@ def test_choose_strategy() -> None:
 # ---------------------------------------------------------------------- over NIXL
 class StagedPair:
     def __init__(self, shape_first: str, slot_bytes: int, num_slots: int,
-                 send_slots: int | None = None, shared: bool = False, lockstep: str = "") -> None:
+                 send_slots: int | None = None, shared: bool = False) -> None:
         pytest.importorskip("nixl")
         from kvbaton.connector.transfer.nixl_agent import NixlEndpoint
         from kvbaton.connector.transfer.staging import StagedPeer
@@ -128,7 +164,6 @@ class StagedPair:
                              send_slots=send_slots, shared=shared)
         self.sb = StagedPeer(self.b, self.tb, self.lb, slot_bytes=slot_bytes, num_slots=num_slots,
                              send_slots=send_slots, shared=shared)
-        self.sa.lockstep = self.sb.lockstep = lockstep
         self.a.add_peer(self.b.name, self.b.metadata())
         self.b.add_peer(self.a.name, self.a.metadata())
 
@@ -215,96 +250,6 @@ def test_send_gathers_ahead_of_receive_slots(ahead: bool) -> None:
         assert not p.sb.grants.busy and p.sb.grants.free_slots() == 1
     finally:
         p.close()
-
-
-@pytest.mark.nixl
-@pytest.mark.parametrize("mode", ["each", "all"])
-def test_lockstep_sends_in_batches(mode: str) -> None:
-    """Lockstep pacing: a batch is gathered into every slot pair the send holds, and the
-    next batch's first gather starts only after every chunk of the one before was acked
-    ("all": no chunk of a batch is posted before the whole batch is gathered). Every
-    byte lands, with the same receiver (grants) as the pipelined sender."""
-    block_bytes = LAYERS * 2 * TPB * 2 * 8 * 2
-    p = StagedPair("kv", slot_bytes=2 * block_bytes, num_slots=3, send_slots=3, lockstep=mode)
-    try:
-        p.sa.trace = []
-        p.send_verified(30, 4, "ls")
-        n = p.sa.last_send_chunks  # 18 chunks, 3 slot pairs: 6 batches of 3
-        assert n == 18 and p.sa.batches == 6
-        at = {(what, seq): t for t, what, seq in p.sa.trace}
-        for b in range(1, 6):
-            first, prev = 3 * b, range(3 * (b - 1), 3 * b)
-            assert all(at[("ack", c)] < at[("pack", first)] for c in prev)
-            # the whole batch is gathered back to back, before any of it is acked
-            assert all(at[("pack", c)] < at[("ack", first)] for c in range(first, first + 3))
-        if mode == "all":
-            for b in range(6):
-                assert max(at[("packed", c)] for c in range(3 * b, 3 * b + 3)) < at[("post", 3 * b)]
-        assert not p.sb.grants.busy and p.sb.grants.free_slots() == 3
-    finally:
-        p.close()
-
-
-@pytest.mark.nixl
-def test_lockstep_staged_read_and_shared_pool_both_directions() -> None:
-    """Lockstep senders on a pool shared by both directions: two engines sending to each
-    other at once still never deadlock (a batch is only what the grants hold), and a
-    staged READ (a pull answered by a lockstep send) lands every byte."""
-    block_bytes = LAYERS * 2 * TPB * 2 * 8 * 2
-    p = StagedPair("kv", slot_bytes=2 * block_bytes, num_slots=2, send_slots=2, shared=True,
-                   lockstep="each")
-    try:
-        for t in p.ta:
-            t[:, 40:].zero_()
-        for t in p.tb:
-            t.view(torch.uint8)[:, :40].copy_(torch.randint(0, 256, t.view(torch.uint8)[:, :40].shape,
-                                                          dtype=torch.uint8))
-            t[:, 40:].zero_()
-        rng = np.random.default_rng(3)
-        a_src, b_dst = rng.permutation(40), 40 + rng.permutation(40)
-        b_src, a_dst = rng.permutation(40), 40 + rng.permutation(40)
-        want_b, want_a = checksum(p.ta, a_src, p.bd), checksum(p.tb, b_src, p.bd)
-        jobs = [p.sa.start_send(p.b.name, p.sb.info(), a_src, b_dst, "ab", timeout_s=30),
-                p.sb.start_send(p.a.name, p.sa.info(), b_src, a_dst, "ba", timeout_s=30)]
-        _finish_both(p, jobs, time.monotonic() + 30, "lockstep directions stalled each other")
-        assert checksum(p.tb, b_dst, p.bd) == want_b and checksum(p.ta, a_dst, p.bd) == want_a
-        assert p.sa.batches > 1 and p.sb.batches > 1
-        # staged READ: B pulls A's blocks 0..39 again into its blocks 40..79, in lockstep
-        for t in p.tb:
-            t[:, 40:].zero_()
-        p.sb.request_pull(p.a.name, a_src, b_dst, "rd")
-        deadline = time.monotonic() + 20
-        while not p.sa.serve_pulls(timeout_s=20, idle=p.sb.progress):
-            p.sb.progress()
-            p.sa.progress()
-            assert time.monotonic() < deadline, "pull request never arrived"
-        assert p.sb.wait_complete("rd", timeout_s=10) == p.a.name
-        assert checksum(p.tb, b_dst, p.bd) == want_b
-        for sp in (p.sa, p.sb):
-            assert sp.dropped_chunks == 0
-    finally:
-        p.close()
-
-
-@pytest.mark.nixl
-def test_chunk_notification_after_write_done() -> None:
-    """``notif_after_done``: the WRITE carries no notification; the sender sends the chunk's
-    message itself once it sees the WRITE done. Every byte still lands, slots come back."""
-    block_bytes = LAYERS * 2 * TPB * 2 * 8 * 2
-    p = StagedPair("kv", slot_bytes=2 * block_bytes, num_slots=2, send_slots=2)
-    try:
-        p.sa.notif_after_done = True
-        p.send_verified(40, 6, "nd")
-        assert p.sa.last_send_chunks >= 12
-        assert not p.sb.grants.busy and p.sb.grants.free_slots() == 2
-    finally:
-        p.close()
-
-
-def test_lockstep_mode_is_checked() -> None:
-    from kvbaton.connector.transfer.staging import LOCKSTEP_MODES, default_lockstep
-
-    assert default_lockstep("cpu") in LOCKSTEP_MODES and default_lockstep("cuda") in LOCKSTEP_MODES
 
 
 @pytest.mark.nixl
