@@ -103,6 +103,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--cpu", action="store_true",
                    help="host memory instead of GPUs (a logic smoke test of this script)")
     p.add_argument("--commit", default="", help="git commit measured (recorded in the results)")
+    p.add_argument("--label", default="", help="how the GPU was shared (e.g. under CUDA MPS), in the title")
     p.add_argument("--no-kernel", action="store_true", help="torch gathers instead of Triton")
     p.add_argument("--timeout", type=float, default=120.0)
     p.add_argument("--seed", type=int, default=0)
@@ -858,7 +859,8 @@ def _path_name(r: dict[str, Any]) -> str:
 
 def markdown(rows: list[dict[str, Any]], kernels: list[dict[str, Any]], env: dict[str, Any]) -> str:
     traces = env.get("traces", [])
-    lines = [f"# GPU data path: {env.get('gpus')} ({env.get('src')} → {env.get('dst')})", "",
+    label = f", {env['label']}" if env.get("label") else ""
+    lines = [f"# GPU data path: {env.get('gpus')} ({env.get('src')} → {env.get('dst')}){label}", "",
              f"Commit {env.get('commit') or '?'}. Qwen3-32B-shaped cache (64 layers, 8 KV heads × 128, "
              "bf16, 16-token blocks, 32 KiB per layer-K/V block). Median ms; GB/s of KV bytes "
              "moved; 'descs' is NIXL descriptors (chunks for the staged path); every run "
@@ -978,7 +980,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             torch.cuda.empty_cache()
     extra = {"device": "cuda", "gpus": names, "src": str(src), "dst": str(dst),
              "cuda": torch.version.cuda, "kernels": kernels, "traces": traces,
-             "commit": args.commit, "shipped_pool": pool_label("shipped")}
+             "commit": args.commit, "shipped_pool": pool_label("shipped"), "label": args.label}
     datapath.write_json(args.out, args, rows, extra)
     md = args.md or str(Path(args.out).with_suffix(".md"))
     Path(md).write_text(markdown(rows, kernels, extra))
