@@ -170,8 +170,7 @@ REF_POOL = PoolDefaults(slot_bytes=256 * MiB, slots=4, send_slots=4, target_chun
 VARIANTS = {"-nospin": "sleep-backoff polling",
             "-noahead": "gather only once a receive slot is idle (before gather-ahead)",
             "-k1": "one Triton launch per chunk whatever its regions",
-            "-nomerge": "one torch gather/scatter launch per region (before K/V merging)",
-            "-pollall": "every WRITE in flight checked on every turn (before oldest-first)"}
+            "-nomerge": "one torch gather/scatter launch per region (before K/V merging)"}
 
 
 def base_pool(name: str) -> tuple[str, str]:
@@ -243,7 +242,6 @@ class Pools:
         self.active.gather_ahead = variant != "-noahead"
         self.active.kernel_min_regions = 1 if variant == "-k1" else 4
         self.active.merge_regions = self.active.cuda and variant != "-nomerge"
-        self.active.poll_oldest_write = variant != "-pollall"
         return self.active
 
     def close(self) -> None:

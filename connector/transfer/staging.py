@@ -519,9 +519,6 @@ class StagedPeer:
         #: torch gathers/scatters: one launch per run of evenly spaced regions (a layer's
         #: K and V), not per region (:func:`region_groups`); CUDA only (launches cost there)
         self.merge_regions = self.cuda
-        #: a send checks its oldest WRITE in flight first and stops at the first still
-        #: running (False: every WRITE on every turn, as before; the benchmark compares)
-        self.poll_oldest_write = True
         self._group_cache: dict[tuple[int, int], RegionGroups] = {}
         # Destination ids of incoming transfers, received once (grant request or our pull)
         # and uploaded once on CUDA; chunks name a range of them (no ids per chunk).
@@ -1075,23 +1072,17 @@ class StagedSend:
                 self.inflight[ls] = (rs, c, self._post(ls, rs, nbytes, g, msg))
                 sp._note("post", c)
                 self.progressed = True
-            # WRITEs finish in the order they were posted (one stream of copies): check the
-            # oldest first and stop at the first still running (each check is a NIXL call
-            # that progresses UCX: ~µs of the owner thread, per WRITE in flight, per turn)
             for ls, (rs, c, x) in list(self.inflight.items()):
                 st = sp.ep.state(x)
                 if st == "ERR":
                     raise RuntimeError(f"staged WRITE into slot {rs} of {self.peer} failed")
-                if st != "DONE":
-                    if sp.poll_oldest_write:
-                        break
-                    continue
-                if not sp.reuse_requests:
-                    sp.ep.release(x)
-                del self.inflight[ls]
-                self._slot_written(ls)  # our copy is out: the send slot is free
-                sp._note("wrote", c)
-                self.progressed = True
+                if st == "DONE":
+                    if not sp.reuse_requests:
+                        sp.ep.release(x)
+                    del self.inflight[ls]
+                    self._slot_written(ls)  # our copy is out: the send slot is free
+                    sp._note("wrote", c)
+                    self.progressed = True
             while out.acks:
                 rs, seq, keep = out.acks.popleft()
                 sp._note("ack", seq)
