@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import statistics
 import sys
 import time
@@ -114,18 +113,12 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("skipped: no CUDA")
         return 0
-    from gpu_timeslice import _busy
+    from gpu_timeslice import busy_gpu
     rows = [dict(other="idle", **_measure(args.samples))]
     print(rows[-1], flush=True)
-    ctx = mp.get_context("spawn")
-    go, stop = ctx.Event(), ctx.Event()
-    proc = ctx.Process(target=_busy, args=(0, 64, go, stop), daemon=True)
-    proc.start()
-    go.wait(60)
-    rows.append(dict(other="another process copying 64 MiB per kernel", **_measure(args.samples)))
+    with busy_gpu(64):
+        rows.append(dict(other="another process copying 64 MiB per kernel", **_measure(args.samples)))
     print(rows[-1], flush=True)
-    stop.set()
-    proc.join(30)
     res = {"gpu": torch.cuda.get_device_name(0), "commit": args.commit, "samples": args.samples,
            "config": {"samples": args.samples, "chunk": "2 regions x 1024 blocks x 32 KiB (64 MiB)",
                       "busy_other": "64 MiB copies per kernel"},
