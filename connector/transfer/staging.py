@@ -14,7 +14,8 @@ are (measured on an H200: per-kernel launch cost, ~11 µs, not bandwidth, is wha
 small chunks). On CPU a single packer thread packs chunk i+1 while the owner thread
 posts and waits for chunk i's WRITE (UCX copies inside the post call with the GIL
 released). On CUDA nothing blocks: each chunk's gather is one Triton launch for all of
-its regions (:class:`GpuRowCopier`, torch per-region fallback) on a side stream, its
+its regions (:class:`GpuRowCopier`; tiles of fewer than 4 regions, e.g. one layer's K and
+V, use torch, one launch per layer: :func:`region_groups`) on a side stream, its
 WRITE is posted when the chunk's event fires, and the receiver enqueues the scatter on
 another stream and acks only when that event fires (:meth:`StagedPeer.progress`). Slots are a
 fixed pool on both sides, reused: a send slot once its WRITE is done, a receive slot once
