@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import queue
+from collections.abc import Callable
 from typing import Any
 
 from kvbaton.services.metrics import ConnectorMetrics, connector_metrics
@@ -41,6 +42,8 @@ class FlowContext:
     metrics: ConnectorMetrics = dataclasses.field(default_factory=connector_metrics)
     faults: Faults = dataclasses.field(default_factory=lambda: Faults(""))
     tp_rank: int = 0  # our tensor-parallel rank (outcomes carry it)
+    #: tells the engine loop a result is waiting (TP > 1: its idle steps wait long, wakeup.py)
+    wake: Callable[[], None] | None = None
 
     @property
     def endpoint(self) -> NixlEndpoint:
@@ -53,6 +56,8 @@ class FlowContext:
 
     def report(self, kind: str, req_id: str, ok: bool, block_ids: tuple[int, ...] = ()) -> None:
         self.results.put((kind, req_id, ok, block_ids))
+        if self.wake is not None:
+            self.wake()
 
 
 def error_text(exc: BaseException) -> str:
