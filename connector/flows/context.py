@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import queue
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -44,6 +45,9 @@ class FlowContext:
     tp_rank: int = 0  # our tensor-parallel rank (outcomes carry it)
     #: tells the engine loop a result is waiting (TP > 1: its idle steps wait long, wakeup.py)
     wake: Callable[[], None] | None = None
+    #: stamps messages that arrive between steps (a notification, an event) so that the
+    #: steps' ``expire(now, ...)`` ages them on the same clock; tests inject a fixed one
+    clock: Callable[[], float] = time.monotonic
 
     @property
     def endpoint(self) -> NixlEndpoint:
