@@ -325,7 +325,9 @@ async def run_store(args, store_url: str, store_pids: list[int], variant: str = 
     if args.profile:  # py-spy on the server for this store's whole run (its own CPU is not the server's)
         profile_path = f"{args.profile}.{len(args.profiled)}.txt"
         profiler = subprocess.Popen([str(ROOT / ".venv" / "bin" / "py-spy"), "record", "-p", str(server.pid), "-r", "200",
-                                     "-f", "raw", "-o", profile_path, "--nonblocking"],
+                                     "-f", "raw", "-o", profile_path,
+                                     # --native pauses the server per sample (py-spy refuses it with --nonblocking)
+                                     *(["--native"] if args.profile_native else ["--nonblocking"])],
                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         args.profiled.append(store_url)
     out: dict = {"variant": variant, "serve_args": list(serve_args), "store_url": store_url, "loadavg_at_start": os.getloadavg(), "points": [], "summary": {}}
@@ -473,6 +475,8 @@ def main() -> int:
     p.add_argument("--baseline", default="",
                    help="also run every store against `kvbaton serve` of this commit (after the current tree, same run)")
     p.add_argument("--profile", default="", help="py-spy the server (raw folded stacks to PROFILE.<n>.txt)")
+    p.add_argument("--profile-native", action="store_true",
+                   help="with --profile: py-spy --native (C frames of gRPC core, protobuf and the loop too)")
     p.add_argument("--table", metavar="RESULTS", help="only print the markdown tables of a results file")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "control_plane.json"))
     p.add_argument("--machine", default="", help="what this machine is, recorded in the results (beside its core count)")
