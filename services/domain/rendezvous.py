@@ -110,12 +110,37 @@ def _parse(value: bytes) -> pb.TransferState:
     return pb.TransferState.FromString(value)
 
 
-def derive_events(ev: WatchEvent) -> Iterable[tuple[str, pb.RendezvousEvent]]:
-    """Routes a record change to the engines it concerns."""
+class _ViewParser:
+    """Parses for the hub's cache and the events derived from it, once per value.
+
+    Each store event would otherwise be parsed three times: for the cache, and (new and
+    previous value) to derive its events; the previous value is the one the event before
+    it cached. Values are bytes (their hash is computed once and kept), so the memo costs
+    a dict lookup. What it returns is shared: the hub's records and derived events only
+    read it (``PrefixHub.note_write``'s rule); code that changes a record parses its own
+    with ``_parse``."""
+
+    def __init__(self, size: int = 4096) -> None:
+        self.size = size
+        self._memo: dict[bytes, pb.TransferState] = {}
+
+    def __call__(self, value: bytes) -> pb.TransferState:
+        t = self._memo.get(value)
+        if t is None:
+            t = pb.TransferState.FromString(value)
+            if len(self._memo) >= self.size:
+                self._memo.clear()  # bounded; the next event re-fills what it needs
+            self._memo[value] = t
+        return t
+
+
+def derive_events(ev: WatchEvent, parse=_parse) -> Iterable[tuple[str, pb.RendezvousEvent]]:
+    """Routes a record change to the engines it concerns (``parse``: the hub's, memoized;
+    what it returns is only read here)."""
     if ev.type is not EventType.PUT:
         return ()
-    new = _parse(ev.kv.value)
-    old = _parse(ev.prev_kv.value) if ev.prev_kv is not None and ev.prev_kv.value else None
+    new = parse(ev.kv.value)
+    old = parse(ev.prev_kv.value) if ev.prev_kv is not None and ev.prev_kv.value else None
     out: list[tuple[str, pb.RendezvousEvent]] = []
     if old is not None and old.attempt < new.attempt and old.phase not in TERMINAL:
         # Superseded: the old attempt's owners free their blocks.
@@ -227,8 +252,9 @@ class RendezvousService:
         # Optional async (conversation_id) -> RetainedBlocks | None (the registrar's): what
         # a reuse read is fenced against.
         self.retained_lookup = retained_lookup
+        view_parse = _ViewParser()
         self.hub: PrefixHub[pb.TransferState, pb.RendezvousEvent] = PrefixHub(
-            store, prefix + b"t/", parse=_parse, derive=derive_events, name="transfers",
+            store, prefix + b"t/", parse=view_parse, derive=lambda ev: derive_events(ev, view_parse), name="transfers",
             keep=lambda t: t.phase not in TERMINAL,
         )
         self._tasks: list[asyncio.Task] = []
@@ -305,11 +331,6 @@ class RendezvousService:
                     cur.attempt == msg.attempt and ((cur.offer if msg.is_offer else cur.completion).engine_id
                                                     or cur.phase in TERMINAL))):
                 continue
-            side = pb.TransferSide(
-                engine_id=msg.engine_id, block_ids=msg.block_ids, num_tokens=msg.num_tokens,
-                deadline_ms=now + msg.timeout_ms, received_at_ms=now, request_id=msg.request_id,
-                peer_engine_id=msg.peer,
-            )
             if cur is not None and cur.attempt > msg.attempt:
                 raise precondition(
                     f"transfer {msg.transfer_id}: attempt {msg.attempt} is superseded by attempt {cur.attempt}")
@@ -347,7 +368,12 @@ class RendezvousService:
                                 named=msg.peer, by=msg.engine_id)
                     self.metrics.transfers.labels("cancelled", "impostor").inc()
                     dropped.Clear()
-            (new.offer if msg.is_offer else new.completion).CopyFrom(side)
+            # The side is written in place (no separate message copied in).
+            side = new.offer if msg.is_offer else new.completion
+            side.Clear()
+            side.engine_id, side.num_tokens, side.request_id = msg.engine_id, msg.num_tokens, msg.request_id
+            side.deadline_ms, side.received_at_ms, side.peer_engine_id = now + msg.timeout_ms, now, msg.peer
+            side.block_ids.extend(msg.block_ids)
             if not msg.is_offer:
                 new.expected_outcomes = msg.writers
             matched = bool(new.offer.engine_id and new.completion.engine_id)
@@ -381,7 +407,9 @@ class RendezvousService:
             # that make events (match, failure, superseding) keep a revision of their own,
             # which is what subscribers resume from.
             txn = self.store.txn_batched if new.phase in PENDING and not superseded else self.store.txn
-            result = await txn([Compare.unchanged(kv, key)], await self._put_ops(new), [Get(key)])
+            # A live record has no tombstone lease: its put needs no await.
+            ops = [Put(key, new.SerializeToString())] if new.phase not in TERMINAL else await self._put_ops(new)
+            result = await txn([Compare.unchanged(kv, key)], ops, [Get(key)])
             if not result.succeeded:
                 fresh = result.values[:1] or None
             else:
