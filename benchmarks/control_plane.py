@@ -214,6 +214,11 @@ async def open_loop(kv: KvbatonClient, peer: KvbatonClient, stubs: list, *, path
     await asyncio.gather(consumer, return_exceptions=True)
     lat = [(pt.matched[tid] - pt.scheduled[tid]) * 1000 for tid in accepted if tid in pt.matched]
     span = (max(pt.matched.values()) - t0) if pt.matched else seconds
+    # The slowest 1 %: when each was due (s into the point) and how late its MATCH came.
+    # Outliers bunched in time point at a stall (a GC pass, a descheduled process, the
+    # machine's other load); outliers spread out one by one at something per transfer.
+    slow = sorted(((pt.matched[tid] - pt.scheduled[tid]) * 1000, pt.scheduled[tid] - t0, tid)
+                  for tid in accepted if tid in pt.matched)[-max(len(lat) // 100, 1):] if lat else []
     sent = [(x.stats["sent_calls"] - b["sent_calls"], x.stats["sent_batches"] - b["sent_batches"])
             for x, b in zip(sessions, before)]
     result = {
@@ -226,6 +231,7 @@ async def open_loop(kv: KvbatonClient, peer: KvbatonClient, stubs: list, *, path
         "half": sum(1 for codes in pt.answers.values() if sorted(codes)[0] == 0 and any(codes)),
         "unanswered": sum(1 for tid in pt.scheduled if len(pt.answers.get(tid, ())) < 2),
         "send_lag_p99_ms": pct(pt.send_lag, 99),
+        "slowest_1pct": [{"due_s": round(due_s, 4), "ms": round(ms, 2)} for ms, due_s, _ in sorted(slow, key=lambda x: x[1])],
         # When refusals came: at once (shed) or after queueing (what a client waited for nothing).
         "refused_after_ms": {code: {"p50": pct(v, 50), "max": max(v)} for code, v in pt.refused_after.items()},
     }
