@@ -25,7 +25,9 @@ connections; ``session`` sends them over the two engines' Rendezvous/Session str
 (``KvbatonClient.session``, batched, its defaults); ``session-answer`` also opens the
 prefill's subscription as its engine's sole one on the client its completions go out on
 (the connector's worker at TP 1), so a completion that makes the match is answered with
-it. ``/wN`` after a session path sets the sessions' Nagle window (``/w0``: none, the client
+it. ``--floor`` adds a server whose rendezvous answers are canned (``benchmarks/floor_server.py``;
+session-answer points only): the same gRPC, loop and Session handler with no rendezvous
+work, so the difference is what kvbaton's own code costs per match. ``/wN`` after a session path sets the sessions' Nagle window (``/w0``: none, the client
 before it), so old and new clients run against the same server in one run. Each point
 reports gRPC messages per match through the server (calls in, answers out, the prefill's
 Subscribe stream). ``kvbaton serve`` runs in its own process, so the
@@ -324,7 +326,9 @@ async def run_store(args, store_url: str, store_pids: list[int], variant: str = 
     if variant == "baseline":
         cwd = str(args.baseline_dir)
         env["PYTHONPATH"] = cwd
-    server = subprocess.Popen([sys.executable, "-m", "kvbaton.cli", "serve", "--insecure", "--listen", f"127.0.0.1:{port}",
+    # The floor: the same server with canned rendezvous answers (benchmarks/floor_server.py).
+    entry = [str(ROOT / "benchmarks" / "floor_server.py")] if variant == "floor" else ["-m", "kvbaton.cli"]
+    server = subprocess.Popen([sys.executable, *entry, "serve", "--insecure", "--listen", f"127.0.0.1:{port}",
                                "--store", store_url, *serve_args],
                               env=env, start_new_session=True, cwd=cwd)
     profiler = None
@@ -353,6 +357,8 @@ async def run_store(args, store_url: str, store_pids: list[int], variant: str = 
             prefix = f"{variant}-"
             for spec in args.path:
                 path, window = parse_path(spec)
+                if variant == "floor" and path != "session-answer":
+                    continue  # the floor answers the MATCH on the completion only
                 default_window = kv.session.max_in_flight
                 if window is not None:  # the sessions' Nagle window (RendezvousSession.max_in_flight)
                     kv.session.max_in_flight = peer.session.max_in_flight = window
@@ -480,6 +486,9 @@ def main() -> int:
                         "'uvloop:--event-loop uvloop' (repeatable, in this order; default 'current:')")
     p.add_argument("--baseline", default="",
                    help="also run every store against `kvbaton serve` of this commit (after the current tree, same run)")
+    p.add_argument("--floor", action="store_true",
+                   help="also run the session-answer points against benchmarks/floor_server.py (this server with "
+                        "canned rendezvous answers): what a match costs beside kvbaton's rendezvous work")
     p.add_argument("--profile", default="", help="py-spy the server (raw folded stacks to PROFILE.<n>.txt)")
     p.add_argument("--profile-native", action="store_true",
                    help="with --profile: py-spy --native (C frames of gRPC core, protobuf and the loop too)")
@@ -514,7 +523,8 @@ def main() -> int:
             store_url = store
         try:
             variants = [(v.split(":", 1)[0], tuple(v.split(":", 1)[1].split())) for v in args.variant]
-            for variant, serve_args in [*variants, *([("baseline", ())] if args.baseline else [])]:
+            extra = [*([("baseline", ())] if args.baseline else []), *([("floor", ())] if args.floor else [])]
+            for variant, serve_args in [*variants, *extra]:
                 print(f"[{store}] {variant}", flush=True)
                 r = asyncio.run(run_store(args, store_url, store_pids, variant, serve_args))
                 r["store"] = f"etcd ({store[-1]} member{'s' if store == 'etcd3' else ''}, loopback)" if cluster else store
