@@ -161,14 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.first_tokens + args.turns * (args.new_tokens + args.max_tokens) > 4000:
         ap.error("the conversation would outgrow the engines' 4096-token context")
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="kvbaton-fleet-demo-"))
-    try:
-        return run(args, workdir)
-    except KeyboardInterrupt:
-        print("interrupted; everything started was stopped")
-        return 130
-    except Exception as exc:  # noqa: BLE001 - one readable line, then nonzero
-        print(f"FAILED: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
+    from kvbaton.stack.base import run_demo
+
+    return run_demo(lambda: run(args, workdir))
 
 
 if __name__ == "__main__":

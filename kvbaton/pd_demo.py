@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from kvbaton.stack import pd_stack
+from kvbaton.stack.base import run_demo
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -177,14 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir", type=Path, default=None, help="logs and stats (default: a fresh temp dir)")
     args = ap.parse_args(argv)
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix=f"kvbaton-pd-demo-{args.mode}-"))
-    try:
-        return run(args.mode, args.turns, args.max_tokens, args.model_dir, workdir)
-    except KeyboardInterrupt:
-        print("interrupted; everything started was stopped")
-        return 130
-    except Exception as exc:  # noqa: BLE001 - one readable line, then nonzero
-        print(f"FAILED: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
+    return run_demo(lambda: run(args.mode, args.turns, args.max_tokens, args.model_dir, workdir))
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -27,7 +28,21 @@ from kvbaton.stack.vllm_server import VllmServer
 if TYPE_CHECKING:
     from kvbaton.client import KvbatonClient
 
-__all__ = ["StackBase"]
+__all__ = ["StackBase", "run_demo"]
+
+
+def run_demo(body: Callable[[], int]) -> int:
+    """Run a demo's body as a command: Ctrl-C or a failure is one readable line and a nonzero
+    exit, never a traceback over the engines' logs. The body's stack stops in its own
+    ``with`` block, so by the time this returns everything it started is stopped."""
+    try:
+        return body()
+    except KeyboardInterrupt:
+        print("interrupted; everything started was stopped")
+        return 130
+    except Exception as exc:  # noqa: BLE001 - one readable line, then nonzero
+        print(f"FAILED: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
 
 
 class StackBase:
