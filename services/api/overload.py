@@ -44,12 +44,12 @@ def thread_cpu_and_wait(fd: int | None = None) -> tuple[float, float]:
     loop reads it 100 times a second: an open and close each time cost more than the read)."""
     try:
         if fd is not None:
-            on_cpu, waiting, _ = os.pread(fd, 128, 0).split()
+            fields = os.pread(fd, 128, 0).split()
         else:
-            with open(_SCHEDSTAT) as f:
-                on_cpu, waiting, _ = f.read().split()
-        return int(on_cpu) / 1e9, int(waiting) / 1e9
-    except (OSError, ValueError):
+            with open(_SCHEDSTAT, "rb") as f:
+                fields = f.read().split()
+        return int(fields[0]) / 1e9, int(fields[1]) / 1e9
+    except (OSError, ValueError, IndexError):
         return time.thread_time(), 0.0
 
 
