@@ -768,9 +768,9 @@ class RendezvousService:
                     not t.match_answered) and not any(
                     o.tp_rank == tp_rank for o in t.outcomes
                 ):
-                    event = Ev(type=Ev.TYPE_MATCH, transfer=t, revision=rev)
-                    event.transfer.revision = rev  # on the event's copy: cached records are only read
-                    yield event
+                    replayed = Ev(type=Ev.TYPE_MATCH, transfer=t, revision=rev)
+                    replayed.transfer.revision = rev  # on the event's copy: cached records are only read
+                    yield replayed
         async for _, event in self.hub.subscribe_idle(engine_id, after_revision, idle_s):
             yield event
 
