@@ -103,6 +103,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--cpu", action="store_true",
                    help="host memory instead of GPUs (a logic smoke test of this script)")
     p.add_argument("--commit", default="", help="git commit measured (recorded in the results)")
+    p.add_argument("--label", default="", help="how the GPU was shared (e.g. under CUDA MPS), in the title")
     p.add_argument("--no-kernel", action="store_true", help="torch gathers instead of Triton")
     p.add_argument("--timeout", type=float, default=120.0)
     p.add_argument("--seed", type=int, default=0)
@@ -167,7 +168,9 @@ REF_POOL = PoolDefaults(slot_bytes=256 * MiB, slots=4, send_slots=4, target_chun
 
 #: variants of a pool, as name suffixes: the same pools, one protocol setting changed
 VARIANTS = {"-nospin": "sleep-backoff polling",
-            "-noahead": "gather only once a receive slot is idle (before gather-ahead)"}
+            "-noahead": "gather only once a receive slot is idle (before gather-ahead)",
+            "-k1": "one Triton launch per chunk whatever its regions",
+            "-nomerge": "one torch gather/scatter launch per region (before K/V merging)"}
 
 
 def base_pool(name: str) -> tuple[str, str]:
@@ -237,6 +240,8 @@ class Pools:
         self.active = self.peers[base]
         self.active.spin = spin and self.active.cuda and variant != "-nospin"
         self.active.gather_ahead = variant != "-noahead"
+        self.active.kernel_min_regions = 1 if variant == "-k1" else 4
+        self.active.merge_regions = self.active.cuda and variant != "-nomerge"
         return self.active
 
     def close(self) -> None:
@@ -854,7 +859,8 @@ def _path_name(r: dict[str, Any]) -> str:
 
 def markdown(rows: list[dict[str, Any]], kernels: list[dict[str, Any]], env: dict[str, Any]) -> str:
     traces = env.get("traces", [])
-    lines = [f"# GPU data path: {env.get('gpus')} ({env.get('src')} → {env.get('dst')})", "",
+    label = f", {env['label']}" if env.get("label") else ""
+    lines = [f"# GPU data path: {env.get('gpus')} ({env.get('src')} → {env.get('dst')}){label}", "",
              f"Commit {env.get('commit') or '?'}. Qwen3-32B-shaped cache (64 layers, 8 KV heads × 128, "
              "bf16, 16-token blocks, 32 KiB per layer-K/V block). Median ms; GB/s of KV bytes "
              "moved; 'descs' is NIXL descriptors (chunks for the staged path); every run "
@@ -974,7 +980,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             torch.cuda.empty_cache()
     extra = {"device": "cuda", "gpus": names, "src": str(src), "dst": str(dst),
              "cuda": torch.version.cuda, "kernels": kernels, "traces": traces,
-             "commit": args.commit, "shipped_pool": pool_label("shipped")}
+             "commit": args.commit, "shipped_pool": pool_label("shipped"), "label": args.label}
     datapath.write_json(args.out, args, rows, extra)
     md = args.md or str(Path(args.out).with_suffix(".md"))
     Path(md).write_text(markdown(rows, kernels, extra))

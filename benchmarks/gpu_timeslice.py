@@ -12,11 +12,13 @@ launch → seen done, first with process A idle, then while A keeps a stream of 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing as mp
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 
@@ -31,6 +33,21 @@ def _busy(dev: int, mib: int, go: Any, stop: Any) -> None:
         for _ in range(8):
             b.copy_(a)
         torch.cuda.synchronize()
+
+
+@contextlib.contextmanager
+def busy_gpu(mib: int, dev: int = 0) -> Iterator[None]:
+    """Another process keeps GPU ``dev`` busy with ``mib`` MiB copies while the block runs."""
+    ctx = mp.get_context("spawn")
+    go, stop = ctx.Event(), ctx.Event()
+    proc = ctx.Process(target=_busy, args=(dev, mib, go, stop), daemon=True)
+    proc.start()
+    go.wait(60)
+    try:
+        yield
+    finally:
+        stop.set()
+        proc.join(30)
 
 
 def _probe(n: int, mib: int) -> dict[str, float]:
@@ -66,18 +83,13 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("skipped: no CUDA")
         return 0
-    ctx = mp.get_context("spawn")
     rows = [dict(other="idle", **_probe(args.samples, args.probe_mib))]
     print(rows[-1], flush=True)
     for mib in args.busy_mib:
-        go, stop = ctx.Event(), ctx.Event()
-        proc = ctx.Process(target=_busy, args=(0, mib, go, stop), daemon=True)
-        proc.start()
-        go.wait(60)
-        rows.append(dict(other=f"another process copying {mib} MiB per kernel", **_probe(args.samples, args.probe_mib)))
+        with busy_gpu(mib):
+            rows.append(dict(other=f"another process copying {mib} MiB per kernel",
+                             **_probe(args.samples, args.probe_mib)))
         print(rows[-1], flush=True)
-        stop.set()
-        proc.join(30)
     out = {"gpu": torch.cuda.get_device_name(0), "commit": args.commit, "probe_mib": args.probe_mib,
            "samples": args.samples, "rows": rows}
     with open(args.out, "w") as f:

@@ -8,7 +8,12 @@ during the run):
 - ``Get`` latency of one conversation (``--gets`` sequential calls: p50/p99/max);
 - server CPU of one KeepAlive message of ``--batch`` renewals (and of smaller ones, to
   show the cost grows with the size), for renewals that need a store write (the
-  stored deadline no longer covers now + TTL) and for renewals within the slack (no write);
+  stored deadline no longer covers now + TTL) and for renewals within the slack (no write),
+  first with the full answer (a RenewResult per renewal), then asking for the compact one
+  (``KeepAliveRequest.compact``: a result only per renewal not renewed; a server that
+  predates it answers in full, recorded as ``answer``), then compact with the renewals
+  packed as ``KeepAliveRequest.conversation_ids`` (a server that predates it renews none
+  of them: its statuses show it);
 - server RSS.
 
     flock /tmp/kvbaton-heavy.lock .venv/bin/python benchmarks/leases_scale.py [--leases 100000] [--baseline REV] [--out FILE]
@@ -88,11 +93,14 @@ async def grant_many(kv: KvbatonClient, n: int, ttl_ms: int, concurrency: int = 
     return n / (time.perf_counter() - t0)
 
 
-async def keepalive_cost(kv: KvbatonClient, pid: int, size: int, repeat: int, offset: int, *, twice: bool = False) -> dict:
+async def keepalive_cost(kv: KvbatonClient, pid: int, size: int, repeat: int, offset: int, *, twice: bool = False,
+                         compact: bool = False, packed: bool = False) -> dict:
     """Server CPU per message of ``size`` renewals, over ``repeat`` messages on one stream.
     ``twice``: each message is sent once unmeasured and at once again, measured: the second
     arrives while the stored deadlines still cover now + TTL (within the slack), so it is
-    answered without a store write."""
+    answered without a store write. ``compact``: the messages ask for the compact answer
+    (a result only per renewal not renewed); ``answer`` records what the server gave.
+    ``packed``: the renewals go as ``conversation_ids`` (no message per renewal)."""
     queue: asyncio.Queue = asyncio.Queue()
 
     async def requests():
@@ -103,11 +111,13 @@ async def keepalive_cost(kv: KvbatonClient, pid: int, size: int, repeat: int, of
             yield item
 
     stream = kv.lease.KeepAlive(requests())
-    per_msg, statuses = [], {}
+    per_msg, statuses, answers, sizes = [], {}, set(), []
     for r in range(repeat):
         base = offset + r * size
-        msg = lease_pb2.KeepAliveRequest(seq=r, renewals=[lease_pb2.RenewRequest(conversation_id=f"conv-{base + i}")
-                                                          for i in range(size)])
+        convs = [f"conv-{base + i}" for i in range(size)]
+        msg = (lease_pb2.KeepAliveRequest(seq=r, compact=compact, conversation_ids=convs) if packed else
+               lease_pb2.KeepAliveRequest(seq=r, compact=compact, renewals=[lease_pb2.RenewRequest(conversation_id=c)
+                                                                             for c in convs]))
         if twice:
             await queue.put(msg)
             await asyncio.wait_for(stream.read(), 60)
@@ -118,12 +128,18 @@ async def keepalive_cost(kv: KvbatonClient, pid: int, size: int, repeat: int, of
         resp = await asyncio.wait_for(stream.read(), 60)
         await asyncio.sleep(0.05)  # the flusher's tail (it answers after the write, but ticks are coarse)
         per_msg.append((cpu_seconds(pid) - c0) * 1000)
+        answers.add("compact" if resp.compact else "full")
+        sizes.append(resp.ByteSize())
+        if resp.compact:
+            statuses["RENEW_STATUS_OK"] = statuses.get("RENEW_STATUS_OK", 0) + resp.renewed
         for res in resp.results:
             statuses[lease_pb2.RenewStatus.Name(res.status)] = statuses.get(lease_pb2.RenewStatus.Name(res.status), 0) + 1
     await queue.put(None)
     stream.cancel()
     return {"renewals_per_message": size, "messages": repeat, "server_cpu_ms_per_message_mean": sum(per_msg) / len(per_msg),
-            "server_cpu_ms_per_message": per_msg, "statuses": statuses}
+            "server_cpu_ms_per_message": per_msg, "statuses": statuses, "answer_requested": "compact" if compact else "full",
+            "request": "conversation_ids (packed)" if packed else "renewals",
+            "answer": "/".join(sorted(answers)), "answer_bytes": max(sizes)}
 
 
 async def run(args, baseline_dir: pathlib.Path | None = None) -> dict:
@@ -156,19 +172,24 @@ async def run(args, baseline_dir: pathlib.Path | None = None) -> dict:
             # Renewals that need a write: granted more than the slack (1 s) ago, so the stored
             # deadline no longer covers now + TTL. Each message renews leases not renewed before.
             ka = []
-            offset = 0
-            for size in args.sizes:
-                r = await keepalive_cost(kv, server.pid, size, args.repeat, offset)
-                r["kind"] = "write needed"
-                offset += size * args.repeat
+            # The full answer (one result per renewal), then the compact one, then the compact
+            # one for packed renewals. Each variant renews the same leases: the 1.2 s pause
+            # puts them past the slack again, so they need a write again.
+            for compact, packed in ((False, False), (True, False), (True, True)):
+                await asyncio.sleep(1.2)
+                offset = 0
+                for size in args.sizes:
+                    r = await keepalive_cost(kv, server.pid, size, args.repeat, offset, compact=compact, packed=packed)
+                    r["kind"] = "write needed"
+                    offset += size * args.repeat
+                    ka.append(r)
+                    print("keepalive:", json.dumps({k: v for k, v in r.items() if k != "server_cpu_ms_per_message"}), flush=True)
+                # Each message twice in a row: the second within the slack, answered without a write.
+                r = await keepalive_cost(kv, server.pid, args.sizes[-1], args.repeat,
+                                         offset - args.sizes[-1] * args.repeat, twice=True, compact=compact, packed=packed)
+                r["kind"] = "within slack (no write)"
                 ka.append(r)
                 print("keepalive:", json.dumps({k: v for k, v in r.items() if k != "server_cpu_ms_per_message"}), flush=True)
-            # Each message twice in a row: the second within the slack, answered without a write.
-            r = await keepalive_cost(kv, server.pid, args.sizes[-1], args.repeat,
-                                     offset - args.sizes[-1] * args.repeat, twice=True)
-            r["kind"] = "within slack (no write)"
-            ka.append(r)
-            print("keepalive:", json.dumps({k: v for k, v in r.items() if k != "server_cpu_ms_per_message"}), flush=True)
             out["keepalive"] = ka
             full["idle_cpu_pct_after"] = await idle_cpu(server.pid, args.idle_s)
             full["get_after"] = await get_latency(kv, "probe", args.gets)

@@ -78,7 +78,7 @@ class KvbatonConnector(KVConnectorBase_V1):
         pc = vllm_config.parallel_config
         tp_size = int(getattr(pc, "tensor_parallel_size", 1) or 1)
         if role == KVConnectorRole.SCHEDULER:
-            self._sched = KvbatonScheduler(self.settings, self.block_size)
+            self._sched = KvbatonScheduler(self.settings, self.block_size, tp_size=tp_size)
         else:
             tp_rank = int(getattr(pc, "rank", 0) or 0)
             self._worker = KvbatonWorker(self.settings, str(ktc.kv_role), tp_rank, tp_size=tp_size,

@@ -39,6 +39,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import os
+import queue
 import time
 import uuid
 from typing import TYPE_CHECKING, Any
@@ -54,6 +56,7 @@ from .metadata import KvbatonMeta, LoadSpec, ReuseSource, SendSpec
 from .reuse import RetentionManager, reusable_blocks
 from .settings import MODE_PULL, MODE_PUSH, MODE_REUSE, KvbatonSettings
 from .statslog import StatsLog
+from .wakeup import WakeListener, find_engine_inbox, wake_name
 
 if TYPE_CHECKING:  # pragma: no cover
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -66,9 +69,10 @@ log = logging.getLogger("kvbaton.connector.scheduler")
 class KvbatonScheduler:
     """Scheduler-side state: which requests to load (decode) and which to hold (prefill)."""
 
-    def __init__(self, settings: KvbatonSettings, block_size: int) -> None:
+    def __init__(self, settings: KvbatonSettings, block_size: int, tp_size: int = 1) -> None:
         self.settings = settings
         self.block_size = block_size
+        self.tp_size = max(int(tp_size), 1)
         # Local prefix-hit tokens seen at admission, needed in update_state_after_alloc
         # (where `blocks` includes the locally cached blocks, VLLM_API_NOTES.md §0.6).
         self._local_hit: dict[str, int] = {}
@@ -83,8 +87,21 @@ class KvbatonScheduler:
         # Requests whose transfer the worker has not reported finished yet -> monotonic
         # deadline after which we stop counting them (the worker's own timeout is shorter).
         self._in_flight: dict[str, float] = {}
-        self.idle_stats: dict[str, float] = {"idle_steps": 0, "idle_wait_s": 0.0}
+        self.idle_stats: dict[str, float] = {"idle_steps": 0, "idle_wait_s": 0.0, "long_waits": 0}
         self._stats = StatsLog(settings.stats_dir, settings.engine_id, part="scheduler")
+        # At TP > 1 idle steps wait long and the ranks wake us (connector/wakeup.py). Bound
+        # now, before any rank can report: a wake sent before the first wait is kept.
+        self._wake: WakeListener | None = None
+        self._inbox: queue.Queue[Any] | None = None
+        self._long_waits = self.tp_size > 1 and settings.tp_idle_wait_max_ms > 0
+        self._ended_unwoken = 0  # transfers that ended before any rank's wake came (see below)
+        if self._long_waits:
+            try:
+                self._wake = WakeListener(wake_name(settings.engine_id, os.getpid()))
+                self._stats.record("wake_listener", name=self._wake.name[1:].decode(), tp_size=self.tp_size)
+            except OSError as exc:
+                log.warning("kvbaton: no wake-up channel (%s): short idle steps at TP %d", exc, self.tp_size)
+                self._long_waits = False
 
     def _mode(self, params: dict[str, Any]) -> str:
         return str(params.get(P.TRANSFER_MODE) or self.settings.mode)
@@ -131,6 +148,8 @@ class KvbatonScheduler:
             self._retention.close()
         if self._control is not None:
             self._control.close()
+        if self._wake is not None:
+            self._wake.close()
 
     # ------------------------------------------------------------------ decode side
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
@@ -363,13 +382,61 @@ class KvbatonScheduler:
             del self._in_flight[rid]
         if not self._in_flight:
             return
+        if self._long_waits and self._long_wait(now, min(self._in_flight.values()), wait_s):
+            return
         time.sleep(wait_s)
         self.idle_stats["idle_steps"] += 1
         self.idle_stats["idle_wait_s"] += time.monotonic() - now
 
+    def _long_wait(self, now: float, first_deadline: float, slice_s: float) -> bool:
+        """TP > 1: wait until a rank reports a transfer ended (its wake), a request arrives,
+        ``tp_idle_wait_max_ms`` passes or the first pending transfer's deadline does; False
+        (the caller sleeps the short step) when the engine core's input queue cannot be found.
+
+        Longer than vLLM's 1 s spin window, so the ranks' main threads stop busy-waiting on the
+        shm queue (``connector/wakeup.py`` says why); a new request waits at most ``slice_s``,
+        as with the short steps."""
+        assert self._wake is not None
+        if self._inbox is None:
+            self._inbox = find_engine_inbox()
+            if self._inbox is None:
+                log.warning("kvbaton: the engine core's input queue was not found: short idle steps at TP %d",
+                            self.tp_size)
+                self._long_waits = False
+                return False
+        timeout_s = min(self.settings.tp_idle_wait_max_ms / 1000.0, first_deadline - now)
+        reason = self._wake.wait(timeout_s, self._inbox, slice_s)
+        waited = time.monotonic() - now
+        self.idle_stats["idle_steps"] += 1
+        self.idle_stats["long_waits"] += 1
+        self.idle_stats["idle_wait_s"] += waited
+        self.idle_stats[reason] = self.idle_stats.get(reason, 0) + 1
+        if waited > 0.1:  # the long ones, to see how much the spinning stopped
+            self._stats.record("idle_wait", reason=reason, waited_ms=round(waited * 1000, 1),
+                               in_flight=len(self._in_flight))
+        return True
+
     def update_connector_output(self, finished_sending: set[str] | None,
                                 finished_recving: set[str] | None) -> None:
         """The worker's per-step report: these transfers are over (ok or failed)."""
+        ended = False
         for ids in (finished_sending, finished_recving):
             for rid in ids or ():
-                self._in_flight.pop(rid, None)
+                ended |= self._in_flight.pop(rid, None) is not None
+        if ended and self._wake is not None and self._long_waits and not self._wake.wakes and not self._wake.pending():
+            self._check_wakes_arrive()
+
+    def _check_wakes_arrive(self) -> None:
+        """A rank wakes us right after it reports a transfer ended, so a wake arrives before we
+        can learn of the end here. Transfers ended twice and none came: the ranks cannot reach
+        the socket (they are not this process's children in this vLLM, wakeup.wake_name), and
+        long waits would add up to ``tp_idle_wait_max_ms`` to every transfer: back to short ones.
+        (Twice: the first report can overtake its own wake by a thread switch.)"""
+        assert self._wake is not None
+        self._ended_unwoken += 1
+        if self._ended_unwoken < 2:
+            return
+        log.warning("kvbaton: no wake-up from the ranks after %d ended transfers: short idle steps at TP %d",
+                    self._ended_unwoken, self.tp_size)
+        self._stats.record("wake_unreachable", name=self._wake.name[1:].decode(), ended=self._ended_unwoken)
+        self._long_waits = False

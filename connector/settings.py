@@ -103,6 +103,10 @@ class KvbatonSettings:
     idle_step_wait_ms: float = setting(
         2.0, "Sleep in engine steps that are empty only because this connector's transfers are pending (frees "
         "the GIL and the core; 0 = off).")
+    tp_idle_wait_max_ms: float = setting(
+        5000.0, "At TP > 1: the longest such empty step waits, woken at once when a rank reports a transfer ended "
+        "or a request arrives (`connector/wakeup.py`). Longer than vLLM's 1 s shm-queue spin window, so the ranks' "
+        "main threads stop spinning while a transfer is pending; 0 = the short `idle_step_wait_ms` steps.")
     unpin_threads: bool = setting(
         True, "The connector's own threads (control, transfer, and what they start) run on every CPU of the "
         "process's cgroup instead of the rank's one pinned core (`VLLM_CPU_OMP_THREADS_BIND`); vLLM's threads keep "

@@ -27,6 +27,7 @@ from .settings import KvbatonSettings
 from .statslog import StatsLog
 from .transfer.geometry import KvLayout
 from .transfer.integrity import Fingerprinter
+from .wakeup import WakeSender, engine_core_pid_of_worker, wake_name
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -51,6 +52,7 @@ class KvbatonWorker:
         self._seen_finished: set[str] = set()
         self._sent_pending: set[str] = set()  # done sending, not yet seen in finished_req_ids
         self._load_errors: set[int] = set()
+        self._wake: WakeSender | None = None  # TP > 1: wakes the engine loop's long idle steps
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], block_size: int) -> None:
         # All layers' tensors share one allocation on CPU; KvLayout merges adjacent regions
@@ -64,6 +66,9 @@ class KvbatonWorker:
         fp = Fingerprinter(layout, tensors, self.settings.verify_kv_alg) if self.settings.verify_kv else None
         self._xfer = TransferLoop(self.settings, self.tp_rank, layout, self._control, self.stats, fp,
                                   tensors=tensors, tp_size=self.tp_size)
+        if self.tp_size > 1 and self.settings.tp_idle_wait_max_ms > 0:
+            self._wake = WakeSender(wake_name(self.settings.engine_id, engine_core_pid_of_worker()))
+            self._xfer.ctx.wake = self._wake.wake
         self._xfer.start()
         rank = registrar_pb2.EngineRank(
             engine_id=self.settings.engine_id, tp_size=self.tp_size,
@@ -89,7 +94,8 @@ class KvbatonWorker:
                  layout.bytes_per_block)
         # which cores the rank's model thread and the connector's threads may use (affinity.py)
         self.stats.record("worker_threads", main_cpus=sorted(os.sched_getaffinity(0)),
-                          control_cpus=sorted(self._control.cpus or ()), xfer_cpus=sorted(self._xfer.cpus or ()))
+                          control_cpus=sorted(self._control.cpus or ()), xfer_cpus=sorted(self._xfer.cpus or ()),
+                          wakes_engine=self._wake.name[1:].decode() if self._wake is not None else "")
 
     def _head_fields(self, tensors: list[torch.Tensor]) -> dict[str, Any]:
         """The model's KV head count and whether blocks are head-major, for the control
@@ -170,3 +176,5 @@ class KvbatonWorker:
                 self._xfer.fp.close()
         if self._control is not None:
             self._control.close()
+        if self._wake is not None:
+            self._wake.close()

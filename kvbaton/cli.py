@@ -49,7 +49,13 @@ def _lease_rows(leases) -> list[list[str]]:
     from kvbaton.v1 import lease_pb2
 
     return [[ls.conversation_id, ls.lease_id, ls.engine_id, _enum(lease_pb2.LeaseState.Name(ls.state), "LEASE_STATE_"),
-             _ms(ls.remaining_ms), str(len(ls.pins)), str(ls.num_blocks), str(ls.renewals), ls.reason] for ls in leases]
+             _ms(ls.remaining_ms), str(len(ls.pins)), str(ls.num_blocks), _renewals(ls), ls.reason] for ls in leases]
+
+
+def _renewals(ls) -> str:
+    """The record's renewal count, marked when the deadline shown comes from the renewal
+    journal (renewed since the record was written; those renewals are not counted)."""
+    return f"{ls.renewals}+journal" if ls.deadline_journaled else str(ls.renewals)
 
 
 LEASE_HEADERS = ["CONVERSATION", "LEASE", "ENGINE", "STATE", "REMAINING", "PINS", "BLOCKS", "RENEWALS", "REASON"]

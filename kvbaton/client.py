@@ -874,7 +874,7 @@ class _RenewalBatcher:
                         seq += 1
                         inflight[seq] = batch
                         watch.sent(seq)
-                        yield lease_pb2.KeepAliveRequest(seq=seq, renewals=[r for r, _ in batch])
+                        yield lease_pb2.KeepAliveRequest(seq=seq, renewals=[r for r, _ in batch], compact=True)
 
             channel = self.client.channel
             call = self.client.lease.KeepAlive(requests())
@@ -886,7 +886,8 @@ class _RenewalBatcher:
                 async for resp in call:
                     backoff = 0.05
                     watch.answered(resp.seq)
-                    for (_, fut), result in zip(inflight.pop(resp.seq, []), resp.results):
+                    batch = inflight.pop(resp.seq, [])
+                    for (_, fut), result in zip(batch, renew_results(resp, [r for r, _ in batch])):
                         if not fut.done():
                             fut.set_result(result)
             except asyncio.CancelledError:
@@ -919,6 +920,26 @@ class _RenewalBatcher:
         self._task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self._task
+
+
+def renew_results(resp: lease_pb2.KeepAliveResponse, renewals: Sequence[lease_pb2.RenewRequest]) -> list[lease_pb2.RenewResult]:
+    """One result per renewal of the request, in order, from a full answer or a compact
+    one (where a renewal that succeeded has no result of its own: it is rebuilt from the
+    packed lease id, deadline and TTL)."""
+    if not resp.compact:
+        return list(resp.results)
+    out: list[lease_pb2.RenewResult] = []
+    failed = dict(zip(resp.result_index, resp.results))
+    for i, (req, lease_id, expires, ttl) in enumerate(zip(renewals, resp.lease_ids, resp.expires_at_ms, resp.ttl_ms)):
+        res = failed.get(i)
+        if res is None:
+            res = lease_pb2.RenewResult(conversation_id=req.conversation_id, status=lease_pb2.RENEW_STATUS_OK,
+                                        lease=lease_pb2.LeaseInfo(lease_id=lease_id, conversation_id=req.conversation_id,
+                                                                  state=lease_pb2.LEASE_STATE_ACTIVE, ttl_ms=ttl,
+                                                                  expires_at_ms=expires,
+                                                                  remaining_ms=max(0, expires - resp.now_ms)))
+        out.append(res)
+    return out
 
 
 class LeaseLost(Exception):

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import queue
+import time
+from collections.abc import Callable
 from typing import Any
 
 from kvbaton.services.metrics import ConnectorMetrics, connector_metrics
@@ -41,6 +43,11 @@ class FlowContext:
     metrics: ConnectorMetrics = dataclasses.field(default_factory=connector_metrics)
     faults: Faults = dataclasses.field(default_factory=lambda: Faults(""))
     tp_rank: int = 0  # our tensor-parallel rank (outcomes carry it)
+    #: tells the engine loop a result is waiting (TP > 1: its idle steps wait long, wakeup.py)
+    wake: Callable[[], None] | None = None
+    #: stamps messages that arrive between steps (a notification, an event) so that the
+    #: steps' ``expire(now, ...)`` ages them on the same clock; tests inject a fixed one
+    clock: Callable[[], float] = time.monotonic
 
     @property
     def endpoint(self) -> NixlEndpoint:
@@ -53,6 +60,8 @@ class FlowContext:
 
     def report(self, kind: str, req_id: str, ok: bool, block_ids: tuple[int, ...] = ()) -> None:
         self.results.put((kind, req_id, ok, block_ids))
+        if self.wake is not None:
+            self.wake()
 
 
 def error_text(exc: BaseException) -> str:

@@ -75,7 +75,7 @@ class ReceiveFlow:
         """One writer rank's WRITE into our blocks is complete (its data came first)."""
         self.ctx.stats.record("notif", transfer_id=msg.transfer_id, peer=peer, kind="push", nbytes_in=msg.nbytes,
                               writers=msg.writers)
-        got = self._push_arrived.setdefault(msg.transfer_id, (time.monotonic(), {}))
+        got = self._push_arrived.setdefault(msg.transfer_id, (self.ctx.clock(), {}))
         got[1][peer] = msg
 
     def on_reuse_served(self, peer: str, msg: wire.ReuseServed) -> None:
@@ -90,7 +90,7 @@ class ReceiveFlow:
                 ev.type == T.TYPE_DONE and ev.transfer.phase == rpb.TRANSFER_PHASE_FAILED):
             # Also a push refused at the match (incompatible KV) or failed by any rank:
             # recompute now rather than wait out the timeout for a WRITE.
-            self._push_failed[tid] = (time.monotonic(), ev.transfer.reason or "expired/cancelled/failed")
+            self._push_failed[tid] = (self.ctx.clock(), ev.transfer.reason or "expired/cancelled/failed")
 
     def expire(self, now: float, max_age_s: float) -> None:
         for box in (self._push_arrived, self._push_failed):

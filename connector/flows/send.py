@@ -94,13 +94,13 @@ class SendFlow:
         seen = self._done_from.setdefault(tid, set())
         seen.add(peer)
         if len(seen) < max(msg.readers, 1):
-            self._done_from_t.setdefault(tid, time.monotonic())
+            self._done_from_t.setdefault(tid, self.ctx.clock())
             return
         self._done_from.pop(tid, None)
         self._done_from_t.pop(tid, None)
         held = self.held.pop(tid, None)
         if held is None:
-            self._early_done[tid] = time.monotonic()
+            self._early_done[tid] = self.ctx.clock()
             return
         self.ctx.stats.record("send_done", transfer_id=tid, req_id=held.req_id, notif=True,
                               held_s=round(time.monotonic() - held.t0, 6))
@@ -116,7 +116,7 @@ class SendFlow:
             if held is not None and held.spec.mode == MODE_PUSH:
                 held.match = state
             else:
-                self._early_matches[tid] = (time.monotonic(), state)
+                self._early_matches[tid] = (self.ctx.clock(), state)
         elif ev.type == T.TYPE_DONE and held is not None and held.spec.mode == MODE_PULL:
             # The reader reported (or the match timed out): the ledger says the READ is over.
             del self.held[tid]

@@ -14,7 +14,8 @@ are (measured on an H200: per-kernel launch cost, ~11 µs, not bandwidth, is wha
 small chunks). On CPU a single packer thread packs chunk i+1 while the owner thread
 posts and waits for chunk i's WRITE (UCX copies inside the post call with the GIL
 released). On CUDA nothing blocks: each chunk's gather is one Triton launch for all of
-its regions (:class:`GpuRowCopier`, torch per-region fallback) on a side stream, its
+its regions (:class:`GpuRowCopier`; tiles of fewer than 4 regions, e.g. one layer's K and
+V, use torch, one launch per layer: :func:`region_groups`) on a side stream, its
 WRITE is posted when the chunk's event fires, and the receiver enqueues the scatter on
 another stream and acks only when that event fires (:meth:`StagedPeer.progress`). Slots are a
 fixed pool on both sides, reused: a send slot once its WRITE is done, a receive slot once
@@ -228,24 +229,67 @@ def _packed(views: Sequence[torch.Tensor], n: int, buf: torch.Tensor) -> torch.T
     return buf[:nbytes].view(views[0].dtype).view(len(views), n, row)
 
 
-def pack_blocks(views: Sequence[torch.Tensor], ids: torch.Tensor, out: torch.Tensor) -> int:
+RegionGroups = list[tuple[int, int, torch.Tensor]]
+
+
+def region_groups(views: Sequence[torch.Tensor]) -> RegionGroups:
+    """Runs of consecutive regions evenly spaced in one storage, each as one
+    ``[k, blocks, row]`` view: ``(first, end, view)``.
+
+    Why: a kernel launch costs ~20-25 µs of CPU on CUDA (benchmarks/results/
+    launch_cost_h200x1.json) and a staged chunk's gather and scatter sit on its round
+    trip. vLLM keeps a layer's K and V in one tensor (K and V regions evenly spaced), so
+    a tile of whole layers is one ``index_select`` / ``index_copy_`` per layer, not per
+    region. Regions of separate tensors stay one view each.
+    """
+    groups: RegionGroups = []
+    i = 0
+    while i < len(views):
+        v, j, delta = views[i], i + 1, 0
+        ptr = v.untyped_storage().data_ptr()
+        while j < len(views):
+            w = views[j]
+            d = w.storage_offset() - views[j - 1].storage_offset()
+            if (w.untyped_storage().data_ptr() != ptr or w.shape != v.shape or w.stride() != v.stride()
+                    or w.dtype != v.dtype or d <= 0 or (delta and d != delta)):
+                break
+            delta, j = d, j + 1
+        g = (v.unsqueeze(0) if j == i + 1
+             else v.as_strided((j - i, *v.shape), (delta, *v.stride()), v.storage_offset()))
+        groups.append((i, j, g))
+        i = j
+    return groups
+
+
+def pack_blocks(views: Sequence[torch.Tensor], ids: torch.Tensor, out: torch.Tensor,
+                groups: RegionGroups | None = None) -> int:
     """Gather blocks ``ids`` of every region into ``out`` (region-major); returns bytes.
 
-    One ``index_select`` per region: the block lists are shared by all regions, so a
-    transfer of n blocks over R regions is R kernel calls, independent of fragmentation.
-    (On CUDA the staged path uses :class:`GpuRowCopier` instead: one kernel for all.)
+    One ``index_select`` per region (or per :func:`region_groups` group when given): the
+    block lists are shared by all regions, so a transfer of n blocks over R regions is at
+    most R kernel calls, independent of fragmentation. (On CUDA tiles of many regions use
+    :class:`GpuRowCopier` instead: one kernel for all.)
     """
     dst = _packed(views, int(ids.shape[0]), out)
-    for r, v in enumerate(views):
-        torch.index_select(v, 0, ids, out=dst[r])
+    if groups is not None:
+        for i, j, g in groups:
+            torch.index_select(g, 1, ids, out=dst[i:j])
+    else:
+        for r, v in enumerate(views):
+            torch.index_select(v, 0, ids, out=dst[r])
     return dst.numel() * dst.element_size()
 
 
-def unpack_blocks(views: Sequence[torch.Tensor], ids: torch.Tensor, src: torch.Tensor) -> None:
+def unpack_blocks(views: Sequence[torch.Tensor], ids: torch.Tensor, src: torch.Tensor,
+                  groups: RegionGroups | None = None) -> None:
     """Scatter a :func:`pack_blocks` buffer into blocks ``ids`` of every region."""
     packed = _packed(views, int(ids.shape[0]), src)
-    for r, v in enumerate(views):
-        v.index_copy_(0, ids, packed[r])
+    if groups is not None:
+        for i, j, g in groups:
+            g.index_copy_(1, ids, packed[i:j])
+    else:
+        for r, v in enumerate(views):
+            v.index_copy_(0, ids, packed[r])
 
 
 # ---------------------------------------------------------------------------- GPU kernel
@@ -473,6 +517,10 @@ class StagedPeer:
         #: tiles with fewer regions than this are moved with one torch kernel per region
         #: (a Triton launch costs more CPU time than a few torch launches)
         self.kernel_min_regions = 4
+        #: torch gathers/scatters: one launch per run of evenly spaced regions (a layer's
+        #: K and V), not per region (:func:`region_groups`); CUDA only (launches cost there)
+        self.merge_regions = self.cuda
+        self._group_cache: dict[tuple[int, int], RegionGroups] = {}
         # Destination ids of incoming transfers, received once (grant request or our pull)
         # and uploaded once on CUDA; chunks name a range of them (no ids per chunk).
         self._dst_ids: collections.OrderedDict[tuple[str, str], np.ndarray] = collections.OrderedDict()
@@ -629,10 +677,20 @@ class StagedPeer:
             if self.copier is not None and r1 - r0 >= self.kernel_min_regions:
                 nbytes = self.copier.gather(ids, r0, r1, out)
             else:
-                nbytes = pack_blocks(self.views[r0:r1], ids, out)
+                nbytes = pack_blocks(self.views[r0:r1], ids, out, self._groups(r0, r1))
             ev = torch.cuda.Event(enable_timing=ev0 is not None)
             ev.record(self._pack_stream)
         return (ev, nbytes, ev0)
+
+    def _groups(self, r0: int, r1: int) -> RegionGroups | None:
+        """The torch gathers' merged views of regions ``r0..r1`` (CUDA only; cached: tiles
+        repeat the same region ranges)."""
+        if not self.merge_regions:
+            return None
+        g = self._group_cache.get((r0, r1))
+        if g is None:
+            g = self._group_cache[(r0, r1)] = region_groups(self.views[r0:r1])
+        return g
 
     def _on_device(self) -> None:
         """Make the KV's GPU the calling thread's current device (Triton launches on the
@@ -850,7 +908,7 @@ class StagedPeer:
             if self.copier is not None and m.r1 - m.r0 >= self.kernel_min_regions:
                 self.copier.scatter(ids_dev, m.r0, m.r1, src)
             else:
-                unpack_blocks(self.views[m.r0:m.r1], ids_dev, src)
+                unpack_blocks(self.views[m.r0:m.r1], ids_dev, src, self._groups(m.r0, m.r1))
             ev = torch.cuda.Event(enable_timing=ev0 is not None)
             ev.record(self._unpack_stream)
         self._note("unpack", m.seq)

@@ -47,7 +47,7 @@ class PinInfo(_message.Message):
     def __init__(self, pin_id: _Optional[str] = ..., reader: _Optional[str] = ..., expires_at_ms: _Optional[int] = ...) -> None: ...
 
 class LeaseInfo(_message.Message):
-    __slots__ = ("lease_id", "conversation_id", "engine_id", "state", "ttl_ms", "granted_at_ms", "expires_at_ms", "remaining_ms", "pins", "num_blocks", "retention_id", "renewals", "reason", "ended_at_ms", "labels")
+    __slots__ = ("lease_id", "conversation_id", "engine_id", "state", "ttl_ms", "granted_at_ms", "expires_at_ms", "remaining_ms", "pins", "num_blocks", "retention_id", "renewals", "reason", "ended_at_ms", "labels", "deadline_journaled")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -70,6 +70,7 @@ class LeaseInfo(_message.Message):
     REASON_FIELD_NUMBER: _ClassVar[int]
     ENDED_AT_MS_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_JOURNALED_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     conversation_id: str
     engine_id: str
@@ -85,7 +86,8 @@ class LeaseInfo(_message.Message):
     reason: str
     ended_at_ms: int
     labels: _containers.ScalarMap[str, str]
-    def __init__(self, lease_id: _Optional[str] = ..., conversation_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., state: _Optional[_Union[LeaseState, str]] = ..., ttl_ms: _Optional[int] = ..., granted_at_ms: _Optional[int] = ..., expires_at_ms: _Optional[int] = ..., remaining_ms: _Optional[int] = ..., pins: _Optional[_Iterable[_Union[PinInfo, _Mapping]]] = ..., num_blocks: _Optional[int] = ..., retention_id: _Optional[str] = ..., renewals: _Optional[int] = ..., reason: _Optional[str] = ..., ended_at_ms: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    deadline_journaled: bool
+    def __init__(self, lease_id: _Optional[str] = ..., conversation_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., state: _Optional[_Union[LeaseState, str]] = ..., ttl_ms: _Optional[int] = ..., granted_at_ms: _Optional[int] = ..., expires_at_ms: _Optional[int] = ..., remaining_ms: _Optional[int] = ..., pins: _Optional[_Iterable[_Union[PinInfo, _Mapping]]] = ..., num_blocks: _Optional[int] = ..., retention_id: _Optional[str] = ..., renewals: _Optional[int] = ..., reason: _Optional[str] = ..., ended_at_ms: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., deadline_journaled: _Optional[bool] = ...) -> None: ...
 
 class GrantRequest(_message.Message):
     __slots__ = ("conversation_id", "engine_id", "ttl_ms", "num_blocks", "retention_id", "labels")
@@ -141,20 +143,38 @@ class RenewResult(_message.Message):
     def __init__(self, conversation_id: _Optional[str] = ..., status: _Optional[_Union[RenewStatus, str]] = ..., lease: _Optional[_Union[LeaseInfo, _Mapping]] = ..., error: _Optional[str] = ...) -> None: ...
 
 class KeepAliveRequest(_message.Message):
-    __slots__ = ("renewals", "seq")
+    __slots__ = ("renewals", "seq", "compact", "conversation_ids")
     RENEWALS_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
+    COMPACT_FIELD_NUMBER: _ClassVar[int]
+    CONVERSATION_IDS_FIELD_NUMBER: _ClassVar[int]
     renewals: _containers.RepeatedCompositeFieldContainer[RenewRequest]
     seq: int
-    def __init__(self, renewals: _Optional[_Iterable[_Union[RenewRequest, _Mapping]]] = ..., seq: _Optional[int] = ...) -> None: ...
+    compact: bool
+    conversation_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, renewals: _Optional[_Iterable[_Union[RenewRequest, _Mapping]]] = ..., seq: _Optional[int] = ..., compact: _Optional[bool] = ..., conversation_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class KeepAliveResponse(_message.Message):
-    __slots__ = ("results", "seq")
+    __slots__ = ("results", "seq", "compact", "result_index", "renewed", "lease_ids", "expires_at_ms", "ttl_ms", "now_ms")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
+    COMPACT_FIELD_NUMBER: _ClassVar[int]
+    RESULT_INDEX_FIELD_NUMBER: _ClassVar[int]
+    RENEWED_FIELD_NUMBER: _ClassVar[int]
+    LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_AT_MS_FIELD_NUMBER: _ClassVar[int]
+    TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    NOW_MS_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[RenewResult]
     seq: int
-    def __init__(self, results: _Optional[_Iterable[_Union[RenewResult, _Mapping]]] = ..., seq: _Optional[int] = ...) -> None: ...
+    compact: bool
+    result_index: _containers.RepeatedScalarFieldContainer[int]
+    renewed: int
+    lease_ids: _containers.RepeatedScalarFieldContainer[str]
+    expires_at_ms: _containers.RepeatedScalarFieldContainer[int]
+    ttl_ms: _containers.RepeatedScalarFieldContainer[int]
+    now_ms: int
+    def __init__(self, results: _Optional[_Iterable[_Union[RenewResult, _Mapping]]] = ..., seq: _Optional[int] = ..., compact: _Optional[bool] = ..., result_index: _Optional[_Iterable[int]] = ..., renewed: _Optional[int] = ..., lease_ids: _Optional[_Iterable[str]] = ..., expires_at_ms: _Optional[_Iterable[int]] = ..., ttl_ms: _Optional[_Iterable[int]] = ..., now_ms: _Optional[int] = ...) -> None: ...
 
 class PinRequest(_message.Message):
     __slots__ = ("conversation_id", "lease_id", "reader", "ttl_ms", "reader_engine_id")

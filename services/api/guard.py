@@ -206,7 +206,7 @@ class Guard(grpc.aio.ServerInterceptor):
                         guard.refused["permission_denied"] += 1
                         raise StreamRefused(grpc.StatusCode.PERMISSION_DENIED, reason)
                     # Charged per renewal, not per message: a 10,000-renewal batch costs 10,000.
-                    cost = float(max(1, len(getattr(req, "renewals", ()))))
+                    cost = float(max(1, len(getattr(req, "renewals", ())) + len(getattr(req, "conversation_ids", ()))))
                     if guard.limiter is not None and not guard.limiter.allow(slot, cost=cost):
                         guard.refused["rate_limited"] += 1
                         raise StreamRefused(grpc.StatusCode.RESOURCE_EXHAUSTED,

@@ -18,8 +18,10 @@ from .ownership import Ownership
 from .status import grpc_code, store_unavailable, streaming, unary, with_heartbeats
 
 HEARTBEAT_S = 5.0
-# What one renewal's answer is reckoned to take (a RenewResult with its LeaseInfo).
+# What one renewal's answer is reckoned to take (a RenewResult with its LeaseInfo), or
+# in a compact answer (a lease id, a deadline and a TTL, packed).
 RENEW_REPLY_BYTES = 160
+RENEW_COMPACT_REPLY_BYTES = 40
 
 
 class LeaseServicer(pb_grpc.LeaseServicer):
@@ -52,10 +54,13 @@ class LeaseServicer(pb_grpc.LeaseServicer):
         async def pump() -> None:
             try:
                 async for req in request_iterator:
-                    cost = RENEW_REPLY_BYTES * max(1, len(req.renewals))
+                    n = len(req.renewals) + len(req.conversation_ids)
+                    cost = (RENEW_COMPACT_REPLY_BYTES if req.compact else RENEW_REPLY_BYTES) * max(1, n)
                     await budget.acquire(cost)
                     resp = pb.KeepAliveResponse(seq=req.seq)
-                    await results.put((resp, cost, asyncio.ensure_future(self.domain.keepalive(req.renewals, into=resp))))
+                    await results.put((resp, cost, asyncio.ensure_future(
+                        self.domain.keepalive(req.renewals, into=resp, compact=req.compact,
+                                              conversation_ids=req.conversation_ids))))
             except Exception as exc:  # noqa: BLE001 - a refused message (the guard): the handler task ends the call
                 await results.put(exc)
             finally:

@@ -140,6 +140,9 @@ class PrefixHub(Generic[T, E]):
         # wrote: the event of that write is cached without parsing it again (a KeepAlive
         # batch writes thousands). The writer drops its entries if the write fails.
         self.preparsed: dict[bytes, T] = {}
+        # The cached record a DELETE event just removed (None: it held none), for listeners
+        # that index live records by something other than the key.
+        self.removed: tuple[T, int] | None = None
 
     async def start(self) -> None:
         await self._load()
@@ -226,7 +229,7 @@ class PrefixHub(Generic[T, E]):
             if ev.type is EventType.PUT:
                 self._cache(ev.kv)
             else:
-                self.records.pop(ev.kv.key, None)
+                self.removed = self.records.pop(ev.kv.key, None)
             for listener in self.listeners:
                 listener(ev)
             if self._subs:

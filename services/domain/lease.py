@@ -29,6 +29,7 @@ import builtins
 import dataclasses
 import secrets
 from collections.abc import AsyncIterator, Iterable, Sequence
+from operator import itemgetter
 
 import structlog
 
@@ -48,7 +49,7 @@ from ..store.base import (
     TxnResult,
     WatchEvent,
 )
-from . import lease_journal, limits, paging
+from . import lease_journal, limits, paging, renewal_scan
 from .background import Tombstones, cancel_all, leader_ticks
 from .clock import Clock, WallClock
 from .deadlines import DeadlineIndex
@@ -71,6 +72,7 @@ _FENCE_RETRIES = 4
 # Journal records the expiry leader deletes per tick.
 _JOURNAL_DELETES = 64
 _REPLACED_PREFIX = "replaced by lease "
+_FIRST, _SECOND = itemgetter(0), itemgetter(1)
 _RENEW_STATUS = {pb.RENEW_STATUS_OK: "ok", pb.RENEW_STATUS_NOT_FOUND: "not_found", pb.RENEW_STATUS_SUPERSEDED: "superseded",
                  pb.RENEW_STATUS_ENDED: "ended", pb.RENEW_STATUS_INVALID: "invalid"}
 
@@ -192,7 +194,10 @@ class LeaseService:
         self._fence_renewals = prefix + b"f/renewals"
         self._jprefix = prefix + b"j/" + secrets.token_hex(6).encode() + b"-"
         self._jseq = 0
-        self._pending: dict[str, int] = {}  # lease_id -> deadline to write
+        # Deadlines to write (lease id, deadline), as two columns: a 10,000-renewal batch
+        # is appended in C, not 10,000 pairs.
+        self._pending_ids: list[str] = []
+        self._pending_dls: list[int] = []
         self._groups: list[tuple[list[str], asyncio.Future[set[str]]]] = []  # callers waiting on the flusher
         # Leases that left ACTIVE in the cache (so far): a batch checked against the cache
         # at the same count needs no second check before its journal write.
@@ -202,7 +207,9 @@ class LeaseService:
         self._flush_wakeup = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self._tombstones = Tombstones(store, self.config.tombstone_s, rotate_s=60.0)
-        self._active_by_conv: dict[str, str] = {}
+        # conversation -> (lease id, ttl_ms, record deadline) of its ACTIVE lease in the
+        # cache: the KeepAlive fast path reads plain tuples, not protobuf fields, per renewal.
+        self._active: dict[str, tuple[str, int, int]] = {}
         # When each live record may end, so expiry pops what is due instead of scanning
         # every lease on each tick (kept in step with the cache by _index).
         self._deadlines: DeadlineIndex[bytes] = DeadlineIndex()
@@ -215,9 +222,7 @@ class LeaseService:
     # -- lifecycle ---------------------------------------------------------
     async def start(self, *, run_expiry: bool = True) -> None:
         await self.hub.start()
-        for info, _ in self.hub.records.values():
-            if info.state == ACTIVE:
-                self._active_by_conv[info.conversation_id] = info.lease_id
+        self._rebuild_active()
         # The journal is loaded before any expiry runs: a replica taking over (or a
         # restart) sees every acknowledged renewal, so it never ends a lease early.
         await self.journal_hub.start()
@@ -258,6 +263,7 @@ class LeaseService:
         if info.state in LIVE_STATES:
             out.expires_at_ms = self.deadline(info)
             out.remaining_ms = max(0, out.expires_at_ms - now)
+            out.deadline_journaled = info.deadline_journaled or out.expires_at_ms > info.expires_at_ms
         else:
             out.remaining_ms = 0
         return out
@@ -279,9 +285,13 @@ class LeaseService:
         waits until the journal view holds the journal write that moved it."""
         await self.journal_hub.wait_for(_mod_revision(result))
 
-    def _renewals_fence(self) -> Compare:
-        """No journal write after what this replica's journal view has applied."""
-        return Compare(self._fence_renewals, CompareTarget.MOD_REVISION, CompareOp.LESS, self.journal_hub.revision + 1)
+    def _renewals_fence(self, seen: int | None = None) -> Compare:
+        """No journal write after what this replica's journal view had applied when it
+        judged the lease due (``seen``; default: now). Take it BEFORE any await between the
+        judgement and the write: a view that moves on meanwhile (a renewal arriving) must
+        not lend its newer revision to a decision made without that renewal."""
+        seen = self.journal_hub.revision if seen is None else seen
+        return Compare(self._fence_renewals, CompareTarget.MOD_REVISION, CompareOp.LESS, seen + 1)
 
     async def _read(self, conversation_id: str) -> tuple[KeyValue | None, KeyValue | None, pb.LeaseInfo | None]:
         ckv = await self.store.get(self._ckey(conversation_id))
@@ -439,8 +449,8 @@ class LeaseService:
         return None
 
     def _by_conversation(self, conversation_id: str) -> list[tuple[pb.LeaseInfo, int]]:
-        lid = self._active_by_conv.get(conversation_id)
-        entry = self.hub.records.get(self._lkey(lid)) if lid else None
+        active = self._active.get(conversation_id)
+        entry = self.hub.records.get(self._lkey(active[0])) if active else None
         return [entry] if entry and entry[0].state == ACTIVE else []
 
     def _index(self, ev: WatchEvent) -> None:
@@ -449,7 +459,13 @@ class LeaseService:
         if ev.type is not EventType.PUT:
             self._ends += 1
             self._deadlines.drop(ev.kv.key)
-            self.journal.forget(ev.kv.key[len(self._lprefix):].decode())
+            lease_id = ev.kv.key[len(self._lprefix):].decode()
+            self.journal.forget(lease_id)
+            removed = self.hub.removed
+            if removed is not None:  # a live record deleted (not by kvbaton): nothing to renew
+                active = self._active.get(removed[0].conversation_id)
+                if active is not None and active[0] == lease_id:
+                    del self._active[removed[0].conversation_id]
             return
         entry = self.hub.records.get(ev.kv.key)
         if entry is not None:
@@ -462,9 +478,17 @@ class LeaseService:
         if info.state != ACTIVE:
             self._ends += 1
         if info.state == ACTIVE:
-            self._active_by_conv[info.conversation_id] = info.lease_id
-        elif self._active_by_conv.get(info.conversation_id) == info.lease_id:
-            del self._active_by_conv[info.conversation_id]
+            self._active[info.conversation_id] = (info.lease_id, info.ttl_ms, info.expires_at_ms)
+        else:
+            active = self._active.get(info.conversation_id)
+            if active is not None and active[0] == info.lease_id:
+                del self._active[info.conversation_id]
+
+    def _rebuild_active(self) -> None:
+        self._active.clear()
+        for info, _ in self.hub.records.values():
+            if info.state == ACTIVE:
+                self._active[info.conversation_id] = (info.lease_id, info.ttl_ms, info.expires_at_ms)
 
     async def _authoritative(self, conversation_id: str, lease_id: str) -> pb.LeaseInfo | None:
         if lease_id:
@@ -480,17 +504,20 @@ class LeaseService:
         if lease_id in await self._enqueue_writes([(lease_id, deadline)]):
             raise _Stale()
 
-    def _enqueue_writes(self, writes: Sequence[tuple[str, int]], checked: int | None = None) -> asyncio.Future[set[str]]:
-        """Hands deadlines to the group-commit flusher. One future for the whole group (a
+    def _enqueue_writes(self, writes: Sequence[tuple[str, int]], checked: int | None = None, *,
+                        ids: list[str] | None = None, deadlines: list[int] | None = None) -> asyncio.Future[set[str]]:
+        """Hands deadlines to the group-commit flusher (as ``(lease id, deadline)`` pairs,
+        or as the two columns ``ids`` / ``deadlines``). One future for the whole group (a
         KeepAlive batch of 10,000 is one future, not 10,000): it resolves, once every
         deadline is written, to the lease ids that were not (the lease changed first:
         stale), or fails with the store's error."""
         fut: asyncio.Future[set[str]] = asyncio.get_running_loop().create_future()
-        pending = self._pending
-        for lease_id, deadline in writes:
-            if pending.get(lease_id, 0) < deadline:
-                pending[lease_id] = deadline
-        self._groups.append(([lease_id for lease_id, _ in writes], fut))
+        if ids is None or deadlines is None:
+            ids, deadlines = [lease_id for lease_id, _ in writes], [deadline for _, deadline in writes]
+        # Columns, appended in C; a lease named twice (two groups) is merged by the flusher.
+        self._pending_ids.extend(ids)
+        self._pending_dls.extend(deadlines)
+        self._groups.append((ids, fut))
         if checked is None or self._checked_at not in (None, checked):
             self._unchecked = True
         self._checked_at = checked
@@ -505,7 +532,8 @@ class LeaseService:
         while True:
             await self._flush_wakeup.wait()
             self._flush_wakeup.clear()
-            pending, self._pending = self._pending, {}
+            ids, dls = self._pending_ids, self._pending_dls
+            self._pending_ids, self._pending_dls = [], []
             groups, self._groups = self._groups, []
             # Checked, and no lease left ACTIVE since: the journal write needs no second check.
             checked = not self._unchecked and self._checked_at == self._ends
@@ -513,11 +541,17 @@ class LeaseService:
             try:
                 stale: set[str] = set()
                 failed: dict[str, BaseException] = {}
-                items = list(pending.items())
+                items: list[tuple[str, int]] = []
                 try:
-                    stale, items = await self._flush_journal(items, checked=checked)
+                    if len(set(ids)) < len(ids):  # a lease named twice (two groups): its latest deadline
+                        latest: dict[str, int] = {}
+                        for lease_id, deadline in zip(ids, dls):
+                            if latest.get(lease_id, 0) < deadline:
+                                latest[lease_id] = deadline
+                        ids, dls = list(latest), list(latest.values())
+                    stale, items = await self._flush_journal(None, checked=checked, columns=(ids, dls))
                 except Exception as exc:  # noqa: BLE001 - the store failed: every renewal of this flush fails with it
-                    failed.update((lease_id, exc) for lease_id, _ in items)
+                    failed.update((lease_id, exc) for lease_id in ids)
                     items = []
                 size = self.config.flush_batch
                 chunks = [items[i : i + size] for i in range(0, len(items), size)]
@@ -543,23 +577,34 @@ class LeaseService:
                     if not fut.done():
                         fut.set_exception(DomainError(Code.UNAVAILABLE, "lease service stopping; retry"))
 
-    async def _flush_journal(self, items: list[tuple[str, int]], *, checked: bool = False) -> tuple[set[str], list[tuple[str, int]]]:
+    async def _flush_journal(self, items: list[tuple[str, int]] | None, *, checked: bool = False,
+                             columns: tuple[list[str], list[int]] | None = None) -> tuple[set[str], list[tuple[str, int]]]:
         """Writes the deadlines of every lease live in this replica's cache as journal
         records, in one transaction fenced by "ends" (no lease ended after the cache's
         revision, so each is still ACTIVE when it commits). Returns the lease ids that
         ended (stale) and what is left for per-lease writes: leases the cache does not
         hold (granted on another replica a moment ago), or the whole batch when ends kept
         racing the fence. ``checked``: every lease was found ACTIVE in the cache and none
-        has left ACTIVE since, so the first attempt skips checking them again."""
+        has left ACTIVE since, so the first attempt skips checking them again. ``columns``:
+        the same as two lists (lease ids unique), instead of ``items``: a checked batch then
+        never builds a pair per renewal."""
+        if items is None:
+            if columns is None:
+                raise ValueError("_flush_journal needs items or columns")
+            if len(columns[0]) > lease_journal.MAX_ENTRIES or not checked:
+                items, columns = list(zip(columns[0], columns[1])), None
+        else:
+            columns = None
+        pairs: list[tuple[str, int]] = items if items is not None else []  # built below only if needed
         step = lease_journal.MAX_ENTRIES
-        if len(items) > step:
+        if len(pairs) > step:
             # One record (and one transaction: etcd's request limit is 1.5 MiB) per chunk.
             stale_all: set[str] = set()
             rest_all: list[tuple[str, int]] = []
             ends = self._ends
-            for i in range(0, len(items), step):
+            for i in range(0, len(pairs), step):
                 # Still checked only while no lease has left ACTIVE since.
-                chunk_stale, chunk_rest = await self._flush_journal(items[i:i + step], checked=checked and self._ends == ends)
+                chunk_stale, chunk_rest = await self._flush_journal(pairs[i:i + step], checked=checked and self._ends == ends)
                 stale_all |= chunk_stale
                 rest_all += chunk_rest
             return stale_all, rest_all
@@ -571,9 +616,10 @@ class LeaseService:
             stale: set[str] = set()
             rest: list[tuple[str, int]] = []
             if checked and attempt == 0:
-                ids = [lease_id for lease_id, _ in items]
-                deadlines = [deadline for _, deadline in items]
-            for lease_id, deadline in (() if ids else items):
+                ids, deadlines = columns if columns is not None else (list(map(_FIRST, pairs)), list(map(_SECOND, pairs)))
+            elif columns is not None:
+                pairs, columns = list(zip(columns[0], columns[1])), None
+            for lease_id, deadline in (() if ids else pairs):
                 entry = records.get(lprefix + lease_id.encode())
                 if entry is None:
                     rest.append((lease_id, deadline))
@@ -585,12 +631,12 @@ class LeaseService:
             if not ids:
                 return stale, rest
             self._jseq += 1
-            puts = [Put(self._jprefix + b"%016x" % self._jseq, lease_journal.encode(ids, deadlines)),
-                    Put(self._fence_renewals, b"")]
+            record = self._jprefix + b"%016x" % self._jseq
+            puts = [Put(record, lease_journal.encode(ids, deadlines)), Put(self._fence_renewals, b"")]
             fence = Compare(self._fence_ends, CompareTarget.MOD_REVISION, CompareOp.LESS, seen + 1)
             result = await self.store.txn([fence], puts, [Get(self._fence_ends)])
             if result.succeeded:
-                self.journal.note(ids, deadlines)
+                self.journal.note(ids, deadlines, record, unique=True)
                 self.stats["renewal_writes"] += len(ids)
                 self.stats["journal_writes"] += len(puts) - 1
                 self.metrics.lease_renewal_writes.inc(len(ids))
@@ -600,7 +646,7 @@ class LeaseService:
             # end, which the lease watch carries) and check again.
             self.stats["fence_conflicts"] += 1
             await self.hub.wait_for(_mod_revision(result))
-        return set(), items
+        return set(), pairs if columns is None else list(zip(columns[0], columns[1]))
 
     def _on_journal(self, ev: WatchEvent) -> None:
         """Journal hub listener: merges a record (or its deletion) into ``journal``."""
@@ -614,8 +660,10 @@ class LeaseService:
         ended = self._ended if self.hub.revision >= ev.revision else None
         self.journal.apply_put(ev.kv.key, entry[0], ev.revision, ended)
 
-    def _ended(self, lease_id: str) -> bool:
-        return (self._lprefix + lease_id.encode()) not in self.hub.records
+    def _ended(self, lease_ids: list[str]) -> set[str]:
+        """Which of ``lease_ids`` this replica's cache no longer holds as live (ended)."""
+        records, lprefix = self.hub.records, self._lprefix
+        return {lid for lid in lease_ids if lprefix + lid.encode() not in records}
 
     def _rebuild_journal(self) -> None:
         self.journal.clear()
@@ -718,58 +766,84 @@ class LeaseService:
                 return True
         return False
 
-    async def keepalive(self, batch: Sequence[pb.RenewRequest], into: pb.KeepAliveResponse | None = None) -> list[pb.RenewResult]:
-        """Renews a batch. The common case (a live lease in this replica's cache, its own
-        TTL) is answered in one synchronous pass, with the deadlines that are due handed to
-        the flusher together, so a batch costs a few microseconds per renewal; anything
-        else (a cache miss, a new TTL, an ended lease, a lost race) takes ``renew``. With
-        ``into``, the results are built in that response (no copy of 10,000 results into
-        the message afterwards)."""
-        if len(batch) > limits.MAX_KEEPALIVE_BATCH:
-            raise invalid(f"{len(batch)} renewals in one message; the limit is {limits.MAX_KEEPALIVE_BATCH}")
+    async def keepalive(self, batch: Sequence[pb.RenewRequest], into: pb.KeepAliveResponse | None = None, *,
+                        compact: bool = False, conversation_ids: Sequence[str] = ()) -> list[pb.RenewResult]:
+        """Renews a batch. The common case (the conversation's ACTIVE lease in this
+        replica's cache, its own TTL) is decided in one synchronous pass over plain tuples
+        (``_active``), with the deadlines that are due handed to the flusher together, so a
+        batch costs about a microsecond per renewal; anything else (a cache miss, a new TTL,
+        an ended lease, a lost race) takes ``renew``. With ``into``, the answer is built in
+        that response. ``compact``: the answer holds a result only for each renewal that
+        was NOT renewed (``result_index`` says which) and packed lease ids / deadlines /
+        TTLs for all (no message per renewal: building and sending 10,000 ``LeaseInfo``
+        cost more than renewing them); returns those results. Otherwise one result per
+        renewal, returned in order. ``conversation_ids``: more renewals after ``batch``,
+        by conversation only (packed: no message each)."""
+        n = len(batch) + len(conversation_ids)
+        if n > limits.MAX_KEEPALIVE_BATCH:
+            raise invalid(f"{n} renewals in one message; the limit is {limits.MAX_KEEPALIVE_BATCH}")
         now = self.clock.now_ms()
         out = into if into is not None else pb.KeepAliveResponse()
-        results = [out.results.add() for _ in batch]
-        slow: list[int] = []
-        writes: list[tuple[int, pb.LeaseInfo, int]] = []
-        records, by_conv, jget = self.hub.records, self._active_by_conv, self.journal.deadline.get
-        lprefix, max_slack, renewed = self._lprefix, self.config.max_slack_ms, self._renewed
-        checked = self._ends  # every lease below is ACTIVE in the cache as of this count
-        for i, r in enumerate(batch):
-            cid = r.conversation_id
-            lid = r.lease_id or by_conv.get(cid, "")
-            entry = records.get(lprefix + lid.encode()) if lid and not r.ttl_ms else None
-            if entry is None or entry[0].state != ACTIVE or entry[0].conversation_id != cid:
-                slow.append(i)
-                continue
-            info = entry[0]
-            ttl = info.ttl_ms
-            deadline = jget(lid, 0)
-            if deadline < info.expires_at_ms:
-                deadline = info.expires_at_ms
-            if deadline < now + ttl:
-                slack = ttl // 4
-                writes.append((i, info, now + ttl + (slack if slack < max_slack else max_slack)))
+        jget = self.journal.deadline.get
+        checked = self._ends  # every lease the scan decides is ACTIVE in the cache as of this count
+        sc = renewal_scan.scan(batch, now, self._active, self.hub.records, self._lprefix, jget, self.config.max_slack_ms,
+                               with_records=not compact, conversation_ids=conversation_ids)
+        lids, dls, ttls, infos, slow = sc.lids, sc.dls, sc.ttls, sc.infos, sc.slow
+        if sc.w_at:
+            stale = await self._enqueue_writes((), checked, ids=sc.w_lids, deadlines=sc.w_dls)
+            # The deadline answered is the one this renewal wrote (a renewal racing it may
+            # have journaled a later one: the lease lives at least as long as answered).
+            written = sc.w_dls
+            if len(sc.w_at) == n and not stale:
+                dls = written
             else:
-                renewed(results[i], cid, info, now, deadline)
-        fast = len(batch) - len(slow) - len(writes)
-        if writes:
-            stale = await self._enqueue_writes([(info.lease_id, deadline) for _, info, deadline in writes], checked)
-            for i, info, deadline in writes:
-                if info.lease_id in stale:
-                    slow.append(i)
-                else:
-                    journal = jget(info.lease_id, 0)
-                    renewed(results[i], info.conversation_id, info, now, journal if journal > deadline else deadline)
-                    fast += 1
+                for i, lid, deadline in zip(sc.w_at, sc.w_lids, written):
+                    if stale and lid in stale:
+                        slow.append(i)
+                        lids[i], ttls[i], infos[i] = "", 0, None
+                    else:
+                        dls[i] = deadline
+        fast = n - len(slow)
         self.stats["renewals"] += fast
         if fast:
             self.metrics.lease_renewals.labels("ok").inc(fast)
+        slow_results: list[pb.RenewResult] = []
         if slow:
-            slow_results = await asyncio.gather(*(self.renew(batch[i].conversation_id, batch[i].lease_id, batch[i].ttl_ms) for i in slow))
-            for i, res in zip(slow, slow_results):
-                results[i].CopyFrom(res)
+            slow.sort()
+            reqs = renewal_scan.requests(batch, conversation_ids)
+            slow_results = await asyncio.gather(*(self.renew(reqs[i].conversation_id, reqs[i].lease_id, reqs[i].ttl_ms)
+                                                  for i in slow))
+        if compact:
+            return self._compact_answer(out, now, slow, slow_results, lids, dls, ttls)
+        results = [out.results.add() for _ in range(n)]
+        renewed = self._renewed
+        for i, info in enumerate(infos):
+            if info is not None:
+                renewed(results[i], info.conversation_id, info, now, dls[i])
+        for i, res in zip(slow, slow_results):
+            results[i].CopyFrom(res)
         return results
+
+    @staticmethod
+    def _compact_answer(out: pb.KeepAliveResponse, now: int, slow: list[int], slow_results: Sequence[pb.RenewResult],
+                        lids: list[str], dls: list[int], ttls: list[int]) -> list[pb.RenewResult]:
+        """Fills a compact KeepAlive answer (packed columns; a result only per renewal that
+        was not renewed) and returns those results."""
+        out.compact = True
+        out.now_ms = now
+        failed: list[pb.RenewResult] = []
+        for i, res in zip(slow, slow_results):
+            if res.status == pb.RENEW_STATUS_OK:
+                lids[i], dls[i], ttls[i] = res.lease.lease_id, res.lease.expires_at_ms, res.lease.ttl_ms
+            else:
+                out.result_index.append(i)
+                failed.append(res)
+        out.results.extend(failed)
+        out.renewed = len(lids) - len(failed)
+        out.lease_ids.extend(lids)
+        out.expires_at_ms.extend(dls)
+        out.ttl_ms.extend(ttls)
+        return failed
 
     @staticmethod
     def _renewed(res: pb.RenewResult, conversation_id: str, info: pb.LeaseInfo, now: int, deadline: int) -> None:
@@ -779,6 +853,7 @@ class LeaseService:
         lease.CopyFrom(info)
         lease.expires_at_ms = deadline
         lease.remaining_ms = max(0, deadline - now)
+        lease.deadline_journaled = deadline > info.expires_at_ms
 
     # -- pins --------------------------------------------------------------
     async def _lease_of(self, conversation_id: str, lease_id: str) -> tuple[KeyValue, pb.LeaseInfo]:
@@ -969,7 +1044,9 @@ class LeaseService:
         records are shared: never changed in place)."""
         if info.state not in LIVE_STATES or self.deadline(info) == info.expires_at_ms:
             return info
-        return self._folded(info)
+        out = self._folded(info)
+        out.deadline_journaled = True  # (a listing's copy, never stored)
+        return out
 
     async def watch(self, engine_id: str = "", *, snapshot: bool = False, after_revision: int = 0) -> AsyncIterator[pb.LeaseEvent]:
         limits.check_id("engine_id", engine_id, required=False)
@@ -987,6 +1064,7 @@ class LeaseService:
     # -- expiry ------------------------------------------------------------
     def _rebuild_deadlines(self) -> None:
         self._ends += 1  # the cache was reloaded: what was checked against it is checked again
+        self._rebuild_active()
         self._deadlines.clear()
         for key, (info, rev) in self.hub.records.items():
             self._deadlines.arm(key, _due_ms(info), rev)
@@ -995,6 +1073,7 @@ class LeaseService:
         """Ends every lease that is due by this clock; returns how many it ended. Pops the
         deadline index, so a tick with nothing due costs O(1) however many leases live."""
         now = self.clock.now_ms()
+        seen = self.journal_hub.revision  # the journal view every decision below is made on
         due: list[tuple[bytes, pb.LeaseInfo, int]] = []
         for key, rev in list(self._deadlines.pop_due(now)):
             entry = self.hub.records.get(key)
@@ -1008,7 +1087,7 @@ class LeaseService:
         ended = 0
         for i, (key, info, rev) in enumerate(due):
             try:
-                ended += await self._end_due(key, info, rev, now)
+                ended += await self._end_due(key, info, rev, now, seen)
             except BaseException:
                 # The store failed mid-tick: what was popped but not ended goes back.
                 for k, _, r in due[i:]:
@@ -1017,14 +1096,14 @@ class LeaseService:
         await self.collect_journal()
         return ended
 
-    async def _end_due(self, key: bytes, info: pb.LeaseInfo, rev: int, now: int) -> int:
+    async def _end_due(self, key: bytes, info: pb.LeaseInfo, rev: int, now: int, seen: int) -> int:
         state = REVOKED if info.state == DRAINING else EXPIRED
         reason = info.reason if info.state == DRAINING else f"ttl {info.ttl_ms} ms elapsed without renewal"
         ops = await self._end_ops(info, state, reason, now)
         cmp = Compare(key, CompareTarget.MOD_REVISION, CompareOp.EQUAL, rev)
         # An expiry also requires that no renewal was journaled after what this replica's
         # journal view holds (DRAINING ends on its pins alone: no renewal can save it).
-        compares = [cmp, self._renewals_fence()] if state == EXPIRED else [cmp]
+        compares = [cmp, self._renewals_fence(seen)] if state == EXPIRED else [cmp]
         result = await self.store.txn(compares, ops, [Get(self._fence_renewals)])
         if not result.succeeded:
             entry = self.hub.records.get(key)

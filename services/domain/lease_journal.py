@@ -32,7 +32,10 @@ from __future__ import annotations
 
 import array
 import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections import Counter
+from collections.abc import Callable, Collection, Sequence
+from itertools import compress, repeat
+from operator import lt
 from typing import NamedTuple
 
 from .deadlines import DeadlineIndex
@@ -76,66 +79,111 @@ class LeaseJournal:
     ``deadline[lease_id]`` is the latest journal deadline known for a lease (also raised
     at once by this replica's own successful writes, before the watch brings them back).
     Records are reference-counted by the leases whose latest deadline they hold, so the
-    ones that hold none can be deleted."""
+    ones that hold none can be deleted.
+
+    A record holds up to 32,768 entries and every KeepAlive flush writes one, so the
+    common case (every entry new to this view or later than what it held, no duplicates)
+    is merged with dictionary bulk operations run in C (``update``, ``map``, ``Counter``)
+    rather than a Python statement per entry; anything else takes the per-entry loop."""
 
     def __init__(self) -> None:
         self.deadline: dict[str, int] = {}
-        self._owner: dict[str, tuple[int, bytes]] = {}  # lease id -> (deadline, record key), from records seen
+        # lease id -> the latest deadline the records seen hold, and the record holding it
+        self._owner_dl: dict[str, int] = {}
+        self._owner_key: dict[str, bytes] = {}
         self._ids: dict[bytes, list[str]] = {}  # record key -> its lease ids
         self._live: dict[bytes, int] = {}  # record key -> entries it still owns
         self.dead: set[bytes] = set()  # records that own nothing: deletable
         self._latest: DeadlineIndex[bytes] = DeadlineIndex()  # record key -> its latest deadline
+        # This replica's own records already merged into ``deadline`` by ``note`` (their
+        # watch event then skips that pass); each leaves when its event is applied.
+        self._noted: set[bytes] = set()
 
     def __len__(self) -> int:
         """Records held."""
         return len(self._ids)
 
-    def note(self, ids: Iterable[str], deadlines: Iterable[int]) -> None:
-        """This replica's own write just committed: read your writes before the watch."""
-        known = self.deadline
-        for lid, dl in zip(ids, deadlines):
-            if known.get(lid, 0) < dl:
-                known[lid] = dl
+    def note(self, ids: Sequence[str], deadlines: Sequence[int], key: bytes | None = None, *,
+             unique: bool = False) -> None:
+        """This replica's own write (of record ``key``) just committed: read your writes
+        before the watch. ``unique``: each lease is named once (no need to check)."""
+        _raise(self.deadline, ids, deadlines, unique=unique)
+        if key is not None:
+            self._noted.add(key)
 
     def apply_put(self, key: bytes, batch: JournalBatch, revision: int,
-                  ended: Callable[[str], bool] | None = None) -> None:
-        """A record was written. ``ended(lease_id)`` (when the caller's lease cache is at
-        least as new as ``revision``) says a lease has already ended: its entry is dead."""
+                  ended: Callable[[list[str]], Collection[str]] | None = None) -> None:
+        """A record was written. ``ended(lease_ids)`` (when the caller's lease cache is at
+        least as new as ``revision``) says which of those leases have already ended: their
+        entries are dead."""
         if key in self._ids:
             self.apply_delete(key)  # rewritten (not done by kvbaton): replace what it held
-        owner, known, counts, dead = self._owner, self.deadline, self._live, self.dead
-        live = 0
-        for lid, dl in zip(batch.ids, batch.deadlines):
-            cur = owner.get(lid)
-            if cur is not None:
-                if cur[0] >= dl:
-                    continue
-                old = cur[1]  # superseded there (inlined _release: this loop runs per renewal)
-                left = counts.get(old)
-                if left is not None:
-                    counts[old] = left - 1
-                    if left <= 1:
-                        dead.add(old)
-            elif ended is not None and ended(lid):
-                continue
-            owner[lid] = (dl, key)
-            live += 1
-            if known.get(lid, 0) < dl:
-                known[lid] = dl
-        self._ids[key] = batch.ids
+        ids, dls = batch.ids, batch.deadlines
+        noted = key in self._noted
+        self._noted.discard(key)
+        prev = list(map(self._owner_dl.get, ids, repeat(-1, len(ids))))
+        # (An own record names each lease once: its flush wrote unique ids.)
+        if (noted or len(set(ids)) == len(ids)) and all(map(lt, prev, dls)):
+            live = self._put_bulk(key, ids, dls, prev, ended, noted=noted)
+        else:
+            live = self._put_each(key, ids, dls, ended)
+        self._ids[key] = ids
         self._live[key] = live
         if not live:
             self.dead.add(key)
-        if batch.ids:
-            self._latest.arm(key, max(batch.deadlines), revision)
+        if ids:
+            self._latest.arm(key, max(dls), revision)
+
+    def _put_bulk(self, key: bytes, ids: list[str], dls: Sequence[int], prev: list[int],
+                  ended: Callable[[list[str]], Collection[str]] | None, *, noted: bool = False) -> int:
+        """Every entry is later than what this view held (or new), each lease once.
+        ``noted``: ``deadline`` already holds these entries (this replica's own write)."""
+        owner_key = self._owner_key
+        gone: Collection[str] = ()
+        if ended is not None:
+            new = list(compress(ids, map(lt, prev, repeat(0, len(ids)))))
+            gone = ended(new) if new else ()
+        if gone:
+            keep = [lid not in gone for lid in ids]
+            ids, dls = list(compress(ids, keep)), list(compress(dls, keep))
+        superseded: Counter[bytes | None] = Counter(map(owner_key.get, ids))
+        superseded.pop(None, None)
+        for old, n in superseded.items():
+            if old is not None:
+                self._release(old, n)
+        owner_key.update(dict.fromkeys(ids, key))
+        self._owner_dl.update(zip(ids, dls))
+        if not noted:
+            _raise(self.deadline, ids, dls)
+        return len(ids)
+
+    def _put_each(self, key: bytes, ids: list[str], dls: Sequence[int],
+                  ended: Callable[[list[str]], Collection[str]] | None) -> int:
+        owner_dl, owner_key, known = self._owner_dl, self._owner_key, self.deadline
+        gone = ended([lid for lid in ids if lid not in owner_key]) if ended is not None else ()
+        live = 0
+        for lid, dl in zip(ids, dls):
+            cur = owner_dl.get(lid)
+            if cur is not None:
+                if cur >= dl:
+                    continue
+                self._release(owner_key[lid])  # superseded there
+            elif lid in gone:
+                continue
+            owner_dl[lid] = dl
+            owner_key[lid] = key
+            live += 1
+            if known.get(lid, 0) < dl:
+                known[lid] = dl
+        return live
 
     def apply_delete(self, key: bytes) -> None:
-        owner, known = self._owner, self.deadline
+        owner_dl, owner_key, known = self._owner_dl, self._owner_key, self.deadline
         for lid in self._ids.pop(key, ()):
-            cur = owner.get(lid)
-            if cur is not None and cur[1] == key:
-                del owner[lid]
-                if known.get(lid) == cur[0]:
+            if owner_key.get(lid) == key:
+                dl = owner_dl.pop(lid)
+                del owner_key[lid]
+                if known.get(lid) == dl:
                     del known[lid]
         self._live.pop(key, None)
         self.dead.discard(key)
@@ -144,15 +192,17 @@ class LeaseJournal:
     def forget(self, lease_id: str) -> None:
         """The lease ended: its entries say nothing any more."""
         self.deadline.pop(lease_id, None)
-        cur = self._owner.pop(lease_id, None)
-        if cur is not None:
-            self._release(cur[1])
+        self._owner_dl.pop(lease_id, None)
+        key = self._owner_key.pop(lease_id, None)
+        if key is not None:
+            self._release(key)
 
-    def _release(self, key: bytes) -> None:
-        left = self._live.get(key, 0) - 1
-        if key in self._live:
-            self._live[key] = left
-            if left <= 0:
+    def _release(self, key: bytes, n: int = 1) -> None:
+        """``n`` entries of record ``key`` no longer hold their lease's latest deadline."""
+        left = self._live.get(key)
+        if left is not None:
+            self._live[key] = left - n
+            if left - n <= 0:
                 self.dead.add(key)
 
     def deletable(self, now_ms: int, limit: int) -> list[bytes]:
@@ -174,8 +224,21 @@ class LeaseJournal:
 
     def clear(self) -> None:
         self.deadline.clear()
-        self._owner.clear()
+        self._noted.clear()
+        self._owner_dl.clear()
+        self._owner_key.clear()
         self._ids.clear()
         self._live.clear()
         self.dead.clear()
         self._latest.clear()
+
+
+def _raise(known: dict[str, int], ids: Sequence[str], deadlines: Sequence[int], *, unique: bool = False) -> None:
+    """``known[id] = max(known[id], deadline)`` for each entry: one C-level update when
+    every deadline is later (the usual case: renewals only move deadlines on)."""
+    if (unique or len(set(ids)) == len(ids)) and all(map(lt, map(known.get, ids, repeat(0, len(ids))), deadlines)):
+        known.update(zip(ids, deadlines))
+        return
+    for lid, dl in zip(ids, deadlines):
+        if known.get(lid, 0) < dl:
+            known[lid] = dl

@@ -23,7 +23,7 @@ from kvbaton.connector.metadata import LoadSpec, ReuseSource, SendSpec
 from kvbaton.v1 import lease_pb2, rendezvous_pb2
 from tests.connector.fake_endpoint import BS, FakeControl, FakeEndpoint, context, drain, layout, rank
 
-T0 = time.monotonic()  # handlers stamp arrivals with the real clock; steps take `now` from the test
+T0 = time.monotonic()  # steps take `now` from the test; handlers stamp arrivals with ctx.clock (fixed at T0)
 TID = "t:1:with:colons"  # ids may contain ':' (the old strings cut them at the first one)
 
 
@@ -33,6 +33,7 @@ class Rig:
         self.control = FakeControl({e: rank(e, self.lay) for e in known})
         self.ep = FakeEndpoint()
         self.ctx = context(self.control, self.ep, self.lay, timeout_s=5.0, **settings)
+        self.ctx.clock = lambda: T0  # not the real clock: a suite that ran long before must not age them
         self.verifier = Verifier(self.ctx, lambda cmd: None)
         self.staged = StagedFlow(self.ctx, []) if staged else None
         mover = Mover(self.ctx, self.staged)
@@ -243,6 +244,7 @@ def test_push_that_never_arrives_times_out_and_a_late_notification_is_dropped() 
     assert r.results() == [("recv", "req", False, (4, 5))]
     assert len(r.control.requests("CancelRequest")) == 1  # a late match is refused
     r.recv.on_pushed("kvb-p0-r0", wire.Pushed(TID, 4096))  # late: nobody waits for it
+    assert r.recv._push_arrived[TID][0] == T0  # stamped on the flow's clock, which expire() ages against
     r.recv.progress(T0 + 6.0)
     assert r.results() == [] and not r.recv.busy
     r.recv.expire(T0 + 100.0, 10.0)  # and it does not stay forever

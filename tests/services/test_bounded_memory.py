@@ -133,15 +133,25 @@ async def test_a_session_client_that_never_reads_cannot_grow_server_memory(serve
     assert grown < 64, f"server RSS grew {grown:.0f} MiB for a client that never reads ({sent} messages sent)"
 
 
-async def test_a_keepalive_client_that_never_reads_cannot_grow_server_memory(server):
+@pytest.mark.parametrize("form", ["renewals", "packed-compact"])
+async def test_a_keepalive_client_that_never_reads_cannot_grow_server_memory(server, form):
+    """Whatever the message's form: full answers to RenewRequests, or compact answers to
+    packed conversation ids (reserved per renewal at the compact answer's size)."""
     proc, kv = server
     for i in range(2_000):
         await kv.lease.Grant(lease_pb2.GrantRequest(conversation_id=f"c{i}", engine_id="dec", ttl_ms=600_000), timeout=10)
     await asyncio.sleep(1.0)
     base = _rss_mib(proc.pid)
     call = kv.lease.KeepAlive()
-    renewals = [lease_pb2.RenewRequest(conversation_id=f"c{i}") for i in range(2_000)]
-    sent = await _write_until_blocked(call, lambda i: lease_pb2.KeepAliveRequest(seq=i, renewals=renewals), messages=1_500)
+    convs = [f"c{i}" for i in range(2_000)]
+    renewals = [lease_pb2.RenewRequest(conversation_id=c) for c in convs]
+    if form == "renewals":
+        def message(i):
+            return lease_pb2.KeepAliveRequest(seq=i, renewals=renewals)
+    else:
+        def message(i):
+            return lease_pb2.KeepAliveRequest(seq=i, compact=True, conversation_ids=convs)
+    sent = await _write_until_blocked(call, message, messages=1_500)
     grown = _rss_mib(proc.pid) - base
     print(f"never-reading client: {sent} messages written, server RSS +{grown:.1f} MiB")
     call.cancel()

@@ -151,6 +151,59 @@ async def test_expiry_never_ends_a_lease_renewed_behind_its_view(two, store_kind
     assert await b.expire_due() == 1
 
 
+async def test_expiry_fences_on_the_view_it_judged_with(two, store_kind):
+    """The race behind a flake of the test above on etcd: b judges the lease due on a
+    journal view without the renewal, the renewal reaches b's view while b prepares the
+    end (an await), and the end must still be refused: the fence carries the revision of
+    the view the judgement was made on, not the newer one."""
+    a, b, clock = two
+    info, _ = await a.grant("conv", "dec")
+    await settle(a, b)
+    clock.advance(TTL - 10)
+    deadline = clock.now_ms() + TTL
+    judged_on = b.journal_hub.revision
+    assert await a._flush_journal([(info.lease_id, deadline)]) == (set(), [])
+    written = await newest(a, b"j/")
+    prepare = b._end_ops
+
+    async def end_ops_after_the_renewal_arrives(*args, **kwargs):
+        assert await b.journal_hub.wait_for(written)  # the view moves on mid-decision
+        return await prepare(*args, **kwargs)
+
+    b._end_ops = end_ops_after_the_renewal_arrives
+    clock.advance(20)
+    if b.journal_hub.revision == judged_on:  # (etcd may deliver it before the tick: nothing to race)
+        assert await b.expire_due() == 0
+        assert b.stats["fence_conflicts"] == 1
+    b._end_ops = prepare
+    await settle(a, b)
+    got = await b.get("conv")
+    assert got.state == pb.LEASE_STATE_ACTIVE and got.expires_at_ms == deadline
+    assert await b.expire_due() == 0
+
+
+async def test_answers_and_the_cli_say_when_a_deadline_comes_from_the_journal(two):
+    """An operator reading `kvbaton leases` sees that a lease was renewed since its record
+    was written (its RENEWALS count does not include journaled renewals); the flag is
+    never stored."""
+    from kvbaton.cli import _lease_rows
+
+    a, b, clock = two
+    info, _ = await a.grant("conv", "dec")
+    assert not info.deadline_journaled and _lease_rows([info])[0][7] == "0"
+    clock.advance(2_000)
+    (res,) = await a.keepalive([pb.RenewRequest(conversation_id="conv")])
+    assert res.status == pb.RENEW_STATUS_OK and res.lease.deadline_journaled
+    await settle(a, b)
+    for svc in (a, b):
+        got = await svc.get("conv")
+        assert got.deadline_journaled and got.expires_at_ms == res.lease.expires_at_ms > info.expires_at_ms
+        (listed,) = await svc.list()
+        assert listed.deadline_journaled and _lease_rows([listed])[0][7] == "0+journal"
+    stored = pb.LeaseInfo.FromString((await a.store.get(a._lkey(info.lease_id))).value)
+    assert not stored.deadline_journaled and stored.expires_at_ms == info.expires_at_ms
+
+
 async def test_records_that_say_nothing_are_deleted(two):
     a, b, clock = two
     for i in range(50):
@@ -211,7 +264,7 @@ def test_journal_view_counts_what_each_record_still_holds():
         j.apply_delete(key)
     assert len(j) == 0 and j.dead == set()
     # A record whose lease already ended (per a lease cache as new as it) owns nothing.
-    j.apply_put(b"r4", lease_journal.decode(lease_journal.encode(["gone"], [500])), 4, ended=lambda _lid: True)
+    j.apply_put(b"r4", lease_journal.decode(lease_journal.encode(["gone"], [500])), 4, ended=set)
     assert j.dead == {b"r4"} and "gone" not in j.deadline
 
 

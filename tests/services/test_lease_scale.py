@@ -172,7 +172,7 @@ async def test_keepalive_batches_share_one_group_commit_and_stale_leases_take_th
     first = asyncio.ensure_future(svc.keepalive([pb.RenewRequest(conversation_id=f"c{i}") for i in range(150)]))
     second = asyncio.ensure_future(svc.keepalive([pb.RenewRequest(conversation_id=f"c{i}") for i in range(150, 300)]))
     await asyncio.sleep(0)  # both batches queued their writes; the flusher has not run yet
-    assert len(svc._groups) == 2 and len(svc._pending) == 300
+    assert len(svc._groups) == 2 and len(set(svc._pending_ids)) == 300
     await svc.revoke("c0")
     txns = svc.metrics.lease_renewal_txns._value.get()
     a, b = await asyncio.gather(first, second)
@@ -183,4 +183,4 @@ async def test_keepalive_batches_share_one_group_commit_and_stale_leases_take_th
     # 300 writes as a handful of transactions (flush_batch each), not one per renewal.
     written = svc.metrics.lease_renewal_txns._value.get() - txns
     assert written <= 300 // svc.config.flush_batch + 2
-    assert not svc._groups and not svc._pending and not svc.hub.preparsed
+    assert not svc._groups and not svc._pending_ids and not svc.hub.preparsed

@@ -184,6 +184,14 @@ async def test_tokens_authenticate_and_scope(secured):
             seen.append(resp.seq)
     assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED and "other-1" in err.value.details()
     assert seen in ([], [1])  # batch 1 may or may not be answered before the refusal
+
+    # ...and so does one of the packed renewals (conversation ids only).
+    async def packed():
+        yield lease_pb2.KeepAliveRequest(seq=3, compact=True, conversation_ids=["acme-1", "other-1"])
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        async for _ in c["agent"].lease.KeepAlive(packed()):
+            pass
+    assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED and "other-1" in err.value.details()
     # Health probes carry no token.
     health = health_pb2_grpc.HealthStub(c["none"].channel)
     assert (await health.Check(health_pb2.HealthCheckRequest(), timeout=3)).status == health_pb2.HealthCheckResponse.SERVING
