@@ -83,6 +83,56 @@ def _pct(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(q * len(s)))] if s else float("nan")
 
 
+# Where a turn's TTFT goes, from the engines' stats lines (benchmarks/ttft_breakdown.py
+# describes each segment).
+SEGMENTS = ("client→prefill engine", "prefill queue", "reuse READ", "READ→compute admitted", "prefill compute",
+            "prefill→decode engine", "decode queue", "pull READ", "first token")
+
+
+def stack_events(stack: FleetStack) -> dict[str, list[dict[str, Any]]]:
+    evs: dict[str, list[dict[str, Any]]] = {}
+    for eng in [*stack.prefill_ids, *stack.decode_ids]:
+        for part in ("worker", "scheduler"):
+            evs.setdefault(eng, []).extend(stack.events(eng, part=part))
+    return evs
+
+
+def split(turn: dict[str, Any], evs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """The turn's segments (ms) from its engines' stats lines, matched by transfer id (and,
+    for the reuse READ, by the prefill's request id)."""
+    tid, p, d = turn["transfer_id"], turn["prefill"], turn["decode"]
+
+    def one(eng: str, event: str, **match: Any) -> dict[str, Any] | None:
+        got = [e for e in evs.get(eng, []) if e["event"] == event and all(e.get(k) == v for k, v in match.items())]
+        return got[0] if got else None
+    p_adms = [e for e in evs.get(p, []) if e["event"] == "admitted" and e.get("transfer_id") == tid
+              and e.get("role") == "prefill"]
+    p_adm = p_adms[0] if p_adms else None
+    d_adm = one(d, "admitted", transfer_id=tid, role="decode")
+    complete = one(p, "rpc", rpc="Complete", transfer_id=tid)
+    recv = one(d, "recv_done", transfer_id=tid)
+    read = one(p, "reuse_read", req_id=p_adm["request_id"]) if p_adm else None
+    if not (p_adm and d_adm and complete and recv):
+        return {"missing": [n for n, e in (("prefill admitted", p_adm), ("decode admitted", d_adm),
+                                            ("Complete", complete), ("recv_done", recv)) if e is None]}
+    t_first = turn["t_send"] + turn["ttft_ms"] / 1000
+    t_finished = complete["t"] - complete["latency_ms"] / 1000
+    t_read_end = read["t"] if read else p_adm["t"]
+    # A READ'd leg is admitted again once its load is over (vLLM schedules it then): the
+    # wait between the READ's end and that is the step granularity of an async load.
+    t_compute = max(p_adms[1]["t"], t_read_end) if read and len(p_adms) > 1 else t_read_end
+    marks = [turn["t_send"], p_adm["arrival_t"], p_adm["t"], t_read_end, t_compute, t_finished, d_adm["arrival_t"],
+             d_adm["t"], recv["t"], t_first]
+    seg = {name: round((b - a) * 1000, 1) for name, a, b in zip(SEGMENTS, marks, marks[1:])}
+    return {"segments_ms": seg,
+            "read": ({k: read[k] for k in ("num_blocks", "nbytes", "duration_s", "pinned_s", "begun_s", "posted_s")}
+                     if read else None),
+            "pull": {k: recv.get(k) for k in ("num_blocks", "nbytes", "duration_s", "begun_s", "posted_s")},
+            "decode_local_hit_tokens": d_adm["local_hit_tokens"], "decode_pulled_tokens": d_adm["external_tokens"],
+            "prefill_local_hit_tokens": p_adm["local_hit_tokens"], "prefill_read_tokens": p_adm["external_tokens"],
+            "complete_rpc_ms": complete["latency_ms"]}
+
+
 # ---------------------------------------------------------------------- 1. decision cost
 def decision_cost(n_prefill: int, n_decode: int, calls: int = 20000) -> dict[str, float]:
     fleet = Fleet(slack=4, discovering=True)
@@ -188,9 +238,11 @@ def conversation(stack: FleetStack, router: str, conv: str, reuse: bool, seed: i
             smarks = {p: stack.event_count(p, "scheduler") for p in stack.prefill_ids}
         body = {"model": "tiny", "prompt": prompt, "max_tokens": args.output_tokens, "temperature": 0.0,
                 "ignore_eos": True}
+        t_send = time.time()
         res = stream_tokens(f"{router}/v1/completions", body, {"X-Session-ID": conv} if reuse else {})
         h = res["headers"]
         rec = {"conv": conv, "reuse": reuse, "turn": turn, "prompt_tokens": len(prompt),
+               "t_send": t_send, "transfer_id": h.get("X-Kvbaton-Transfer-Id", ""),
                "ttft_ms": round(res["ttft_s"] * 1000, 1), "total_ms": round(res["total_s"] * 1000, 1),
                "prefill": h.get("X-Kvbaton-Prefill"), "decode": h.get("X-Kvbaton-Decode"),
                "attempts": int(h.get("X-Kvbaton-Attempts", 1)), "offered_tokens": int(h.get("X-Kvbaton-Reuse-Tokens", 0)),
@@ -250,9 +302,20 @@ def run_fleet(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                    [(f"bench-r{rd}-off-{i}", False, 1000 * rd + 500 + i) for i in range(args.convs)]
             rnd.shuffle(jobs)
             t_round = time.monotonic()
-            with concurrent.futures.ThreadPoolExecutor(len(jobs)) as ex:
-                futs = [ex.submit(conversation, stack, router, c, r, s, args, lock) for c, r, s in jobs]
-                got = [dict(t, round=rd) for f in futs for t in f.result(timeout=1800)]
+            if args.arms == "together":
+                groups = [jobs]
+            else:
+                # --arms alternate: the round's two arms one after the other (the first arm
+                # alternates between rounds), each with the fleet to itself: a fleet whose
+                # agents all send conversation ids vs one whose agents send none, instead of
+                # each arm's turns queueing behind the other arm's prefills.
+                first = rd % 2 == 1
+                groups = [[j for j in jobs if j[1] == first], [j for j in jobs if j[1] != first]]
+            got = []
+            for group in groups:
+                with concurrent.futures.ThreadPoolExecutor(len(group)) as ex:
+                    futs = [ex.submit(conversation, stack, router, c, r, s, args, lock) for c, r, s in group]
+                    got += [dict(t, round=rd) for f in futs for t in f.result(timeout=1800)]
             turns += got
             rounds.append({"round": rd, "wall_s": round(time.monotonic() - t_round, 1), "loadavg": os.getloadavg()})
             last = [t for t in got if t["turn"] == args.turns]
@@ -260,6 +323,9 @@ def run_fleet(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             off = statistics.median(t["ttft_ms"] for t in last if not t["reuse"])
             print(f"round {rd}: longest turn TTFT on {on:.0f} ms / off {off:.0f} ms = {on / off:.3f} "
                   f"({rounds[-1]['wall_s']} s)", flush=True)
+        evs = stack_events(stack)
+        for t in turns:
+            t["split"] = split(t, evs)
         with urllib.request.urlopen(f"{router}/kvbaton/fleet", timeout=10) as r:
             fleet_view = json.loads(r.read())
         in_run_cost = {**fleet_view["decision_us"], "cpu": fleet_view.get("decision_cpu_us")}
@@ -312,6 +378,11 @@ def first_reads(turns: list[dict[str, Any]]) -> dict[str, Any]:
             "later_median_ms": round(statistics.median(later), 1) if later else None, "later_reads": len(later)}
 
 
+def _segments(ts: list[dict[str, Any]]) -> dict[str, float] | None:
+    got = [t["split"]["segments_ms"] for t in ts if "segments_ms" in t.get("split", {})]
+    return {k: round(statistics.median(g[k] for g in got), 1) for k in SEGMENTS} if got else None
+
+
 def summarise(fleet: dict[str, Any], turns_n: int) -> dict[str, Any]:
     per_turn = []
     turns = fleet["turns"]
@@ -345,6 +416,10 @@ def summarise(fleet: dict[str, Any], turns_n: int) -> dict[str, Any]:
             "local_hits_on": sum(1 for t in on for o in t.get("reuse_offers", ())
                                  if o["local_hit_tokens"] >= o["reusable_tokens"] > 0)
             if any("reuse_offers" in t for t in on) else None,
+            # Where the TTFT went (medians per segment; turns whose every stats line was found).
+            "segments_on_ms": _segments(on), "segments_off_ms": _segments(off),
+            "pulled_on": med(on, lambda t: t.get("split", {}).get("decode_pulled_tokens")),
+            "pulled_off": med(off, lambda t: t.get("split", {}).get("decode_pulled_tokens")),
             "same_prefill_on": sum(1 for t in on if prev_prefill.get(t["conv"]) == t["prefill"]),
             "same_prefill_off": sum(1 for t in off if prev_prefill.get(t["conv"]) == t["prefill"]),
         })
@@ -438,7 +513,8 @@ def markdown(result: dict[str, Any]) -> str:
     summary is recomputed from the file's turns (files from before a column have "–")."""
     cfg = result["config"]
     s = summarise(result["fleet"], cfg["turns"])
-    lines = [f"{cfg['convs']} conversations with reuse + {cfg['convs']} without, concurrently, {cfg['turns']} turns "
+    lines = [f"{cfg['convs']} conversations with reuse + {cfg['convs']} without, "
+             f"{'arms alternating' if cfg.get('arms') == 'alternate' else 'concurrently'}, {cfg['turns']} turns "
              f"(+{cfg['new_tokens']} tokens a turn, {cfg['output_tokens']} out), {cfg['mode']}; "
              f"commit `{result['commit'][:7]}`",
              f"prefill KV cache {cfg.get('prefill_kv_mib') or 64} MiB, decode {cfg.get('decode_kv_mib') or 64} MiB "
@@ -451,7 +527,9 @@ def markdown(result: dict[str, Any]) -> str:
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     n_rounds = cfg.get("rounds", 1)
     if n_rounds > 1:
-        lines.insert(2, f"{n_rounds} rounds of fresh conversations, both arms at the same time in each; per-turn "
+        how = ("one arm after the other in each (alternating which goes first), each alone on the fleet"
+               if cfg.get("arms") == "alternate" else "both arms at the same time in each")
+        lines.insert(2, f"{n_rounds} rounds of fresh conversations, {how}; per-turn "
                         f"medians over all {n_rounds * cfg['convs']} conversations of an arm")
 
     def f0(x: float | None) -> str:
@@ -482,6 +560,14 @@ def markdown(result: dict[str, Any]) -> str:
                      f"{lr['min']}–{lr['max']}) | {al['median']} ({al['q1']}–{al['q3']}; {al['min']}–{al['max']}) "
                      f"| {ft['median']} ({ft['q1']}–{ft['q3']}; {ft['min']}–{ft['max']}) |")
         lines += ["", f"Rounds whose longest turn met on/off ≤ 0.5: {s['rounds_meeting_half']} of {len(s['per_round'])}."]
+    last = s["per_turn"][-1]
+    if last.get("segments_on_ms") and last.get("segments_off_ms"):
+        lines += ["", f"Where the longest turn's TTFT went (ms, median per segment over the turns whose stats lines "
+                      f"were all found; segments of different turns, so they need not add up to the TTFT median; "
+                      f"tokens decode pulled from prefill: on {last.get('pulled_on')}, off {last.get('pulled_off')}):",
+                  "", "| segment | reuse on | reuse off |", "|---|---|---|"]
+        for k in SEGMENTS:
+            lines.append(f"| {k} | {last['segments_on_ms'][k]:.0f} | {last['segments_off_ms'][k]:.0f} |")
     rd = s.get("reads") or {}
     if rd.get("first_per_pair_ms"):
         lines += ["", f"READs: first between each prefill/decode pair {rd['first_per_pair_ms']} ms "
@@ -513,6 +599,9 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=1,
                     help="rounds of fresh conversations (both arms at once in each); the verdict is the median "
                          "of the rounds' longest-turn on/off ratios")
+    ap.add_argument("--arms", choices=("together", "alternate"), default="together",
+                    help="together: both arms' conversations at the same time in each round (the verdict); "
+                         "alternate: each round runs one arm, then the other, each alone on the fleet")
     ap.add_argument("--first-tokens", type=int, default=400)
     ap.add_argument("--new-tokens", type=int, default=400)
     ap.add_argument("--output-tokens", type=int, default=16)
@@ -539,7 +628,7 @@ def main() -> int:
                                 text=True, cwd=ROOT).stdout.strip())
     result: dict[str, Any] = {"benchmark": "fleet", "commit": commit, "dirty": dirty,
                               "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-                              "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                              "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "nice": os.nice(0),
                                           "loadavg_start": os.getloadavg()},
                               "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     print("decision cost (in-process) ...", flush=True)

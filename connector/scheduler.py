@@ -114,8 +114,10 @@ class KvbatonScheduler:
 
     def _control_thread(self) -> ControlThread:
         if self._control is None:
-            self._control = ControlThread(self.settings.control_plane, name="kvbaton-sched-control",
-                                          security=security_of(self.settings), unpin=self.settings.unpin_threads)
+            # One control client per process: the rank-0 worker of a one-rank engine runs in
+            # this process and holds the engine's sole subscription on the same client.
+            self._control = ControlThread.shared(self.settings.control_plane, name="kvbaton-sched-control",
+                                                 security=security_of(self.settings), unpin=self.settings.unpin_threads)
         return self._control
 
     def bind_block_pool(self, block_pool: Any) -> None:
@@ -227,6 +229,8 @@ class KvbatonScheduler:
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
         params = request.kv_transfer_params
+        if params:
+            self._stamp_admitted(request, params, num_external_tokens)
         if params is not None and request.request_id in self._reuse_pending:
             self._alloc_reuse(request, params, blocks, num_external_tokens)
             return
@@ -256,6 +260,26 @@ class KvbatonScheduler:
             # Nothing to read (all cached locally): still let prefill free its blocks now.
             self._loads[request.request_id] = LoadSpec(tid, remote_engine, (), (), False,
                                                        traceparent=self._tp(params))
+
+    def _stamp_admitted(self, request: Request, params: dict[str, Any], num_external_tokens: int) -> None:
+        """An ``admitted`` stats line each time a P/D leg is scheduled (a leg whose KV was
+        loaded is scheduled again when the load is over, and stamped again): when the engine got it
+        (vLLM's ``arrival_time``) and when it left the waiting queue (now), how much of its
+        prompt was a local prefix hit and how much comes from elsewhere (decode: the pull's
+        size; prefill: the reuse READ). It splits a turn's TTFT into queueing, transfers and
+        compute (``benchmarks/ttft_breakdown.py``); the waiting time is not otherwise visible.
+        ``local_hit_tokens`` is -1 where this side did not look (a prefill offered no reuse:
+        the router's ``X-Kvbaton-Prefill-Cached-Tokens`` says it)."""
+        if not (params.get(P.DO_REMOTE_PREFILL) or params.get(P.DO_REMOTE_DECODE)):
+            return
+        self._stats.record("admitted", request_id=request.request_id,
+                           role="decode" if params.get(P.DO_REMOTE_PREFILL) else "prefill",
+                           transfer_id=str(params.get(P.TRANSFER_ID) or ""),
+                           conversation_id=str(params.get(P.CONVERSATION_ID) or ""),
+                           arrival_t=float(getattr(request, "arrival_time", 0.0) or 0.0),
+                           prompt_tokens=int(request.num_prompt_tokens),
+                           local_hit_tokens=int(self._local_hit.get(request.request_id, -1)),
+                           external_tokens=int(num_external_tokens))
 
     def _offer(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int,
                hit: int, tid: str) -> None:

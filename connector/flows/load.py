@@ -35,6 +35,9 @@ class Load:
     begin_future: concurrent.futures.Future[Any] | None = None
     begin_after: float = 0.0  # BeginRead again no sooner (our registration lapsed: flows/receive.py)
     begun: bool = False  # BeginRead answered (or the server has no ledger): READ may be posted
+    # where the load's time went (monotonic; 0 = not reached): the stats line's *_s fields
+    t_pinned: float = 0.0
+    t_begun: float = 0.0
     ledger_attempt: int | None = None  # the ledger's transfer attempt; None: nothing to report
     # verify_kv
     landed: bool = False  # the data is in our blocks; verification (if on) still to do

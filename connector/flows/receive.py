@@ -232,6 +232,7 @@ class ReceiveFlow:
             detail = exc.details() if hasattr(exc, "details") else repr(exc)
             raise RuntimeError(f"pin refused: {detail}") from None
         ld.pin_id, ld.pin_expires_at_ms = resp.pin.pin_id, int(resp.pin.expires_at_ms)
+        ld.t_pinned = now
         ld.read_deadline = ld.pin_sent + self.ctx.settings.pin_ttl_s * 0.5
         if resp.lease.retention_id != src.retention_id or resp.lease.engine_id != src.engine_id:
             raise RuntimeError(f"lease {src.lease_id} now protects retention {resp.lease.retention_id!r}, "
@@ -264,7 +265,7 @@ class ReceiveFlow:
             state = fut.result()
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
-                ld.begun = True
+                ld.begun, ld.t_begun = True, now
                 return True
             if (exc.code() == grpc.StatusCode.FAILED_PRECONDITION and ld.spec.mode != MODE_REUSE
                     and "no hold" in (exc.details() or "") and now < ld.t0 + BEGIN_READ_HOLD_GRACE_S):
@@ -282,7 +283,7 @@ class ReceiveFlow:
             raise RuntimeError(f"BeginRead failed: {exc.code().name}: {exc.details()}") from None
         if state.phase == rpb.TRANSFER_PHASE_FAILED:  # another rank of ours failed this read already
             raise RuntimeError(f"read fenced by the ledger: {state.reason or 'the read failed'}")
-        ld.begun, ld.ledger_attempt = True, int(state.attempt)
+        ld.begun, ld.ledger_attempt, ld.t_begun = True, int(state.attempt), now
         return True
 
     def _report_read(self, ld: Load, ok: bool, reason: str) -> None:

@@ -82,6 +82,13 @@ log = logging.getLogger("kvbaton.router")
 
 _HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "content-encoding", "keep-alive"}
 _UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
+#: How long an idle pooled connection to an engine is kept (s). vLLM's server closes idle
+#: connections after ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE`` (5 s); aiohttp's default (15 s) let the
+#: router reuse one the engine was closing, and the leg failed with ``ServerDisconnectedError``
+#: — taken for a dead engine: marked suspect, retried elsewhere, the conversation's reuse lost
+#: (seen once in ``benchmarks/results/fleet_rounds_split.json``, round 5). Below 5 s the router
+#: closes first.
+UPSTREAM_KEEPALIVE_S = 4.0
 # Status label of a streamed response cut short after its headers went out (the client
 # saw the upstream's status, then a broken stream), and of a client that went away.
 STATUS_ABORTED = "aborted"
@@ -258,7 +265,8 @@ class Router:
         return next((e.url for e in self.fleet.routable(ROLE_DECODE, time.monotonic())), "")
 
     async def start(self, app: web.Application) -> None:
-        self._session = aiohttp.ClientSession(timeout=self.timeout)
+        self._session = aiohttp.ClientSession(timeout=self.timeout,
+                                              connector=aiohttp.TCPConnector(keepalive_timeout=UPSTREAM_KEEPALIVE_S))
         if self.load_poll_s > 0:
             from .engine_load import poll_engine_loads
 
@@ -495,7 +503,7 @@ class Router:
                                           "kvbaton.decode_engine": choice.decode.engine_id})
             headers = {"X-Kvbaton-Prefill": choice.prefill.engine_id, "X-Kvbaton-Decode": choice.decode.engine_id,
                        "X-Kvbaton-Reuse-Tokens": str(reuse["num_tokens"] if reuse else 0),
-                       "X-Kvbaton-Attempts": str(attempt + 1)}
+                       "X-Kvbaton-Attempts": str(attempt + 1), "X-Kvbaton-Transfer-Id": transfer_id}
             if conv:
                 add_timing(headers, "lookup", lookup_s)
             run = self._pull if self.mode == "pull" else self._push

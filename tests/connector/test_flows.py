@@ -81,6 +81,8 @@ def test_pull_begins_on_the_ledger_before_reading_and_reports_its_bytes() -> Non
     assert isinstance(begin, rendezvous_pb2.BeginReadRequest) and r.ep.xfers == []  # no READ before it
     assert (begin.transfer_id, begin.kind, begin.reader_engine_id, list(begin.block_ids), begin.generation) == (
         TID, rendezvous_pb2.TRANSFER_KIND_PULL, "me", [1, 2, 3], "")
+    lines: list[tuple[str, dict[str, Any]]] = []
+    r.ctx.stats.record = lambda event, **f: lines.append((event, f))  # type: ignore[method-assign]
     fut.set_result(rendezvous_pb2.TransferState(transfer_id=TID, attempt=0, phase=rendezvous_pb2.TRANSFER_PHASE_MATCHED))
     r.recv.progress(T0 + 0.1)
     (x,) = r.ep.xfers
@@ -90,6 +92,9 @@ def test_pull_begins_on_the_ledger_before_reading_and_reports_its_bytes() -> Non
     (rep,) = r.control.requests("ReportOutcomeRequest")
     assert rep.transfer_id == TID and rep.outcome.success and rep.outcome.bytes == x.nbytes > 0
     assert rep.outcome.engine_id == "me"
+    # Where the load's time went (the TTFT breakdown): BeginRead answered at +0.1 s, no pin.
+    ((ev, f),) = [x for x in lines if x[0] == "recv_done"]
+    assert f["begun_s"] == pytest.approx(0.1) and f["pinned_s"] == -1.0 and f["posted_s"] > 0
 
 
 def test_a_fenced_pull_is_not_read_and_is_recomputed_with_its_reason() -> None:
@@ -272,12 +277,16 @@ def test_reuse_pins_reads_and_unpins() -> None:
     r.recv.progress(T0)
     assert r.ep.xfers == []  # no READ before the pin
     _pinned(r)
+    lines: list[tuple[str, dict[str, Any]]] = []
+    r.ctx.stats.record = lambda event, **f: lines.append((event, f))  # type: ignore[method-assign]
     r.recv.progress(T0 + 0.1)
     (x,) = r.ep.xfers
     assert wire.decode(x.notif) == wire.ReuseServed("conv", x.nbytes)
     x.state = "DONE"
     r.recv.progress(T0 + 0.2)
     assert r.results() == [("recv", "req", True, (1, 2))]
+    ((ev, f),) = [x for x in lines if x[0] == "reuse_read"]
+    assert f["pinned_s"] == pytest.approx(0.1) and f["begun_s"] >= f["pinned_s"] and f["num_blocks"] == 2
     (unpin,) = r.control.requests("UnpinRequest")
     assert unpin.pin_id == "pin-1"
 

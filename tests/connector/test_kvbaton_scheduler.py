@@ -164,3 +164,27 @@ def test_push_messages_carry_the_engines_the_router_named() -> None:
     n, _ = d.get_num_new_matched_tokens(r, 0)
     d.update_state_after_alloc(r, _blocks([7, 8, 9]), n)
     assert sent[-1].decode_engine_id == "d0" and sent[-1].prefill_engine_id == "p0"
+
+
+def test_admitted_line_says_when_each_leg_left_the_queue_and_what_it_loads(tmp_path) -> None:
+    """The TTFT breakdown's stamps (benchmarks/ttft_breakdown.py): one ``admitted`` line per
+    P/D leg, with vLLM's arrival time, the local hit and the tokens loaded from elsewhere."""
+    import json
+
+    s = KvbatonScheduler(KvbatonSettings(control_plane="127.0.0.1:1", engine_id="d0", stats_dir=str(tmp_path)), BS)
+    params = {"do_remote_prefill": True, "remote_engine_id": "p0", "remote_block_ids": [7, 8, 9],
+              "remote_num_tokens": 300, "transfer_id": "t1", "conversation_id": "c1"}
+    r = _req("r1", 300, params)
+    r.arrival_time = 123.5
+    assert s.get_num_new_matched_tokens(r, 256) == (44, True)
+    s.update_state_after_alloc(r, _blocks([4, 5, 6]), 44)
+    p = _req("p1", 200, {"do_remote_decode": True, "transfer_id": "t2"})
+    s.update_state_after_alloc(p, _blocks([1, 2]), 0)
+    s.update_state_after_alloc(_req("x", 10, {"conversation_id": "c"}), _blocks([3]), 0)  # not a P/D leg
+    lines = [json.loads(x) for x in (tmp_path / "d0.scheduler.jsonl").read_text().splitlines()]
+    got = [x for x in lines if x["event"] == "admitted"]
+    assert [(x["role"], x["transfer_id"]) for x in got] == [("decode", "t1"), ("prefill", "t2")]
+    d, pf = got
+    assert d["arrival_t"] == 123.5 and d["local_hit_tokens"] == 256 and d["external_tokens"] == 44
+    assert d["conversation_id"] == "c1" and d["prompt_tokens"] == 300 and d["t"] >= d["arrival_t"]
+    assert pf["local_hit_tokens"] == -1 and pf["external_tokens"] == 0

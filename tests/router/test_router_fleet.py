@@ -243,6 +243,7 @@ async def test_decode_dying_before_any_token_is_retried_once_elsewhere(fleet, mo
     assert b"d1" in raw
     tids = [b["kv_transfer_params"]["transfer_id"] for b in fleet.engines["p0"].bodies]
     assert len(tids) == 2 and tids[0] != tids[1]  # a new transfer attempt
+    assert headers["X-Kvbaton-Transfer-Id"] == tids[1]  # the one that answered (the engines' stats lines name it)
     # d0 is suspect now: the next request goes straight to d1.
     status, headers, _ = await fleet.post(router, {"prompt": "hi", "max_tokens": 2})
     assert status == 200 and headers["X-Kvbaton-Attempts"] == "1" and headers["X-Kvbaton-Decode"] == "d1"
@@ -353,3 +354,25 @@ async def test_decision_cost_is_measured(fleet):
     cost, cpu = view["decision_us"], view["decision_cpu_us"]
     assert cost["n"] == cpu["n"] == 3 and 0 < cost["p50"] <= cost["p99"] < 1000
     assert 0 < cpu["p50"] <= cpu["p99"] < 1000
+
+
+async def test_idle_upstream_connections_are_closed_before_the_engines_close_them(fleet, monkeypatch):
+    """vLLM closes idle connections after 5 s (VLLM_HTTP_TIMEOUT_KEEP_ALIVE); a router that
+    keeps them longer may send a leg on one the engine is closing, and the leg fails as if
+    the engine were dead. The router closes its idle pooled connections first."""
+    from kvbaton.services.router import app as router_app
+
+    assert router_app.UPSTREAM_KEEPALIVE_S < 5.0
+    monkeypatch.setattr(router_app, "UPSTREAM_KEEPALIVE_S", 0.3)  # the mechanism, quickly
+    p = await fleet.engine("p0")
+    p_server = fleet.runners[-1].server
+    d = await fleet.engine("d0")
+    d_server = fleet.runners[-1].server
+    router = await fleet.router([f"p0={p}"], [f"d0={d}"], "pull", control_plane="")
+    status, _, _ = await fleet.post(router, {"prompt": "hi", "max_tokens": 2})
+    assert status == 200
+    # Both engines saw the router's connection; it goes once idle (the stand-ins' own
+    # keep-alive is aiohttp's 75 s, so only the router can have closed it).
+    async def closed() -> bool:
+        return not p_server.connections and not d_server.connections
+    await _until(closed, timeout_s=3.0)

@@ -1,0 +1,52 @@
+"""``benchmarks/fleet.py``'s TTFT split: the engines' stats lines of one turn → its segments.
+
+A logic test on hand-written lines (the lines themselves come from real engines in the
+benchmark; their fields are pinned by tests/connector/test_kvbaton_scheduler.py and
+test_flows.py)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+fleet = pytest.importorskip("fleet")
+
+
+def _lines(read: bool) -> dict[str, list[dict]]:
+    p = [{"event": "admitted", "t": 100.30, "transfer_id": "T", "role": "prefill", "request_id": "rp",
+          "arrival_t": 100.10, "local_hit_tokens": 0, "external_tokens": 4096 if read else 0}]
+    if read:
+        p += [{"event": "reuse_read", "t": 100.40, "req_id": "rp", "num_blocks": 32, "nbytes": 1, "duration_s": 0.1,
+               "pinned_s": 0.02, "begun_s": 0.03, "posted_s": 0.04},
+              {"event": "admitted", "t": 100.55, "transfer_id": "T", "role": "prefill", "request_id": "rp",
+               "arrival_t": 100.10, "local_hit_tokens": 4096, "external_tokens": 0}]
+    p.append({"event": "rpc", "rpc": "Complete", "transfer_id": "T", "t": 100.95, "latency_ms": 50.0})
+    d = [{"event": "admitted", "t": 101.00, "transfer_id": "T", "role": "decode", "request_id": "rd",
+          "arrival_t": 100.98, "local_hit_tokens": 4992, "external_tokens": 1088},
+         {"event": "recv_done", "t": 101.10, "transfer_id": "T", "num_blocks": 9, "nbytes": 2, "duration_s": 0.1,
+          "begun_s": 0.01, "posted_s": 0.02}]
+    return {"p0": p, "d0": d, "p1": [{"event": "admitted", "t": 100.3, "transfer_id": "other", "role": "prefill"}]}
+
+
+def test_a_reuse_turn_splits_into_queue_read_wait_and_compute() -> None:
+    turn = {"transfer_id": "T", "prefill": "p0", "decode": "d0", "t_send": 100.00, "ttft_ms": 1200.0}
+    got = fleet.split(turn, _lines(read=True))
+    seg = got["segments_ms"]
+    assert list(seg) == list(fleet.SEGMENTS)
+    assert seg == pytest.approx({"client→prefill engine": 100, "prefill queue": 200, "reuse READ": 100,
+                                 "READ→compute admitted": 150, "prefill compute": 350, "prefill→decode engine": 80,
+                                 "decode queue": 20, "pull READ": 100, "first token": 100})
+    assert sum(seg.values()) == pytest.approx(turn["ttft_ms"])
+    assert got["decode_pulled_tokens"] == 1088 and got["prefill_read_tokens"] == 4096 and got["read"]["pinned_s"] == 0.02
+
+
+def test_a_turn_without_a_read_has_no_read_segments_and_missing_lines_are_named() -> None:
+    turn = {"transfer_id": "T", "prefill": "p0", "decode": "d0", "t_send": 100.00, "ttft_ms": 1200.0}
+    seg = fleet.split(turn, _lines(read=False))["segments_ms"]
+    assert seg["reuse READ"] == 0 and seg["READ→compute admitted"] == 0 and seg["prefill compute"] == pytest.approx(600)
+    lines = _lines(read=False)
+    lines["d0"] = [e for e in lines["d0"] if e["event"] != "recv_done"]
+    assert fleet.split(turn, lines) == {"missing": ["recv_done"]}
