@@ -48,6 +48,7 @@ import numpy as np
 from kvbaton.v1 import lease_pb2 as lpb
 from kvbaton.v1 import registrar_pb2 as rpb
 
+from .flows.faults import Faults
 from .settings import MAX_PIN_S, KvbatonSettings
 from .statslog import StatsLog
 
@@ -133,6 +134,9 @@ class RetentionManager:
         self._started = False
         #: ``<stats_dir>/<engine>.retention.jsonl``: retained / freed (with why) / hard cap.
         self.events = StatsLog(settings.stats_dir, settings.engine_id, part="retention")
+        #: test-only: ``delay_grant_s`` holds the Grant back after RegisterRetained (the
+        #: window in which a client acting on the answer raced decode, router/retention.py)
+        self._faults = Faults(settings.fault_file)
 
     # ------------------------------------------------------------------ engine loop
     def bind(self, block_pool: BlockPool) -> None:
@@ -287,6 +291,10 @@ class RetentionManager:
                     block_ids=list(hold.block_ids), num_tokens=hold.num_tokens,
                     block_hashes=list(hold.block_hashes), tokens_per_block=self.block_size)), retries=2)
             hold.retention_id = reg.retained.retention_id
+            if (delay := self._faults.value("delay_grant_s")) > 0:
+                self.events.record("fault_delay", fault="delay_grant_s", conversation_id=hold.conversation_id,
+                                   delay_s=delay)
+                await asyncio.sleep(delay)
             resp = await c.call(c.lease.Grant, lpb.GrantRequest(
                 conversation_id=hold.conversation_id, engine_id=self.settings.engine_id,
                 ttl_ms=int(self.settings.lease_ttl_s * 1000), num_blocks=len(hold.block_ids),

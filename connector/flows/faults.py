@@ -25,7 +25,9 @@ class Faults:
     ``kill_group_at_reuse_read`` = a process group id: the reader SIGKILLs that group (the
     owner engine, in a test) once, the moment a reuse READ would be posted, pin held, and
     holds the READ back until the group is gone (an owner dying under a reader's pin, by
-    construction rather than by a race against a delay window).
+    construction rather than by a race against a delay window);
+    ``delay_grant_s`` = how long decode's retention waits between RegisterRetained and
+    Grant (read by the scheduler process's ``RetentionManager``).
     Counts are consumed in this process only (the file is not rewritten).
     """
 

@@ -42,6 +42,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="every this many seconds read each engine's running + waiting requests from its "
                          "/metrics, so that load other routers put on it counts too (default 0: off, "
                          "this router's own counts only)")
+    ap.add_argument("--retain-wait-s", type=float, default=5.0,
+                    help="hold a conversational turn's answer until decode's retention of it is leased, at most "
+                         "this long, so that the client's next turn or revoke comes after it (default 5; 0: off)")
     ap.add_argument("--no-retry", action="store_true",
                     help="do not re-send a request whose engine failed before answering")
     ap.add_argument("--mode", choices=("pull", "push"), default="pull")
@@ -74,6 +77,7 @@ def main(argv: list[str] | None = None) -> None:
         web.run_app(build_app(args.prefill, args.decode, args.mode, control_plane=args.control_plane,
                               discover=discover, slack=args.slack, suspect_s=args.suspect_s,
                               retry=not args.no_retry, security=creds, load_poll_s=args.load_poll_s,
+                              retain_wait_s=args.retain_wait_s,
                               prefill_engine_id=args.prefill_engine_id, decode_engine_id=args.decode_engine_id),
                     host=args.host, port=args.port, print=None, access_log=None)
     finally:

@@ -31,7 +31,9 @@ blocks (``Lease.Renew`` + ``Registrar.LookupRetained``, at once, bounded by
 decode is preferred and the blocks go to the chosen prefill as ``kv_transfer_params.reuse``
 (prefill decides whether to READ). All of this lives in the control plane, so two router
 replicas serve one conversation alternately with reuse intact. A control plane that is slow
-or down only costs the reuse: the request goes on without it.
+or down only costs the reuse: the request goes on without it. A turn's (non-streaming) answer
+is held until decode's retention of that turn is leased, at most ``retain_wait_s``, and then
+names the lease (``retention.py``): a client's next turn, or its revoke, comes after the Grant.
 
 Observability: ``/metrics`` (Prometheus text) exports ``kvbaton_router_*``
 (``kvbaton.services.metrics.RouterMetrics``); ``/kvbaton/stats`` counts; ``/kvbaton/fleet``
@@ -205,7 +207,8 @@ class Router:
                  mode: str = "pull", *, timeout_s: float = 300.0, control_plane: str = "",
                  lookup_timeout_s: float = 1.0, metrics: RouterMetrics | None = None,
                  discover: bool | None = None, slack: int = 4, suspect_s: float = 5.0,
-                 retry: bool = True, security: Any = None, load_poll_s: float = 0.0) -> None:
+                 retry: bool = True, security: Any = None, load_poll_s: float = 0.0,
+                 retain_wait_s: float = 5.0) -> None:
         if mode not in ("pull", "push"):
             raise ValueError(f"mode must be pull or push, got {mode!r}")
         prefills = [prefill_url] if isinstance(prefill_url, str) else list(prefill_url)
@@ -225,6 +228,9 @@ class Router:
         self._session: aiohttp.ClientSession | None = None
         self.control_plane = control_plane
         self.lookup_timeout_s = lookup_timeout_s
+        #: hold a conversational answer until decode's retention of the turn is leased, at
+        #: most this long (``retention.py``: what the client does next is ordered after it)
+        self.retain_wait_s = retain_wait_s
         self._kv: Any = None  # KvbatonClient, made on the app's loop
         # kvbaton.security.ClientSecurity for the control plane (None: from the environment).
         self.security = security
@@ -236,6 +242,7 @@ class Router:
         self.discovery: Any = None  # discovery.DiscoveryState while following the registrar
         self.stats: dict[str, Any] = {
             "conversation_turns": 0, "reuse_offered": 0, "reuse_unavailable": 0, "reuse_holder_unusable": 0,
+            "retention_granted": 0, "retention_not_visible": 0, "retention_waiting": 0,
             "retries": 0, "no_engine": 0, "decode_affinity": 0, "decode_no_history": 0,
             "decode_holder_overloaded": 0, "decode_holder_unavailable": 0,
             "prefill_cached": 0, "prefill_least_work": 0,
@@ -596,7 +603,7 @@ class Router:
             db.pop("kv_transfer_params", None)
         if conv:
             db["kv_transfer_params"] = {**(db.get("kv_transfer_params") or {}), params.CONVERSATION_ID: conv}
-        return await self._decode(request, choice.decode, path, db, transfer_id, headers)
+        return await self._decode(request, choice.decode, path, db, transfer_id, headers, conv)
 
     async def _push(self, request: web.Request, path: str, body: dict[str, Any], transfer_id: str, conv: str,
                     reuse: dict[str, Any] | None, choice: Choice, tokens: int,
@@ -631,7 +638,7 @@ class Router:
                 opened = await dtask
             except _UPSTREAM_ERRORS as exc:
                 return _Retry(choice.decode, ROLE_DECODE, self._upstream_failed("decode", transfer_id, exc))
-            return await self._relay(request, opened, body, transfer_id, headers)
+            return await self._relay(request, opened, body, transfer_id, headers, conv)
         finally:
             if not dtask.done():
                 dtask.cancel()
@@ -679,24 +686,52 @@ class Router:
                 self.metrics.request_seconds.labels(self.mode, "decode").observe(time.perf_counter() - t0)
 
     async def _decode(self, request: web.Request, engine: Engine, path: str, body: dict[str, Any],
-                      transfer_id: str, headers: dict[str, str]) -> web.StreamResponse | _Retry:
+                      transfer_id: str, headers: dict[str, str], conv: str = "") -> web.StreamResponse | _Retry:
         try:
             opened = await self._open_decode(engine, path, body, transfer_id)
         except _UPSTREAM_ERRORS as exc:
             return _Retry(engine, ROLE_DECODE, self._upstream_failed("decode", transfer_id, exc))
-        return await self._relay(request, opened, body, transfer_id, headers)
+        return await self._relay(request, opened, body, transfer_id, headers, conv)
+
+    async def _settle_retention(self, answer: bytes, headers: dict[str, str]) -> bytes:
+        """A conversational answer goes out once decode's retention of the turn is leased
+        (bounded; ``retention.py`` says why), naming the lease; ``retain`` in Server-Timing."""
+        from .retention import settle
+
+        t0 = time.perf_counter()
+        self.stats["retention_waiting"] += 1
+        try:
+            out, what = await settle(self._kv, answer, self.retain_wait_s, self.lookup_timeout_s)
+        finally:
+            self.stats["retention_waiting"] -= 1
+        if what:
+            self.stats[f"retention_{what}"] += 1
+            add_timing(headers, "retain", time.perf_counter() - t0)
+            if what == "not_visible":
+                log.warning("decode's retention of a turn was not leased within %.1f s: answered without it",
+                            self.retain_wait_s)
+        return out
 
     async def _relay(self, request: web.Request, opened: _Opened, body: dict[str, Any], transfer_id: str,
-                     headers: dict[str, str]) -> web.StreamResponse:
+                     headers: dict[str, str], conv: str = "") -> web.StreamResponse:
         """Pass the decode answer's status, headers and body (streamed chunk by chunk) back."""
         r, engine = opened.r, opened.engine
         resp: web.StreamResponse | None = None
         headers = dict(headers)
         add_timing(headers, "decode", opened.first_s)
+        if opened.complete:
+            try:
+                status, first, ctype = r.status, opened.first, r.content_type or "application/json"
+            finally:
+                r.release()
+                self.fleet.end_decode(engine)
+                self.metrics.request_seconds.labels(self.mode, "decode").observe(time.perf_counter() - opened.t0)
+            # decode's part is done: the wait is the control plane's. A draining decode's
+            # RegisterRetained is refused (it frees the blocks): nothing will become visible.
+            if conv and status == 200 and not engine.draining:
+                first = await self._settle_retention(first, headers)
+            return web.Response(status=status, body=first, content_type=ctype, headers=headers)
         try:
-            if opened.complete:
-                return web.Response(status=r.status, body=opened.first,
-                                    content_type=r.content_type or "application/json", headers=headers)
             resp = web.StreamResponse(status=r.status, headers={
                 **{k: v for k, v in r.headers.items() if k.lower() not in _HOP_HEADERS}, **headers})
             await resp.prepare(request)
