@@ -25,7 +25,9 @@ connections; ``session`` sends them over the two engines' Rendezvous/Session str
 (``KvbatonClient.session``, batched, its defaults); ``session-answer`` also opens the
 prefill's subscription as its engine's sole one on the client its completions go out on
 (the connector's worker at TP 1), so a completion that makes the match is answered with
-it. ``/wN`` after a session path sets the sessions' Nagle window (``/w0``: none, the client
+it. ``--floor`` adds a server whose rendezvous answers are canned (``benchmarks/floor_server.py``;
+session-answer points only): the same gRPC, loop and Session handler with no rendezvous
+work, so the difference is what kvbaton's own code costs per match. ``/wN`` after a session path sets the sessions' Nagle window (``/w0``: none, the client
 before it), so old and new clients run against the same server in one run. Each point
 reports gRPC messages per match through the server (calls in, answers out, the prefill's
 Subscribe stream). ``kvbaton serve`` runs in its own process, so the
@@ -214,6 +216,11 @@ async def open_loop(kv: KvbatonClient, peer: KvbatonClient, stubs: list, *, path
     await asyncio.gather(consumer, return_exceptions=True)
     lat = [(pt.matched[tid] - pt.scheduled[tid]) * 1000 for tid in accepted if tid in pt.matched]
     span = (max(pt.matched.values()) - t0) if pt.matched else seconds
+    # The slowest 1 %: when each was due (s into the point) and how late its MATCH came.
+    # Outliers bunched in time point at a stall (a GC pass, a descheduled process, the
+    # machine's other load); outliers spread out one by one at something per transfer.
+    slow = sorted(((pt.matched[tid] - pt.scheduled[tid]) * 1000, pt.scheduled[tid] - t0, tid)
+                  for tid in accepted if tid in pt.matched)[-max(len(lat) // 100, 1):] if lat else []
     sent = [(x.stats["sent_calls"] - b["sent_calls"], x.stats["sent_batches"] - b["sent_batches"])
             for x, b in zip(sessions, before)]
     result = {
@@ -226,6 +233,7 @@ async def open_loop(kv: KvbatonClient, peer: KvbatonClient, stubs: list, *, path
         "half": sum(1 for codes in pt.answers.values() if sorted(codes)[0] == 0 and any(codes)),
         "unanswered": sum(1 for tid in pt.scheduled if len(pt.answers.get(tid, ())) < 2),
         "send_lag_p99_ms": pct(pt.send_lag, 99),
+        "slowest_1pct": [{"due_s": round(due_s, 4), "ms": round(ms, 2)} for ms, due_s, _ in sorted(slow, key=lambda x: x[1])],
         # When refusals came: at once (shed) or after queueing (what a client waited for nothing).
         "refused_after_ms": {code: {"p50": pct(v, 50), "max": max(v)} for code, v in pt.refused_after.items()},
     }
@@ -318,14 +326,18 @@ async def run_store(args, store_url: str, store_pids: list[int], variant: str = 
     if variant == "baseline":
         cwd = str(args.baseline_dir)
         env["PYTHONPATH"] = cwd
-    server = subprocess.Popen([sys.executable, "-m", "kvbaton.cli", "serve", "--insecure", "--listen", f"127.0.0.1:{port}",
+    # The floor: the same server with canned rendezvous answers (benchmarks/floor_server.py).
+    entry = [str(ROOT / "benchmarks" / "floor_server.py")] if variant == "floor" else ["-m", "kvbaton.cli"]
+    server = subprocess.Popen([sys.executable, *entry, "serve", "--insecure", "--listen", f"127.0.0.1:{port}",
                                "--store", store_url, *serve_args],
                               env=env, start_new_session=True, cwd=cwd)
     profiler = None
     if args.profile:  # py-spy on the server for this store's whole run (its own CPU is not the server's)
         profile_path = f"{args.profile}.{len(args.profiled)}.txt"
         profiler = subprocess.Popen([str(ROOT / ".venv" / "bin" / "py-spy"), "record", "-p", str(server.pid), "-r", "200",
-                                     "-f", "raw", "-o", profile_path, "--nonblocking"],
+                                     "-f", "raw", "-o", profile_path,
+                                     # --native pauses the server per sample (py-spy refuses it with --nonblocking)
+                                     *(["--native"] if args.profile_native else ["--nonblocking"])],
                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         args.profiled.append(store_url)
     out: dict = {"variant": variant, "serve_args": list(serve_args), "store_url": store_url, "loadavg_at_start": os.getloadavg(), "points": [], "summary": {}}
@@ -345,6 +357,8 @@ async def run_store(args, store_url: str, store_pids: list[int], variant: str = 
             prefix = f"{variant}-"
             for spec in args.path:
                 path, window = parse_path(spec)
+                if variant == "floor" and path != "session-answer":
+                    continue  # the floor answers the MATCH on the completion only
                 default_window = kv.session.max_in_flight
                 if window is not None:  # the sessions' Nagle window (RendezvousSession.max_in_flight)
                     kv.session.max_in_flight = peer.session.max_in_flight = window
@@ -472,7 +486,12 @@ def main() -> int:
                         "'uvloop:--event-loop uvloop' (repeatable, in this order; default 'current:')")
     p.add_argument("--baseline", default="",
                    help="also run every store against `kvbaton serve` of this commit (after the current tree, same run)")
+    p.add_argument("--floor", action="store_true",
+                   help="also run the session-answer points against benchmarks/floor_server.py (this server with "
+                        "canned rendezvous answers): what a match costs beside kvbaton's rendezvous work")
     p.add_argument("--profile", default="", help="py-spy the server (raw folded stacks to PROFILE.<n>.txt)")
+    p.add_argument("--profile-native", action="store_true",
+                   help="with --profile: py-spy --native (C frames of gRPC core, protobuf and the loop too)")
     p.add_argument("--table", metavar="RESULTS", help="only print the markdown tables of a results file")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "control_plane.json"))
     p.add_argument("--machine", default="", help="what this machine is, recorded in the results (beside its core count)")
@@ -504,7 +523,8 @@ def main() -> int:
             store_url = store
         try:
             variants = [(v.split(":", 1)[0], tuple(v.split(":", 1)[1].split())) for v in args.variant]
-            for variant, serve_args in [*variants, *([("baseline", ())] if args.baseline else [])]:
+            extra = [*([("baseline", ())] if args.baseline else []), *([("floor", ())] if args.floor else [])]
+            for variant, serve_args in [*variants, *extra]:
                 print(f"[{store}] {variant}", flush=True)
                 r = asyncio.run(run_store(args, store_url, store_pids, variant, serve_args))
                 r["store"] = f"etcd ({store[-1]} member{'s' if store == 'etcd3' else ''}, loopback)" if cluster else store

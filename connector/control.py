@@ -30,8 +30,22 @@ log = logging.getLogger("kvbaton.connector.control")
 T = TypeVar("T")
 
 
+# One control thread and client per process and control plane (``ControlThread.shared``):
+# key -> the holder that started it.
+_SHARED: dict[tuple[Any, ...], ControlThread] = {}
+_SHARED_LOCK = threading.Lock()
+
+
 class ControlThread:
-    """Owns an event loop on a named daemon thread; registers and refreshes the engine rank."""
+    """Owns an event loop on a named daemon thread; registers and refreshes the engine rank.
+
+    ``ControlThread.shared(...)`` gives every part of one engine process (the scheduler's
+    connector and the rank-0 worker's at TP 1) a holder of the same thread, loop and
+    :class:`KvbatonClient`, so its completions go out on the client that holds the
+    engine's sole subscription and get the MATCH on their answer (kvbaton/match_inbox.py)
+    instead of one more message on the stream. Each holder's tasks (registration refresh,
+    subscriptions) are its own; the thread stops when the last holder closes.
+    """
 
     def __init__(self, address: str, *, timeout_s: float = 5.0, name: str = "kvbaton-control",
                  security: ClientSecurity | None = None, unpin: bool = True) -> None:
@@ -51,6 +65,35 @@ class ControlThread:
             raise RuntimeError("kvbaton control thread did not start")
         self._refresh_task: concurrent.futures.Future[None] | None = None
         self._tasks: list[concurrent.futures.Future[None]] = []
+        self._holders = [1]  # holders of this thread and client (shared by them all)
+        self._shared_key: tuple[Any, ...] | None = None
+        self._closed = False
+
+    @classmethod
+    def shared(cls, address: str, *, timeout_s: float = 5.0, name: str = "kvbaton-control",
+               security: ClientSecurity | None = None, unpin: bool = True) -> ControlThread:
+        """A holder of this process's control thread for ``address`` (started by the first
+        caller with the same settings); close each holder once."""
+        security = security if security is not None else ClientSecurity.resolve()
+        key = (address, timeout_s, security, unpin)
+        with _SHARED_LOCK:
+            first = _SHARED.get(key)
+            if first is not None and first._holders[0] > 0:
+                holder = cls.__new__(cls)
+                holder.__dict__.update({k: v for k, v in first.__dict__.items()
+                                        if k not in ("_refresh_task", "_tasks", "_closed")})
+                holder._refresh_task, holder._tasks, holder._closed = None, [], False
+                first._holders[0] += 1
+                return holder
+            ct = cls(address, timeout_s=timeout_s, name=name, security=security, unpin=unpin)
+            ct._shared_key = key
+            _SHARED[key] = ct
+            return ct
+
+    @property
+    def holders(self) -> int:
+        """Holders of this thread and client not yet closed."""
+        return self._holders[0]
 
     def _run(self) -> None:
         if self.unpin:  # before the gRPC channel: gRPC's own threads inherit the mask
@@ -146,11 +189,22 @@ class ControlThread:
     def close(self) -> None:
         """Stop refreshing and subscribing, close the client and stop the loop (bounded).
 
-        Nothing is deregistered: the rank's registration lapses with its TTL (``ttl_ms``)."""
+        Nothing is deregistered: the rank's registration lapses with its TTL (``ttl_ms``).
+        A holder from ``shared`` stops its own tasks; the thread stops with the last one."""
+        if self._closed:
+            return
+        self._closed = True
         if self._refresh_task is not None:
             self._refresh_task.cancel()
         for t in self._tasks:
             t.cancel()
+        with _SHARED_LOCK:
+            self._holders[0] -= 1
+            if self._holders[0] > 0:
+                return
+            key = self._shared_key
+            if key is not None and _SHARED.get(key) is not None and _SHARED[key]._holders is self._holders:
+                del _SHARED[key]
         if self._loop.is_closed():
             return
         async def _shutdown() -> None:

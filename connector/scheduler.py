@@ -114,8 +114,10 @@ class KvbatonScheduler:
 
     def _control_thread(self) -> ControlThread:
         if self._control is None:
-            self._control = ControlThread(self.settings.control_plane, name="kvbaton-sched-control",
-                                          security=security_of(self.settings), unpin=self.settings.unpin_threads)
+            # One control client per process: the rank-0 worker of a one-rank engine runs in
+            # this process and holds the engine's sole subscription on the same client.
+            self._control = ControlThread.shared(self.settings.control_plane, name="kvbaton-sched-control",
+                                                 security=security_of(self.settings), unpin=self.settings.unpin_threads)
         return self._control
 
     def bind_block_pool(self, block_pool: Any) -> None:

@@ -59,8 +59,10 @@ class KvbatonWorker:
         # into one NIXL registration.
         tensors = list(kv_caches.values())
         layout = KvLayout.from_tensors(tensors, block_size, block_dim=0)
-        self._control = ControlThread(self.settings.control_plane, security=security_of(self.settings),
-                                      unpin=self.settings.unpin_threads)
+        # Shared with this process's scheduler connector (TP 1): its completions then get
+        # the MATCH on their answer, the subscription below being the engine's only one.
+        self._control = ControlThread.shared(self.settings.control_plane, security=security_of(self.settings),
+                                             unpin=self.settings.unpin_threads)
         fp = Fingerprinter(layout, tensors, self.settings.verify_kv_alg) if self.settings.verify_kv else None
         self._xfer = TransferLoop(self.settings, self.tp_rank, layout, self._control, self.stats, fp,
                                   tensors=tensors, tp_size=self.tp_size)

@@ -31,6 +31,14 @@ class ByteBudget:
         self.used += n
         self.peak = max(self.peak, self.used)
 
+    def try_acquire(self, n: int) -> bool:
+        """``acquire`` without waiting: True (reserved) if ``n`` more bytes fit now."""
+        if self.used and self.used + n > self.limit:
+            return False
+        self.used += n
+        self.peak = max(self.peak, self.used)
+        return True
+
     def release(self, n: int) -> None:
         self.used = max(0, self.used - n)
         self._freed.set()

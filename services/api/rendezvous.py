@@ -16,7 +16,7 @@ from ..domain.errors import DomainError, exhausted
 from ..domain.hub import SubscriberOverflow
 from ..domain.rendezvous import RendezvousService, match_delivered
 from ..store import RequestTooLargeError, StoreError
-from . import incarnation
+from . import eager, incarnation
 from .budget import ByteBudget
 from .guard import SESSION_GATE
 from .overload import LoopLag
@@ -171,17 +171,22 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
         state = {"finished": False}
 
         budget = ByteBudget()
+        inline = [0]  # answers in ``results`` that hold no slot (answered without a task)
 
-        async def answer(call: pb.SessionCall) -> None:
-            # The call's slot and its answer's bytes are held until the answer is written,
-            # so a client that stops reading stops being read (bounded server memory).
+        def deliver(result: pb.SessionResult, size: int) -> None:
+            results.append(result)
+            held[0] += size
+            ready.set()
+
+        async def answer(pending: eager.Suspended) -> None:
+            # A call that had to wait (an etcd round trip): its slot and its answer's bytes
+            # are held until the answer is written, so a client that stops reading stops
+            # being read (bounded server memory).
             try:
-                result = await self._session_one(call, gate)
+                result = await pending.drive()
                 size = result.ByteSize()
                 await budget.acquire(size)
-                results.append(result)
-                held[0] += size
-                ready.set()
+                deliver(result, size)
             except BaseException:
                 slots.release()
                 raise
@@ -189,12 +194,22 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
         async def pump() -> None:
             # Calls are worked on concurrently (each decided by its own CAS) and answered as
             # they finish, batched: whatever finished while the last batch was being written
-            # goes out in the next. When the client half-closes, what is in flight finishes.
+            # goes out in the next. A call that finishes without waiting (the memory store)
+            # is answered inline, with no task; one that waits gets a task and a slot. When
+            # the client half-closes, what is in flight finishes.
             try:
                 async for req in request_iterator:
                     for call in req.calls:
+                        done, value = eager.start(self._session_one(call, gate))
+                        if done:
+                            size = value.ByteSize()  # type: ignore[union-attr]
+                            if not budget.try_acquire(size):  # the client is not reading: stop reading it
+                                await budget.acquire(size)
+                            deliver(value, size)  # type: ignore[arg-type]
+                            inline[0] += 1
+                            continue
                         await slots.acquire()
-                        task = loop.create_task(answer(call))
+                        task = loop.create_task(answer(value))  # type: ignore[arg-type]
                         working.add(task)
                         task.add_done_callback(working.discard)
                 if working:
@@ -212,9 +227,10 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
                     batch = results[:]
                     del results[:]
                     size, held[0] = held[0], 0
+                    slotted, inline[0] = len(batch) - inline[0], 0
                     yield pb.SessionResponse(results=batch)
                     budget.release(size)
-                    for _ in batch:
+                    for _ in range(slotted):
                         slots.release()
                 elif state["finished"]:
                     break

@@ -223,3 +223,27 @@ def test_wakes_that_arrive_keep_the_long_steps() -> None:
     finally:
         rank.close()
         s.shutdown()
+
+
+def test_a_flow_that_fails_a_load_wakes_the_scheduler_through_the_socket() -> None:
+    """The whole path in one process: a receive flow gives up on a push the rendezvous failed,
+    reports it, and the engine loop's long wait ends (the worker's ``ctx.wake`` is a sender)."""
+    from kvbaton.connector.metadata import LoadSpec
+    from tests.connector.test_flows import Rig
+    from tests.connector.test_worker_failed_push import _failed
+
+    name = _name()
+    lst, snd = WakeListener(name), WakeSender(name)
+    r = Rig()
+    r.ctx.wake = snd.wake
+    t0 = time.monotonic()
+    try:
+        r.recv.on_load("req", LoadSpec("x9", "", (), (4, 5), mode="push"), t0)
+        assert lst.wait(0.0) == TIMEOUT  # nothing ended yet
+        r.recv.on_event("x9", _failed("x9"))
+        r.recv.progress(t0 + 0.1)
+        assert lst.wait(30.0) == WOKEN
+        assert r.results() == [("recv", "req", False, (4, 5))]
+    finally:
+        lst.close()
+        snd.close()

