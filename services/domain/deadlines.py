@@ -22,6 +22,10 @@ from typing import Generic, TypeVar
 K = TypeVar("K", bound=Hashable)
 
 DEFAULT_SLACK = 4096
+#: a tick that ends what fell due gives the event loop a turn after this many entries: on the
+#: memory store nothing in ending one suspends, so a burst of thousands falling due together
+#: would otherwise hold the loop (and every call waiting on it) for the whole burst
+END_YIELD_EVERY = 128
 
 
 class DeadlineIndex(Generic[K]):

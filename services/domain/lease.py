@@ -52,7 +52,7 @@ from ..store.base import (
 from . import lease_journal, limits, paging, renewal_scan
 from .background import Tombstones, cancel_all, leader_ticks
 from .clock import Clock, WallClock
-from .deadlines import DeadlineIndex
+from .deadlines import END_YIELD_EVERY, DeadlineIndex
 from .errors import Code, DomainError, exhausted, invalid, not_found, precondition
 from .hub import PrefixHub
 
@@ -1087,6 +1087,8 @@ class LeaseService:
         ended = 0
         for i, (key, info, rev) in enumerate(due):
             try:
+                if i and i % END_YIELD_EVERY == 0:
+                    await asyncio.sleep(0)  # decisions stay fenced on `seen`, as across etcd's awaits
                 ended += await self._end_due(key, info, rev, now, seen)
             except BaseException:
                 # The store failed mid-tick: what was popped but not ended goes back.

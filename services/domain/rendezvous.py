@@ -51,7 +51,7 @@ from ..store.base import Compare, EventType, Get, KeyValue, Put, Store, WatchEve
 from . import limits, paging
 from .background import Tombstones, cancel_all, leader_ticks
 from .clock import Clock, WallClock
-from .deadlines import DeadlineIndex
+from .deadlines import END_YIELD_EVERY, DeadlineIndex
 from .errors import Code, DomainError, denied, exhausted, invalid, not_found, precondition
 from .hub import PrefixHub
 
@@ -834,6 +834,8 @@ class RendezvousService:
         ended = 0
         due = list(self._deadlines.pop_due(now))
         for i, (key, rev) in enumerate(due):
+            if i and i % END_YIELD_EVERY == 0:
+                await asyncio.sleep(0)
             entry = self.hub.records.get(key)
             if entry is None or entry[1] != rev:
                 continue  # ended or changed since: a newer entry (if any) is armed

@@ -100,3 +100,36 @@ async def test_the_rendezvous_index_forgets_ended_transfers_and_expires_the_rest
     finally:
         await svc.stop()
         await store.close()
+
+
+async def test_a_large_sweep_lets_other_work_run():
+    """Thousands of transfers falling due at once (a burst that nobody reported on) are ended
+    in one sweep; on the memory store no await in it suspends, so without yielding the sweep
+    would hold the event loop, and every other call, for its whole length."""
+    import asyncio
+
+    from kvbaton.services.domain.clock import ManualClock
+    from kvbaton.services.domain.rendezvous import RendezvousService, SideMessage
+    from kvbaton.services.store import MemoryStore
+
+    store, clock = MemoryStore(), ManualClock()
+    svc = RendezvousService(store, clock=clock)
+    await svc.start(run_sweeper=False)
+    try:
+        n = 600
+        for i in range(n):
+            await svc.submit(SideMessage(is_offer=True, transfer_id=f"t{i}", attempt=1, engine_id="dec",
+                                         block_ids=[1], num_tokens=16, timeout_ms=1_000, request_id=f"t{i}"))
+        await svc.hub.wait_for(await store.current_revision())
+        clock.advance(1_000)
+        sweep = asyncio.ensure_future(svc.sweep())
+        turns_during = 0
+        while not sweep.done():
+            await asyncio.sleep(0)
+            turns_during += 1 if not sweep.done() else 0
+        assert await sweep == n
+        # END_YIELD_EVERY = 128: about four turns; at least two, whatever the store does
+        assert turns_during >= n // 256, f"the sweep gave the loop {turns_during} turns while ending {n} transfers"
+    finally:
+        await svc.stop()
+        await store.close()

@@ -184,3 +184,20 @@ async def test_keepalive_batches_share_one_group_commit_and_stale_leases_take_th
     written = svc.metrics.lease_renewal_txns._value.get() - txns
     assert written <= 300 // svc.config.flush_batch + 2
     assert not svc._groups and not svc._pending_ids and not svc.hub.preparsed
+
+
+async def test_a_burst_of_expiries_lets_other_work_run(leases):
+    """600 leases due in one tick (agents gone together): the tick ends them all, and the
+    loop gets turns meanwhile (on the memory store nothing in ending one suspends)."""
+    svc, clock = leases
+    for i in range(600):
+        await svc.grant(f"b{i}", "dec", ttl_ms=10_000)
+    await settle(svc)
+    clock.advance(10_001)
+    tick = asyncio.ensure_future(svc.expire_due())
+    turns = 0
+    while not tick.done():
+        await asyncio.sleep(0)
+        turns += 0 if tick.done() else 1
+    assert await tick == 600
+    assert turns >= 2, f"the expiry tick gave the loop {turns} turns while ending 600 leases"
