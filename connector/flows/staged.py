@@ -148,7 +148,7 @@ class StagedFlow:
             self.peer._on_notif(agent, msg)  # we own the routing of its prefix
             return
         if wait is None:
-            now = time.monotonic()
+            now = self.ctx.clock()
             wait = self._held_msgs[agent] = _Waiting(agent, now + self.ctx.settings.timeout_s, now)
         wait.msgs.append(msg)
 
@@ -156,7 +156,7 @@ class StagedFlow:
         """Receiver: every chunk of an incoming staged transfer is scattered into our blocks."""
         assert self.peer is not None
         self.peer.completed.pop(xfer_id, None)  # tracked here (bounded by expire)
-        self._done[xfer_id] = time.monotonic()
+        self._done[xfer_id] = self.ctx.clock()
 
     def _deliver_held(self, now: float) -> None:
         """Deliver held staged messages once their sender's metadata is known."""

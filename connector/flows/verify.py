@@ -227,7 +227,7 @@ class Verifier:
                                                tuple(int(b) for b in ld.spec.remote_block_ids)))
 
     def on_answer(self, peer: str, ans: wire.FpAnswer) -> None:
-        self._answers[ans.key] = (time.monotonic(), ans)
+        self._answers[ans.key] = (self.ctx.clock(), ans)
 
     def check(self, ld: Load, now: float) -> bool:
         """Owner's fingerprints vs ours of what landed; True when verified. Raises
