@@ -118,6 +118,10 @@ class ServiceMetrics:
 
         # -- leases ----------------------------------------------------------
         self.lease_grants = Counter("kvbaton_lease_grants_total", "Leases granted.", registry=r)
+        self.lease_late_grants_refused = Counter(
+            "kvbaton_lease_late_grants_refused_total",
+            "Grants refused because the conversation's lease was revoked after the blocks were registered "
+            "(a Grant that arrived after the client's Revoke; decode frees the blocks).", registry=r)
         self.lease_renewals = Counter(
             "kvbaton_lease_renewals_total",
             "Renewals answered (Renew and each KeepAlive item), by status (ok, not_found, superseded, ended, invalid).",

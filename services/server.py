@@ -168,7 +168,8 @@ class ControlPlane:
         if "lease" in self.config.services:
             self.lease = LeaseService(store, clock=self.clock, config=self.config.lease, metrics=self.metrics,
                                       engine_alive=self.registrar.engine_exists,
-                                      pair_check=self.registrar.pair_verdict, on_refused=self._record_refused)
+                                      pair_check=self.registrar.pair_verdict, on_refused=self._record_refused,
+                                      retention_revision=self.registrar.retention_revision)
             await self.lease.start(run_expiry=True)
             self._ownership.lease = self.lease
             lease_pb2_grpc.add_LeaseServicer_to_server(LeaseServicer(self.lease, self._ownership), self.server)

@@ -163,6 +163,7 @@ class LeaseService:
         engine_alive=None,
         pair_check=None,
         on_refused=None,
+        retention_revision=None,
     ) -> None:
         self.store = store
         self.metrics = metrics or ServiceMetrics()
@@ -177,6 +178,10 @@ class LeaseService:
         # records it where operators look (the rendezvous' transfers).
         self.pair_check = pair_check
         self.on_refused = on_refused
+        # Optional async (conversation_id, retention_id) -> store revision of that retained
+        # registration, or None (the registrar's): a Grant for blocks registered before the
+        # conversation's lease was revoked is refused (see :meth:`_revoked_after`).
+        self.retention_revision = retention_revision
         self.prefix = prefix
         self._lprefix = prefix + b"l/"  # _lkey runs per renewal: no per-call formatting
         self.hub: PrefixHub[pb.LeaseInfo, pb.LeaseEvent] = PrefixHub(
@@ -338,6 +343,8 @@ class LeaseService:
         for _ in range(_CAS_RETRIES):
             now = self.clock.now_ms()
             ckv, lkv, old = await self._read(conversation_id)
+            if retention_id and old is not None and lkv is not None:
+                await self._refuse_if_revoked_after(conversation_id, retention_id, old, lkv)
             if (old is None or old.state not in LIVE_STATES) and len(self.hub.records) >= self.config.max_live_leases:
                 raise exhausted(f"{len(self.hub.records)} live leases (limit {self.config.max_live_leases}); "
                                 "revoke finished conversations or raise the limit")
@@ -377,6 +384,29 @@ class LeaseService:
                          engine_id=engine_id, ttl_ms=ttl, replaced=replaced.lease_id if replaced else None)
                 return self._view(info, now), (self._view(replaced, now) if replaced else None)
         raise DomainError(Code.ABORTED, f"grant for {conversation_id} kept conflicting; retry")
+
+    async def _refuse_if_revoked_after(self, conversation_id: str, retention_id: str, old: pb.LeaseInfo,
+                                       lkv: KeyValue) -> None:
+        """A late Grant must not outlive a revoke.
+
+        Why: decode registers a finished turn's blocks and then leases them from its control
+        thread, after the answer left the engine. A client that ends the conversation
+        (``Revoke``) in between ends the *previous* turn's lease; the late Grant would then
+        start a fresh lease and decode would hold the last turn's blocks for a whole TTL after
+        the client let go. The store orders the two: if the conversation's lease was revoked
+        (or is draining from a revoke) at a revision after this registration was written, the
+        client's revoke covers these blocks too, so the Grant is refused with
+        FAILED_PRECONDITION and decode frees them. A registration written after the revoke
+        (the conversation went on) is granted as usual."""
+        if self.retention_revision is None or old.reason.startswith(_REPLACED_PREFIX):
+            return
+        if old.state != REVOKED and not (old.state == DRAINING and old.reason):
+            return
+        registered = await self.retention_revision(conversation_id, retention_id)
+        if registered is not None and registered < lkv.mod_revision:
+            self.metrics.lease_late_grants_refused.inc()
+            raise precondition(f"conversation {conversation_id}: lease {old.lease_id} was revoked ({old.reason}) "
+                               f"after retention {retention_id} was registered: not granted; free its blocks")
 
     # -- renew -------------------------------------------------------------
     async def renew(self, conversation_id: str, lease_id: str = "", ttl_ms: int = 0) -> pb.RenewResult:

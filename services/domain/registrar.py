@@ -398,6 +398,15 @@ class RegistrarService:
         kv = await self.store.get(self._rkey(conversation_id))
         return pb.RetainedBlocks.FromString(kv.value) if kv is not None else None
 
+    async def retention_revision(self, conversation_id: str, retention_id: str) -> int | None:
+        """The store revision at which ``retention_id`` was registered, if it is still the
+        conversation's registration (the lease service orders a late Grant against a revoke
+        with it: both live in the one store, so their revisions compare)."""
+        kv = await self.store.get(self._rkey(conversation_id))
+        if kv is None or pb.RetainedBlocks.FromString(kv.value).retention_id != retention_id:
+            return None
+        return kv.mod_revision
+
     async def release_retained(self, conversation_id: str, retention_id: str = "") -> bool:
         limits.check_id("conversation_id", conversation_id)
         limits.check_id("retention_id", retention_id, required=False)
