@@ -872,10 +872,12 @@ class _RenewalBatcher:
             seq = 0
             self._generation += 1
             self.packed = True  # until this stream's server shows it ignores packed ids
+            packed_seqs: set[int] = set()  # this stream's messages that carried packed ids
             watch = _StuckWatch(self.client.timeout_s)
 
             async def requests(mine: int = self._generation, inflight: dict[int, list[tuple[lease_pb2.RenewRequest,
-                               asyncio.Future]]] = inflight, watch: _StuckWatch = watch):
+                               asyncio.Future]]] = inflight, watch: _StuckWatch = watch,
+                               packed_seqs: set[int] = packed_seqs):
                 nonlocal seq
                 while True:
                     await self._wakeup.wait()
@@ -890,6 +892,8 @@ class _RenewalBatcher:
                         seq += 1
                         watch.sent(seq)
                         msg, inflight[seq] = self._message(seq, batch)
+                        if msg.conversation_ids:
+                            packed_seqs.add(seq)
                         yield msg
 
             channel = self.client.channel
@@ -902,7 +906,7 @@ class _RenewalBatcher:
                 async for resp in call:
                     backoff = 0.05
                     watch.answered(resp.seq)
-                    batch = self._answered(resp, inflight.pop(resp.seq, []))
+                    batch = self._answered(resp, inflight.pop(resp.seq, []), packed_seqs)
                     for (_, fut), result in zip(batch, renew_results(resp, [r for r, _ in batch])):
                         if not fut.done():
                             fut.set_result(result)
@@ -945,14 +949,17 @@ class _RenewalBatcher:
                                          conversation_ids=[r.conversation_id for r, _ in plain], compact=True)
         return msg, spelled + plain
 
-    def _answered(self, resp: lease_pb2.KeepAliveResponse, batch: list[tuple[lease_pb2.RenewRequest, asyncio.Future]]
-                  ) -> list[tuple[lease_pb2.RenewRequest, asyncio.Future]]:
-        """The part of ``batch`` that ``resp`` answers. An answer covering fewer renewals
-        than were sent comes from a server that ignored the packed ids: they are queued
-        again, to go as ``renewals``."""
+    def _answered(self, resp: lease_pb2.KeepAliveResponse, batch: list[tuple[lease_pb2.RenewRequest, asyncio.Future]],
+                  packed_seqs: set[int]) -> list[tuple[lease_pb2.RenewRequest, asyncio.Future]]:
+        """The part of ``batch`` that ``resp`` answers. An answer to a message with packed
+        ids covering fewer renewals than were sent comes from a server that ignored them:
+        they are queued again, to go as ``renewals``. (A short answer to a message without
+        any is not resent: that server would answer it short again.)"""
         answered = len(resp.lease_ids) if resp.compact else len(resp.results)
-        if answered >= len(batch):
-            return batch
+        had_packed = resp.seq in packed_seqs
+        packed_seqs.discard(resp.seq)
+        if answered >= len(batch) or not had_packed:
+            return batch[:answered] if answered < len(batch) else batch
         if self.packed:
             self.packed = False
             self.fallbacks += 1
