@@ -1,19 +1,24 @@
 """Leases at scale: idle CPU, ``Get`` latency and KeepAlive cost with many live leases.
 
-Starts ``kvbaton serve`` in its own process (memory store by default) and measures, on an
-empty server and then with ``--leases`` live leases (granted here, long TTL so none ends
-during the run):
+Starts two ``kvbaton serve`` processes of the same tree (memory store by default): one
+stays empty (one probe lease), the other gets ``--leases`` live leases (granted here, long
+TTL so none ends during the run). Both run through the whole run on the same machine, so
+what one measures against the other shares the load of the moment:
 
-- idle server CPU (% of one core) over ``--idle-s`` seconds with no client traffic;
-- ``Get`` latency of one conversation (``--gets`` sequential calls: p50/p99/max);
+- idle server CPU (% of one core) of both, over the same ``--idle-s`` window, with no
+  client traffic: before the grants (two empty servers), with the leases, and after the
+  KeepAlive runs;
+- ``Get`` latency of one conversation, interleaved: ``--rounds`` rounds, each
+  ``--gets`` sequential calls to one server then to the other (which goes first
+  alternates), pooled per server (p50/p99/max) and kept per round;
 - server CPU of one KeepAlive message of ``--batch`` renewals (and of smaller ones, to
-  show the cost grows with the size), for renewals that need a store write (the
-  stored deadline no longer covers now + TTL) and for renewals within the slack (no write),
-  first with the full answer (a RenewResult per renewal), then asking for the compact one
-  (``KeepAliveRequest.compact``: a result only per renewal not renewed; a server that
-  predates it answers in full, recorded as ``answer``), then compact with the renewals
-  packed as ``KeepAliveRequest.conversation_ids`` (a server that predates it renews none
-  of them: its statuses show it);
+  show the cost grows with the size), on the full server, for renewals that need a store
+  write (the stored deadline no longer covers now + TTL) and for renewals within the
+  slack (no write), first with the full answer (a RenewResult per renewal), then asking
+  for the compact one (``KeepAliveRequest.compact``: a result only per renewal not
+  renewed; a server that predates it answers in full, recorded as ``answer``), then
+  compact with the renewals packed as ``KeepAliveRequest.conversation_ids`` (a server
+  that predates it renews none of them: its statuses show it);
 - server RSS.
 
     flock /tmp/kvbaton-heavy.lock .venv/bin/python benchmarks/leases_scale.py [--leases 100000] [--baseline REV] [--out FILE]
@@ -22,8 +27,12 @@ during the run):
 this tree's, in the same run (under ``"baseline"`` in the results file, with its commit
 and the load average when each server started).
 
-Server CPU comes from /proc (10 ms ticks): each KeepAlive figure is the mean over
-``--repeat`` messages sent one after another, each answered before the next is sent.
+Server CPU is the sum over the server's threads of the time on CPU from
+``/proc/<pid>/task/*/schedstat`` (nanoseconds; the 10 ms ticks of ``/proc/<pid>/stat``
+were too coarse for a 20 ms message). Each KeepAlive figure is one message, answered
+before the next is sent; its window runs from just before the message to 50 ms after the
+answer (the flusher's and watch's tail), so it also holds ~50 ms of the idle server
+(``idle_cpu_pct`` of the full server says how much: ~2 ms).
 """
 
 from __future__ import annotations
@@ -42,7 +51,7 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.control_plane import cpu_seconds, export_baseline, pct
+from benchmarks.control_plane import export_baseline, pct
 from kvbaton.client import KvbatonClient
 from kvbaton.stack.ports import free_port
 from kvbaton.v1 import lease_pb2
@@ -65,19 +74,52 @@ def commit() -> str:
         return "unknown"
 
 
-async def idle_cpu(pid: int, seconds: float) -> float:
-    c0, t0 = cpu_seconds(pid), time.perf_counter()
+def cpu_seconds(pid: int) -> float:
+    """Time on CPU of every thread of ``pid`` so far (schedstat: nanoseconds)."""
+    total = 0
+    for task in pathlib.Path(f"/proc/{pid}/task").iterdir():
+        try:
+            total += int((task / "schedstat").read_text().split()[0])
+        except (OSError, ValueError, IndexError):  # a thread that ended meanwhile
+            continue
+    return total / 1e9
+
+
+async def idle_cpu(pids: list[int], seconds: float) -> list[float]:
+    """Idle CPU (% of one core) of each of ``pids`` over one shared window."""
+    c0, t0 = [cpu_seconds(p) for p in pids], time.perf_counter()
     await asyncio.sleep(seconds)
-    return (cpu_seconds(pid) - c0) / (time.perf_counter() - t0) * 100
+    dt = time.perf_counter() - t0
+    return [(cpu_seconds(p) - c) / dt * 100 for p, c in zip(pids, c0)]
 
 
-async def get_latency(kv: KvbatonClient, conversation: str, n: int) -> dict:
+async def get_latency(kv: KvbatonClient, conversation: str, n: int) -> list[float]:
     lat = []
     for _ in range(n):
         t0 = time.perf_counter()
         await kv.lease.Get(lease_pb2.GetLeaseRequest(conversation_id=conversation), timeout=5)
         lat.append((time.perf_counter() - t0) * 1000)
-    return {"n": n, "p50_ms": pct(lat, 50), "p99_ms": pct(lat, 99), "max_ms": max(lat)}
+    return lat
+
+
+def summary(lat: list[float]) -> dict:
+    return {"n": len(lat), "p50_ms": pct(lat, 50), "p99_ms": pct(lat, 99), "max_ms": max(lat)}
+
+
+async def interleaved_gets(empty: KvbatonClient, full: KvbatonClient, n: int, rounds: int) -> dict:
+    """``rounds`` rounds of ``n`` Gets to each server, one after the other (which goes
+    first alternates): pooled per server, and per round."""
+    pooled: dict[str, list[float]] = {"empty": [], "full": []}
+    per_round = []
+    for r in range(rounds):
+        order = (("empty", empty), ("full", full)) if r % 2 == 0 else (("full", full), ("empty", empty))
+        row: dict = {"first": order[0][0], "loadavg": list(os.getloadavg())}
+        for name, kv in order:
+            lat = await get_latency(kv, "probe", n)
+            pooled[name] += lat
+            row[name] = summary(lat)
+        per_round.append(row)
+    return {"empty": summary(pooled["empty"]), "full": summary(pooled["full"]), "rounds": per_round}
 
 
 async def grant_many(kv: KvbatonClient, n: int, ttl_ms: int, concurrency: int = 64) -> float:
@@ -126,7 +168,7 @@ async def keepalive_cost(kv: KvbatonClient, pid: int, size: int, repeat: int, of
         c0 = cpu_seconds(pid)
         await queue.put(msg)
         resp = await asyncio.wait_for(stream.read(), 60)
-        await asyncio.sleep(0.05)  # the flusher's tail (it answers after the write, but ticks are coarse)
+        await asyncio.sleep(0.05)  # the tail: the journal's watch event is applied after the answer
         per_msg.append((cpu_seconds(pid) - c0) * 1000)
         answers.add("compact" if resp.compact else "full")
         sizes.append(resp.ByteSize())
@@ -137,38 +179,66 @@ async def keepalive_cost(kv: KvbatonClient, pid: int, size: int, repeat: int, of
     await queue.put(None)
     stream.cancel()
     return {"renewals_per_message": size, "messages": repeat, "server_cpu_ms_per_message_mean": sum(per_msg) / len(per_msg),
-            "server_cpu_ms_per_message": per_msg, "statuses": statuses, "answer_requested": "compact" if compact else "full",
+            "server_cpu_ms_per_message_median": pct(per_msg, 50), "server_cpu_ms_per_message_max": max(per_msg),
+            "server_cpu_ms_per_message": per_msg, "loadavg": list(os.getloadavg()), "statuses": statuses, "answer_requested": "compact" if compact else "full",
             "request": "conversation_ids (packed)" if packed else "renewals",
             "answer": "/".join(sorted(answers)), "answer_bytes": max(sizes)}
 
 
-async def run(args, baseline_dir: pathlib.Path | None = None) -> dict:
+def start_server(store: str, baseline_dir: pathlib.Path | None) -> tuple[subprocess.Popen, int]:
     port = free_port()
     env = dict(os.environ, KVBATON_LOG_LEVEL="WARNING")
     if baseline_dir is not None:  # the baseline's tree, importable ahead of this checkout
         env["PYTHONPATH"] = str(baseline_dir)
     server = subprocess.Popen([sys.executable, "-m", "kvbaton.cli", "serve", "--insecure", "--listen", f"127.0.0.1:{port}",
-                               "--store", getattr(args, "store_url", args.store), "--log-level", "WARNING"], env=env, start_new_session=True,
+                               "--store", store, "--log-level", "WARNING"], env=env, start_new_session=True,
                               cwd=str(baseline_dir) if baseline_dir is not None else None)
+    return server, port
+
+
+def stop_server(server: subprocess.Popen) -> None:
+    os.killpg(server.pid, signal.SIGTERM)
+    try:
+        server.wait(10)
+    except subprocess.TimeoutExpired:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait(5)
+
+
+async def run(args, baseline_dir: pathlib.Path | None = None) -> dict:
+    stores = getattr(args, "store_urls", None) or [args.store, args.store]
+    empty_srv, empty_port = start_server(stores[0], baseline_dir)
+    server, port = start_server(stores[1], baseline_dir)
     machine = f"{os.cpu_count()} cores" + (f", {args.machine}" if args.machine else "")
     out: dict = {"benchmark": "leases_scale", "commit": args.commit or commit(), "machine": machine,
-                 "config": {k: v for k, v in vars(args).items() if k != "out"}, "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                 "config": {k: v for k, v in vars(args).items() if k not in ("out", "store_urls")},
+                 "cpu_source": "/proc/<pid>/task/*/schedstat (ns, all threads)",
+                 "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                  "loadavg_at_start": list(os.getloadavg())}
+    pids = [empty_srv.pid, server.pid]
     try:
-        async with KvbatonClient(f"127.0.0.1:{port}", timeout_s=30) as kv:
-            await kv.wait_ready(30)
-            await kv.lease.Grant(lease_pb2.GrantRequest(conversation_id="probe", engine_id="dec-probe", ttl_ms=3_600_000), timeout=5)
+        async with KvbatonClient(f"127.0.0.1:{empty_port}", timeout_s=30) as ekv, \
+                KvbatonClient(f"127.0.0.1:{port}", timeout_s=30) as kv:
+            for k in (ekv, kv):
+                await k.wait_ready(30)
+                await k.lease.Grant(lease_pb2.GrantRequest(conversation_id="probe", engine_id="dec-probe", ttl_ms=3_600_000), timeout=5)
             await asyncio.sleep(1.0)
-            out["empty"] = {"idle_cpu_pct": await idle_cpu(server.pid, args.idle_s),
-                            "get": await get_latency(kv, "probe", args.gets), "rss_mib": rss_mib(server.pid)}
-            print("empty:", json.dumps(out["empty"]), flush=True)
+            # Two empty servers first: what the pair looks like before one gets the leases.
+            idle = await idle_cpu(pids, args.idle_s)
+            out["before"] = {"idle_cpu_pct": {"empty": idle[0], "to_fill": idle[1]},
+                             "get": await interleaved_gets(ekv, kv, args.gets, args.rounds),
+                             "rss_mib": {"empty": rss_mib(pids[0]), "to_fill": rss_mib(pids[1])}}
+            print("before:", json.dumps({k: v for k, v in out["before"].items() if k != "get"}),
+                  json.dumps({k: out["before"]["get"][k] for k in ("empty", "full")}), flush=True)
             rate = await grant_many(kv, args.leases, ttl_ms=args.ttl_ms)
             await asyncio.sleep(2.0)
-            full = {"live_leases": args.leases + 1, "grants_per_s": rate,
-                    "idle_cpu_pct": await idle_cpu(server.pid, args.idle_s),
-                    "get": await get_latency(kv, "probe", args.gets), "rss_mib": rss_mib(server.pid)}
-            out["full"] = full
-            print("full:", json.dumps(full), flush=True)
+            idle = await idle_cpu(pids, args.idle_s)
+            out["with_leases"] = {"live_leases": {"empty": 1, "full": args.leases + 1}, "grants_per_s": rate,
+                                  "idle_cpu_pct": {"empty": idle[0], "full": idle[1]},
+                                  "get": await interleaved_gets(ekv, kv, args.gets, args.rounds),
+                                  "rss_mib": {"empty": rss_mib(pids[0]), "full": rss_mib(pids[1])}}
+            print("with leases:", json.dumps({k: v for k, v in out["with_leases"].items() if k != "get"}),
+                  json.dumps({k: out["with_leases"]["get"][k] for k in ("empty", "full")}), flush=True)
             # Renewals that need a write: granted more than the slack (1 s) ago, so the stored
             # deadline no longer covers now + TTL. Each message renews leases not renewed before.
             ka = []
@@ -191,18 +261,17 @@ async def run(args, baseline_dir: pathlib.Path | None = None) -> dict:
                 ka.append(r)
                 print("keepalive:", json.dumps({k: v for k, v in r.items() if k != "server_cpu_ms_per_message"}), flush=True)
             out["keepalive"] = ka
-            full["idle_cpu_pct_after"] = await idle_cpu(server.pid, args.idle_s)
-            full["get_after"] = await get_latency(kv, "probe", args.gets)
-            full["rss_mib_after"] = rss_mib(server.pid)
-            print("after:", json.dumps({k: full[k] for k in ("idle_cpu_pct_after", "get_after", "rss_mib_after")}), flush=True)
+            await asyncio.sleep(1.0)
+            idle = await idle_cpu(pids, args.idle_s)
+            out["after"] = {"idle_cpu_pct": {"empty": idle[0], "full": idle[1]},
+                            "get": await interleaved_gets(ekv, kv, args.gets, args.rounds),
+                            "rss_mib": {"empty": rss_mib(pids[0]), "full": rss_mib(pids[1])}}
+            print("after:", json.dumps({k: v for k, v in out["after"].items() if k != "get"}),
+                  json.dumps({k: out["after"]["get"][k] for k in ("empty", "full")}), flush=True)
             out["loadavg_at_end"] = list(os.getloadavg())
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(10)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait(5)
+        stop_server(server)
+        stop_server(empty_srv)
     return out
 
 
@@ -212,12 +281,14 @@ def on_store(args, baseline_dir: pathlib.Path | None) -> dict:
         return asyncio.run(run(args, baseline_dir))
     from kvbaton.stack.etcd_cluster import EtcdCluster
 
-    cluster = EtcdCluster(int(args.store[-1])).start()
-    args.store_url = cluster.url
+    # One cluster each: the empty server's store holds nothing the full one's does.
+    clusters = [EtcdCluster(int(args.store[-1])).start() for _ in range(2)]
+    args.store_urls = [c.url for c in clusters]
     try:
         return asyncio.run(run(args, baseline_dir))
     finally:
-        cluster.stop()
+        for c in clusters:
+            c.stop()
 
 
 def main() -> int:
@@ -226,9 +297,10 @@ def main() -> int:
     p.add_argument("--leases", type=int, default=100_000)
     p.add_argument("--ttl-ms", type=int, default=3_600_000)
     p.add_argument("--idle-s", type=float, default=10.0)
-    p.add_argument("--gets", type=int, default=2_000)
+    p.add_argument("--gets", type=int, default=1_000, help="Gets per server per round")
+    p.add_argument("--rounds", type=int, default=4, help="interleaved rounds of --gets to each server")
     p.add_argument("--sizes", type=int, nargs="+", default=[1_000, 5_000, 10_000])
-    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--baseline", default="", help="also measure `kvbaton serve` of this commit, same run, after this tree")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "leases_scale.json"))
     p.add_argument("--machine", default="", help="what this machine is, recorded in the results (beside its core count)")

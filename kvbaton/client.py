@@ -575,6 +575,10 @@ class RendezvousSession:
         self._waiting: dict[int, asyncio.Future] = {}
         self._wakeup = asyncio.Event()
         self._generation = 0  # one per stream opened; an older stream's request iterator stops
+        # Plain renewals go packed (KeepAliveRequest.conversation_ids) while this is set;
+        # cleared for the rest of a stream whose server ignores them (``fallbacks`` counts).
+        self.packed = True
+        self.fallbacks = 0
         self._task = asyncio.get_running_loop().create_task(self._run(), name="kvbaton-session")
 
     async def offer(self, req: rendezvous_pb2.OfferRequest) -> rendezvous_pb2.RendezvousResponse:
@@ -834,7 +838,14 @@ def _expire(fut: asyncio.Future, after_s: float) -> None:
 class _RenewalBatcher:
     """Multiplexes renewals onto one KeepAlive stream: requests queued while a batch is
     being sent go out together in the next one; a broken stream is re-opened and the
-    unanswered renewals are sent again (renewing twice is harmless)."""
+    unanswered renewals are sent again (renewing twice is harmless).
+
+    Renewals naming only a conversation (what a LeaseKeeper sends) go packed, as
+    ``KeepAliveRequest.conversation_ids``: the server then parses and checks no message
+    per renewal. A server that predates the field ignores it (an unknown field) and
+    answers only ``renewals``, so an answer covering fewer renewals than were sent means
+    that: the rest go again as ``renewals``, and this stream sends no packed ids any more
+    (a new stream, perhaps to an upgraded replica, tries again)."""
 
     def __init__(self, client: KvbatonClient, max_batch: int = 1000) -> None:
         self.client = client
@@ -842,6 +853,10 @@ class _RenewalBatcher:
         self._queue: list[tuple[lease_pb2.RenewRequest, asyncio.Future]] = []
         self._wakeup = asyncio.Event()
         self._generation = 0  # one per stream opened; an older stream's request iterator stops
+        # Plain renewals go packed (KeepAliveRequest.conversation_ids) while this is set;
+        # cleared for the rest of a stream whose server ignores them (``fallbacks`` counts).
+        self.packed = True
+        self.fallbacks = 0
         self._task = asyncio.get_running_loop().create_task(self._run(), name="kvbaton-keepalive")
 
     async def renew(self, req: lease_pb2.RenewRequest) -> lease_pb2.RenewResult:
@@ -856,10 +871,13 @@ class _RenewalBatcher:
             inflight: dict[int, list[tuple[lease_pb2.RenewRequest, asyncio.Future]]] = {}
             seq = 0
             self._generation += 1
+            self.packed = True  # until this stream's server shows it ignores packed ids
+            packed_seqs: set[int] = set()  # this stream's messages that carried packed ids
             watch = _StuckWatch(self.client.timeout_s)
 
             async def requests(mine: int = self._generation, inflight: dict[int, list[tuple[lease_pb2.RenewRequest,
-                               asyncio.Future]]] = inflight, watch: _StuckWatch = watch):
+                               asyncio.Future]]] = inflight, watch: _StuckWatch = watch,
+                               packed_seqs: set[int] = packed_seqs):
                 nonlocal seq
                 while True:
                     await self._wakeup.wait()
@@ -872,9 +890,11 @@ class _RenewalBatcher:
                         if not batch:
                             continue
                         seq += 1
-                        inflight[seq] = batch
                         watch.sent(seq)
-                        yield lease_pb2.KeepAliveRequest(seq=seq, renewals=[r for r, _ in batch], compact=True)
+                        msg, inflight[seq] = self._message(seq, batch)
+                        if msg.conversation_ids:
+                            packed_seqs.add(seq)
+                        yield msg
 
             channel = self.client.channel
             call = self.client.lease.KeepAlive(requests())
@@ -886,7 +906,7 @@ class _RenewalBatcher:
                 async for resp in call:
                     backoff = 0.05
                     watch.answered(resp.seq)
-                    batch = inflight.pop(resp.seq, [])
+                    batch = self._answered(resp, inflight.pop(resp.seq, []), packed_seqs)
                     for (_, fut), result in zip(batch, renew_results(resp, [r for r, _ in batch])):
                         if not fut.done():
                             fut.set_result(result)
@@ -915,6 +935,39 @@ class _RenewalBatcher:
                 self._wakeup.set()
             await asyncio.sleep(backoff * (1 + random.random()))
             backoff = min(backoff * 2, 2.0)
+
+    def _message(self, seq: int, batch: list[tuple[lease_pb2.RenewRequest, asyncio.Future]]
+                 ) -> tuple[lease_pb2.KeepAliveRequest, list[tuple[lease_pb2.RenewRequest, asyncio.Future]]]:
+        """The message for ``batch``, and the batch in the answer's order: renewals with a
+        lease id or a TTL as ``renewals``, then those naming only a conversation packed as
+        ``conversation_ids`` (while this stream's server takes them)."""
+        if not self.packed:
+            return lease_pb2.KeepAliveRequest(seq=seq, renewals=[r for r, _ in batch], compact=True), batch
+        spelled = [item for item in batch if item[0].lease_id or item[0].ttl_ms]
+        plain = [item for item in batch if not (item[0].lease_id or item[0].ttl_ms)] if spelled else batch
+        msg = lease_pb2.KeepAliveRequest(seq=seq, renewals=[r for r, _ in spelled],
+                                         conversation_ids=[r.conversation_id for r, _ in plain], compact=True)
+        return msg, spelled + plain
+
+    def _answered(self, resp: lease_pb2.KeepAliveResponse, batch: list[tuple[lease_pb2.RenewRequest, asyncio.Future]],
+                  packed_seqs: set[int]) -> list[tuple[lease_pb2.RenewRequest, asyncio.Future]]:
+        """The part of ``batch`` that ``resp`` answers. An answer to a message with packed
+        ids covering fewer renewals than were sent comes from a server that ignored them:
+        they are queued again, to go as ``renewals``. (A short answer to a message without
+        any is not resent: that server would answer it short again.)"""
+        answered = len(resp.lease_ids) if resp.compact else len(resp.results)
+        had_packed = resp.seq in packed_seqs
+        packed_seqs.discard(resp.seq)
+        if answered >= len(batch) or not had_packed:
+            return batch[:answered] if answered < len(batch) else batch
+        if self.packed:
+            self.packed = False
+            self.fallbacks += 1
+            log.info("client.keepalive_unpacked", answered=answered, sent=len(batch),
+                     reason="the server ignored KeepAliveRequest.conversation_ids (it predates them)")
+        self._queue[:0] = batch[answered:]
+        self._wakeup.set()
+        return batch[:answered]
 
     async def close(self) -> None:
         self._task.cancel()

@@ -179,7 +179,12 @@ class LeaseJournal:
 
     def apply_delete(self, key: bytes) -> None:
         owner_dl, owner_key, known = self._owner_dl, self._owner_key, self.deadline
-        for lid in self._ids.pop(key, ()):
+        ids = self._ids.pop(key, ())
+        if self._live.get(key) == 0:
+            # It holds no lease's latest deadline (the usual record deleted: superseded by a
+            # later batch of the same renewals): nothing points at it, no per-entry pass.
+            ids = ()
+        for lid in ids:
             if owner_key.get(lid) == key:
                 dl = owner_dl.pop(lid)
                 del owner_key[lid]

@@ -21,7 +21,14 @@ from typing import Any
 from kvbaton.v1 import lease_pb2 as pb
 
 _COLUMNS = attrgetter("conversation_id", "lease_id", "ttl_ms")
-_FIRST = itemgetter(0)
+_FIRST, _SECOND, _THIRD = itemgetter(0), itemgetter(1), itemgetter(2)
+
+
+def _columns(rows: list[Any]) -> tuple[list[Any], list[Any], list[Any]]:
+    """The three columns of a list of 3-tuples. Not ``zip(*rows)``: that passes 10,000
+    arguments and makes an iterator per row (~3 ms of a 10,000-renewal batch here,
+    against ~1 ms for three ``itemgetter`` passes)."""
+    return list(map(_FIRST, rows)), list(map(_SECOND, rows)), list(map(_THIRD, rows))
 
 
 @dataclasses.dataclass(slots=True)
@@ -54,10 +61,10 @@ def scan(batch: Sequence[pb.RenewRequest], now: int, active: Mapping[str, tuple[
         return Scan([], [], [], [], [], [], [], [])
     cids: Sequence[str] = conversation_ids
     if batch:
-        head, wanted, ttl_asked = zip(*map(_COLUMNS, batch))
+        head, wanted, ttl_asked = _columns(list(map(_COLUMNS, batch)))
         if any(wanted) or any(ttl_asked):
             return scan_each(requests(batch, conversation_ids), now, active, records, lprefix, journal, max_slack)
-        cids = head + tuple(conversation_ids) if conversation_ids else head
+        cids = head + list(conversation_ids) if conversation_ids else head
     acts = list(map(active.get, cids))
     idx: Sequence[int] = range(n)
     slow: list[int] = []
@@ -68,7 +75,7 @@ def scan(batch: Sequence[pb.RenewRequest], now: int, active: Mapping[str, tuple[
         acts = list(compress(acts, hit))
         if not acts:
             return Scan([""] * n, [0] * n, [0] * n, [None] * n, slow, [], [], [])
-    lids, ttls, recorded = zip(*acts)
+    lids, ttls, recorded = _columns(acts)
     m = len(lids)
     infos: list[Any] = [None] * m
     if with_records:
@@ -87,8 +94,8 @@ def scan(batch: Sequence[pb.RenewRequest], now: int, active: Mapping[str, tuple[
         w_ttls = list(compress(ttls, need))
         slack = {ttl: min(ttl // 4, max_slack) for ttl in set(w_ttls)}
         w_dls = list(map(add, map(now.__add__, w_ttls), map(slack.__getitem__, w_ttls)))
-    if m == n:
-        return Scan(list(lids), list(ttls), deadlines, infos, slow, w_rel, w_lids, w_dls)
+    if m == n:  # (the columns are this call's own lists: no copy)
+        return Scan(lids, ttls, deadlines, infos, slow, w_rel, w_lids, w_dls)
     out = Scan([""] * n, [0] * n, [0] * n, [None] * n, slow, [idx[k] for k in w_rel], w_lids, w_dls)
     for k, i in enumerate(idx):
         out.lids[i], out.ttls[i], out.dls[i], out.infos[i] = lids[k], ttls[k], deadlines[k], infos[k]

@@ -268,6 +268,22 @@ def test_journal_view_counts_what_each_record_still_holds():
     assert j.dead == {b"r4"} and "gone" not in j.deadline
 
 
+def test_deleting_a_superseded_record_leaves_its_successor_whole():
+    """The usual deletion (a batch wholly superseded by the next batch of the same
+    renewals) touches no entry: the successor keeps every lease's deadline and ownership;
+    deleting a record that still owns entries drops exactly those."""
+    j = lease_journal.LeaseJournal()
+    j.apply_put(b"r1", lease_journal.decode(lease_journal.encode(["a", "b"], [100, 100])), 1)
+    j.apply_put(b"r2", lease_journal.decode(lease_journal.encode(["a", "b"], [200, 200])), 2)
+    assert j.dead == {b"r1"}
+    j.apply_delete(b"r1")
+    assert j.deadline == {"a": 200, "b": 200} and j.dead == set() and len(j) == 1
+    j.forget("a")
+    assert j.dead == set()  # r2 still holds b's latest deadline
+    j.apply_delete(b"r2")
+    assert j.deadline == {} and len(j) == 0 and j.dead == set()
+
+
 async def test_a_large_flush_is_one_record_per_chunk(two, monkeypatch):
     a, b, clock = two
     monkeypatch.setattr(lease_journal, "MAX_ENTRIES", 100)  # etcd: 1.5 MiB a request
