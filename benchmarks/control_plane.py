@@ -354,7 +354,9 @@ async def run_store(args, store_url: str, store_pids: list[int], variant: str = 
             n = 0
             # Transfer and engine ids unique per server: servers of one run may share an
             # etcd cluster, where another's matched transfers would answer as duplicates.
-            prefix = f"{variant}-"
+            # (And per server run: with --rounds the same server runs again on the same etcd.)
+            args.server_runs = getattr(args, "server_runs", 0) + 1
+            prefix = f"{variant}{args.server_runs}-"
             for spec in args.path:
                 path, window = parse_path(spec)
                 if variant == "floor" and path != "session-answer":
@@ -432,7 +434,8 @@ def markdown(results: dict) -> str:
              f"started {results['started_utc']}, {results['machine']}.", ""]
     for st in results["stores"]:
         end = f"; at end {', '.join(f'{x:.1f}' for x in st['loadavg_at_end'])}" if "loadavg_at_end" in st else ""
-        lines += [f"**{st['store']}, {st.get('variant', 'current')}** (load average at start "
+        rnd = f", round {st['round']}" if "round" in st else ""
+        lines += [f"**{st['store']}, {st.get('variant', 'current')}{rnd}** (load average at start "
                   f"{', '.join(f'{x:.1f}' for x in st['loadavg_at_start'])}{end}):", "",
                   "| path | offered /s | achieved /s | p50 ms | p99 ms | max ms | answers | lost | server CPU µs/match "
                   "| messages/match | generator CPU µs/match" + (" | etcd CPU µs/match" if "etcd" in st["store"] else "") + " |",
@@ -489,6 +492,9 @@ def main() -> int:
     p.add_argument("--floor", action="store_true",
                    help="also run the session-answer points against benchmarks/floor_server.py (this server with "
                         "canned rendezvous answers): what a match costs beside kvbaton's rendezvous work")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the servers (variants, --baseline, --floor) this many times, every other round in "
+                        "reverse order")
     p.add_argument("--profile", default="", help="py-spy the server (raw folded stacks to PROFILE.<n>.txt)")
     p.add_argument("--profile-native", action="store_true",
                    help="with --profile: py-spy --native (C frames of gRPC core, protobuf and the loop too)")
@@ -524,11 +530,17 @@ def main() -> int:
         try:
             variants = [(v.split(":", 1)[0], tuple(v.split(":", 1)[1].split())) for v in args.variant]
             extra = [*([("baseline", ())] if args.baseline else []), *([("floor", ())] if args.floor else [])]
-            for variant, serve_args in [*variants, *extra]:
-                print(f"[{store}] {variant}", flush=True)
-                r = asyncio.run(run_store(args, store_url, store_pids, variant, serve_args))
-                r["store"] = f"etcd ({store[-1]} member{'s' if store == 'etcd3' else ''}, loopback)" if cluster else store
-                results["stores"].append(r)
+            servers = [*variants, *extra]
+            for n in range(args.rounds):
+                # Later rounds alternate the order, so no server always runs first (at the
+                # highest load) or last: the same servers compared within one run both ways.
+                for variant, serve_args in (servers if n % 2 == 0 else servers[::-1]):
+                    print(f"[{store}] {variant}" + (f" (round {n + 1})" if args.rounds > 1 else ""), flush=True)
+                    r = asyncio.run(run_store(args, store_url, store_pids, variant, serve_args))
+                    if args.rounds > 1:
+                        r["round"] = n + 1
+                    r["store"] = f"etcd ({store[-1]} member{'s' if store == 'etcd3' else ''}, loopback)" if cluster else store
+                    results["stores"].append(r)
         finally:
             if cluster is not None:
                 cluster.stop()

@@ -25,13 +25,18 @@ def install() -> None:
     from kvbaton.services.api import rendezvous
     from kvbaton.v1 import rendezvous_pb2 as pb
 
-    async def offer(self, r: pb.OfferRequest) -> pb.RendezvousResponse:
-        return pb.RendezvousResponse(state=pb.TransferState(transfer_id=r.transfer_id, phase=pb.TRANSFER_PHASE_OFFERED))
+    async def offer(self, r: pb.OfferRequest, out: pb.RendezvousResponse | None = None) -> pb.RendezvousResponse:
+        out = pb.RendezvousResponse() if out is None else out
+        out.state.transfer_id, out.state.phase = r.transfer_id, pb.TRANSFER_PHASE_OFFERED
+        return out
 
-    async def complete(self, r: pb.CompleteRequest) -> pb.RendezvousResponse:
-        t = pb.TransferState(transfer_id=r.transfer_id, phase=pb.TRANSFER_PHASE_MATCHED, match_answered=True)
+    async def complete(self, r: pb.CompleteRequest, out: pb.RendezvousResponse | None = None) -> pb.RendezvousResponse:
+        out = pb.RendezvousResponse() if out is None else out
+        t = out.state
+        t.transfer_id, t.phase, t.match_answered = r.transfer_id, pb.TRANSFER_PHASE_MATCHED, True
         t.completion.engine_id = r.prefill_engine_id
-        return pb.RendezvousResponse(state=t, matched_now=True, match_delivered=r.match_in_answer)
+        out.matched_now, out.match_delivered = True, r.match_in_answer
+        return out
 
     rendezvous.RendezvousServicer._offer = offer  # type: ignore[method-assign]
     rendezvous.RendezvousServicer._complete = complete  # type: ignore[method-assign]

@@ -166,6 +166,9 @@ class ServiceMetrics:
         for side in ("offer", "completion"):
             self.match_wait.labels(side)
             self.unmatched_expired.labels(side)
+        # Bound children for the per-match path: ``labels()`` costs a lock and a dict
+        # lookup with tuple building on every call.
+        self.match_wait_by_first = {side: self.match_wait.labels(side) for side in ("offer", "completion")}
         for outcome, reason in (("succeeded", "reported"), ("failed", "reported"), ("failed", "match_timeout"),
                                 ("failed", "block_count_mismatch"), ("failed", "incompatible"), ("expired", "unmatched"),
                                 ("cancelled", "cancelled"), ("cancelled", "superseded")):

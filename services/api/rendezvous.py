@@ -49,15 +49,22 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
             if reason is not None:
                 raise exhausted(reason, retry_after_ms=load.retry_after_ms())
 
-    async def _offer(self, r: pb.OfferRequest) -> pb.RendezvousResponse:
+    # The answers are written into a response the caller made (``out``): a session call's
+    # is the one inside its SessionResult, so the transfer's state is copied once, not
+    # into a RendezvousResponse and then again into the SessionResult around it.
+    async def _offer(self, r: pb.OfferRequest, out: pb.RendezvousResponse | None = None) -> pb.RendezvousResponse:
         self._admit(r.transfer_id)
         msg = self.domain.validate(is_offer=True, transfer_id=r.transfer_id, attempt=r.attempt,
                                    engine_id=r.decode_engine_id, block_ids=r.block_ids, num_tokens=r.num_tokens,
                                    timeout_ms=r.timeout_ms, request_id=r.request_id, peer=r.prefill_engine_id)
         state, matched, dup = await self.domain.submit(msg)
-        return pb.RendezvousResponse(state=state, matched_now=matched, duplicate=dup)
+        if out is None:
+            return pb.RendezvousResponse(state=state, matched_now=matched, duplicate=dup)
+        out.state.CopyFrom(state)
+        out.matched_now, out.duplicate = matched, dup
+        return out
 
-    async def _complete(self, r: pb.CompleteRequest) -> pb.RendezvousResponse:
+    async def _complete(self, r: pb.CompleteRequest, out: pb.RendezvousResponse | None = None) -> pb.RendezvousResponse:
         self._admit(r.transfer_id)
         msg = self.domain.validate(is_offer=False, transfer_id=r.transfer_id, attempt=r.attempt,
                                    engine_id=r.prefill_engine_id, block_ids=r.block_ids, num_tokens=r.num_tokens,
@@ -67,7 +74,11 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
         # A duplicate of the completion that was answered with the MATCH is answered with it
         # again (its first answer may have been lost with a broken stream).
         delivered = r.match_in_answer and (matched or dup) and match_delivered(state, r.prefill_engine_id)
-        return pb.RendezvousResponse(state=state, matched_now=matched, duplicate=dup, match_delivered=delivered)
+        if out is None:
+            return pb.RendezvousResponse(state=state, matched_now=matched, duplicate=dup, match_delivered=delivered)
+        out.state.CopyFrom(state)
+        out.matched_now, out.duplicate, out.match_delivered = matched, dup, delivered
+        return out
 
     @unary
     async def Offer(self, r: pb.OfferRequest, context):
@@ -135,9 +146,13 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
                                             retry_after_ms=refused[2] if len(refused) > 2 else 0)
             body = call.WhichOneof("body")
             if body == "offer":
-                return pb.SessionResult(seq=seq, rendezvous=await self._offer(call.offer))
+                result = pb.SessionResult(seq=seq)
+                await self._offer(call.offer, result.rendezvous)
+                return result
             if body == "complete":
-                return pb.SessionResult(seq=seq, rendezvous=await self._complete(call.complete))
+                result = pb.SessionResult(seq=seq)
+                await self._complete(call.complete, result.rendezvous)
+                return result
             if body == "report_outcome":
                 r = call.report_outcome
                 return pb.SessionResult(seq=seq, state=await self.domain.report_outcome(r.transfer_id, r.attempt, r.outcome))

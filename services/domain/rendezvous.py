@@ -128,10 +128,19 @@ class _ViewParser:
         t = self._memo.get(value)
         if t is None:
             t = pb.TransferState.FromString(value)
-            if len(self._memo) >= self.size:
-                self._memo.clear()  # bounded; the next event re-fills what it needs
-            self._memo[value] = t
+            self.seed(value, t)
         return t
+
+    def seed(self, value: bytes, record: pb.TransferState) -> None:
+        """``record`` is what ``value`` holds, already parsed: the writer of ``value`` (this
+        replica's ``submit``) hands over the record it serialized, so the event of that
+        write is cached and routed without parsing it back (one parse per store write at
+        hundreds of writes a second). Only its ``revision`` field may differ from the
+        bytes: the writer sets it to the write's revision afterwards, which is the value
+        that field means (a replayed event carries the same)."""
+        if len(self._memo) >= self.size:
+            self._memo.clear()  # bounded; the next event re-fills what it needs
+        self._memo[value] = record
 
 
 def derive_events(ev: WatchEvent, parse=_parse) -> Iterable[tuple[str, pb.RendezvousEvent]]:
@@ -252,7 +261,7 @@ class RendezvousService:
         # Optional async (conversation_id) -> RetainedBlocks | None (the registrar's): what
         # a reuse read is fenced against.
         self.retained_lookup = retained_lookup
-        view_parse = _ViewParser()
+        view_parse = self._view_parse = _ViewParser()
         self.hub: PrefixHub[pb.TransferState, pb.RendezvousEvent] = PrefixHub(
             store, prefix + b"t/", parse=view_parse, derive=lambda ev: derive_events(ev, view_parse), name="transfers",
             keep=lambda t: t.phase not in TERMINAL,
@@ -420,13 +429,14 @@ class RendezvousService:
             else:
                 new.revision = result.revision
                 self.hub.note_write(key, new, result.revision)
+                self._view_parse.seed(ops[0].value, new)
                 if superseded:
                     self.metrics.transfers.labels("cancelled", "superseded").inc()
                 if matched and new.phase == MATCHED:
                     self.stats["matches"] += 1
                     first = new.completion if msg.is_offer else new.offer
                     self.metrics.matches.inc()
-                    self.metrics.match_wait.labels("completion" if msg.is_offer else "offer").observe(
+                    self.metrics.match_wait_by_first["completion" if msg.is_offer else "offer"].observe(
                         max(now - first.received_at_ms, 0) / 1000)
                     log.debug("rendezvous.matched", transfer_id=msg.transfer_id, attempt=msg.attempt)
                 elif matched:

@@ -66,9 +66,19 @@ class _MemoryWatch(Watch):
         return key.startswith(self._prefix)
 
     def push(self, events: list[WatchEvent]) -> None:
-        mine = [e for e in events if e.kv.key.startswith(self._prefix) and e.revision >= self._min_rev]
-        if not mine or self._closed or self._overflowed:
+        if self._closed or self._overflowed:
             return
+        if len(events) == 1:
+            # Most writes are one key, offered to every watch of the store (a server has
+            # several): decided without building a list for the watches it is not for.
+            e = events[0]
+            if not e.kv.key.startswith(self._prefix) or e.revision < self._min_rev:
+                return
+            mine = [e]
+        else:
+            mine = [e for e in events if e.kv.key.startswith(self._prefix) and e.revision >= self._min_rev]
+            if not mine:
+                return
         size = sum(_event_bytes(e) for e in mine)
         if (self._bytes and self._bytes + size > self._store.watch_bytes) or self._queue.full():
             # Its reader fell behind: drop what it holds and end it (it re-watches).
@@ -83,15 +93,29 @@ class _MemoryWatch(Watch):
         self._queue.put_nowait((mine, size))
 
     async def _iter(self) -> AsyncIterator[list[WatchEvent]]:
+        queue = self._queue
         while True:
-            item = await self._queue.get()
+            item = await queue.get()
             if item is None:
                 if self._overflowed:
                     raise StoreError(f"watch of {self._prefix!r} fell behind by over {self._store.watch_bytes} bytes; "
                                      "re-watch from the last revision")
                 return
             self._bytes -= item[1]
-            yield item[0]
+            batch = item[0]
+            # Writes queued since the reader last ran go out as one batch, in revision
+            # order (as etcd sends several revisions in one response): one pass of the
+            # reader's loop for them rather than one each.
+            if not queue.empty():
+                batch = list(batch)
+                while not queue.empty():
+                    nxt = queue.get_nowait()
+                    if nxt is None:
+                        queue.put_nowait(None)  # the end comes after this batch
+                        break
+                    self._bytes -= nxt[1]
+                    batch.extend(nxt[0])
+            yield batch
 
     def __aiter__(self) -> AsyncIterator[list[WatchEvent]]:
         return self._iter()
