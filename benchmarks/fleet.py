@@ -410,6 +410,11 @@ def summarise(fleet: dict[str, Any], turns_n: int) -> dict[str, Any]:
                              else None),
             "cached_off": med(off, lambda t: t["prefill_cached_tokens"] if t.get("prefill_cached_tokens", -1) >= 0
                               else None),
+            # Reuse-off's prefix-cache hit tokens per turn, mean over the arm's turns: whether its
+            # prefill caches still held the history (the case reuse exists for needs them not to).
+            "cached_off_mean": (round(statistics.mean(xs), 1) if (xs := [
+                t["prefill_cached_tokens"] for t in off if t.get("prefill_cached_tokens", -1) >= 0]) else None),
+            "cached_off_zero": sum(1 for t in off if t.get("prefill_cached_tokens", -1) == 0),
             # Prompt tokens prefill computed (the work reuse saves), medians.
             "computed_on": med(on, _computed), "computed_off": med(off, _computed),
             # Later reuse-on turns whose prefill already held the history (no READ needed).
@@ -542,6 +547,10 @@ def markdown(result: dict[str, Any]) -> str:
                      f"| {f0(p.get('cached_on'))} / {f0(p.get('cached_off'))} "
                      f"| {f0(p.get('computed_on'))} / {f0(p.get('computed_off'))} "
                      f"| {'–' if p.get('local_hits_on') is None else p['local_hits_on']} | {p.get('same_prefill_on', '–')} / {p.get('same_prefill_off', '–')} |")
+    if any(p.get("cached_off_mean") is not None for p in s["per_turn"]):
+        lines += ["", "Reuse off, prefix-cache hit tokens per turn (mean over the arm's turns; turns with none): "
+                  + "; ".join(f"turn {p['turn']}: {f0(p.get('cached_off_mean'))} of {p['prompt_tokens']} "
+                              f"({p.get('cached_off_zero')}/{p['convs']})" for p in s["per_turn"]) + "."]
     lines += ["", f"Affinity: {s['affinity_hits']}/{s['affinity_later_turns']} later turns on the decode holding "
                   f"their KV; longest turn TTFT on/off = {s['longest_turn_on_over_off']}"
                   + (f" (all later turns, median: {s['later_turns_on_over_off']})" if "later_turns_on_over_off" in s
