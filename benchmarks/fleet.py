@@ -471,7 +471,7 @@ def summarise(fleet: dict[str, Any], turns_n: int) -> dict[str, Any]:
             "retries": sum(t["attempts"] - 1 for t in turns)}
 
 
-def plot(summary: dict[str, Any], path: Path) -> None:
+def plot(summary: dict[str, Any], path: Path, arms: str = "together") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -504,7 +504,7 @@ def plot(summary: dict[str, Any], path: Path) -> None:
                label="turn 1 (nothing to reuse)")
         c.axhline(0.5, color="red", lw=1, label="target ≤ 0.5")
         c.axhline(1.0, color="grey", lw=1)
-        c.set_xlabel("round (both arms at the same time)")
+        c.set_xlabel("round (arms one after the other)" if arms == "alternate" else "round (both arms at the same time)")
         c.set_ylabel("TTFT reuse on / off")
         c.set_title(f"per round; median longest-turn ratio {summary['rounds_longest_on_over_off'].get('median')}")
         c.legend(fontsize=7)
@@ -602,6 +602,10 @@ def main() -> int:
     if len(sys.argv) > 2 and sys.argv[1] == "--table":
         print(markdown(json.loads(Path(sys.argv[2]).read_text())))
         return 0
+    if len(sys.argv) > 3 and sys.argv[1] == "--plot":  # --plot RESULTS.json OUT.png: the PNG again
+        res = json.loads(Path(sys.argv[2]).read_text())
+        plot(summarise(res["fleet"], res["config"]["turns"]), Path(sys.argv[3]), res["config"].get("arms", "together"))
+        return 0
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--convs", type=int, default=3, help="conversations with reuse, and as many without")
     ap.add_argument("--turns", type=int, default=6)
@@ -660,7 +664,7 @@ def main() -> int:
         "decision_p99_le_1ms": all(d["p99_us"] <= 1000 for d in result["decision_cost"])}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
-    plot(result["summary"], args.png)
+    plot(result["summary"], args.png, args.arms)
     s = result["summary"]
     print(f"\n{'turn':>4} {'prompt':>6} {'TTFT on':>8} {'TTFT off':>8} {'READs':>5} {'read tok':>8}")
     for p in s["per_turn"]:
