@@ -50,3 +50,20 @@ def test_a_turn_without_a_read_has_no_read_segments_and_missing_lines_are_named(
     lines = _lines(read=False)
     lines["d0"] = [e for e in lines["d0"] if e["event"] != "recv_done"]
     assert fleet.split(turn, lines) == {"missing": ["recv_done"]}
+
+
+def test_summary_counts_reuse_off_prefix_hits_per_turn() -> None:
+    """Whether reuse-off's prefill caches still held the history is part of the verdict
+    (the case reuse exists for needs them not to): mean hit tokens and turns with none."""
+    def turn(conv: str, reuse: bool, k: int, cached: int) -> dict:
+        return {"conv": conv, "reuse": reuse, "turn": k, "prompt_tokens": 1000 * k, "ttft_ms": 100.0 * k,
+                "reads": 0, "read_tokens": 0, "prefill": "p0", "decode": "d0", "attempts": 1, "round": 1,
+                "prefill_cached_tokens": cached}
+    turns = [turn("on", True, 1, 0), turn("on", True, 2, 896),
+             turn("a", False, 1, 0), turn("a", False, 2, 0),
+             turn("b", False, 1, 0), turn("b", False, 2, 896),
+             turn("c", False, 1, 0), turn("c", False, 2, -1)]  # -1: the engine did not say
+    s = fleet.summarise({"turns": turns}, 2)
+    t1, t2 = s["per_turn"]
+    assert (t1["cached_off_mean"], t1["cached_off_zero"]) == (0, 3)
+    assert (t2["cached_off_mean"], t2["cached_off_zero"]) == (448, 1)
