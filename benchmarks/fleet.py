@@ -595,12 +595,43 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def segments_table(runs: list[tuple[str, dict[str, Any]]]) -> str:
+    """The longest turn's **mean** segments per arm and run (ms: they add up to the mean
+    TTFT, unlike medians), the mean prompt tokens prefill computed, and the router's lookup
+    over every later reuse-on turn: which costs are reuse's own and which both arms pay."""
+    lines = ["| run | arm | n | TTFT | " + " | ".join(SEGMENTS) + " | prompt tokens computed |",
+             "|---|---|---|---|" + "---|" * len(SEGMENTS) + "---|"]
+    looks = []
+    for name, res in runs:
+        n_turns = res["config"]["turns"]
+        for reuse in (True, False):
+            ts = [t for t in res["fleet"]["turns"] if t["turn"] == n_turns and t["reuse"] == reuse
+                  and "segments_ms" in t.get("split", {})]
+            if not ts:
+                continue
+            comp = [c for c in map(_computed, ts) if c is not None]
+            lines.append(f"| `{name}` | {'on' if reuse else 'off'} | {len(ts)} "
+                         f"| {statistics.mean(t['ttft_ms'] for t in ts):,.0f} | "
+                         + " | ".join(f"{statistics.mean(t['split']['segments_ms'][k] for t in ts):,.0f}"
+                                      for k in SEGMENTS)
+                         + (f" | {statistics.mean(comp):,.0f} |" if comp else " | – |"))
+        lk = sorted(t.get("timing_ms", {}).get("lookup", 0.0) for t in res["fleet"]["turns"]
+                    if t["reuse"] and t["turn"] > 1)
+        if lk:
+            looks.append(f"`{name}`: median {_pct(lk, 0.5):.0f}, mean {statistics.mean(lk):.0f}, "
+                         f"p90 {_pct(lk, 0.9):.0f}, max {lk[-1]:.0f} ({len(lk)} turns)")
+    return "\n".join(lines + ["", "Router lookup per later reuse-on turn (ms): " + "; ".join(looks) + "."])
+
+
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "--stand-in-engines":
         _stand_in_engines([int(p) for p in sys.argv[2:]])
         return 0
     if len(sys.argv) > 2 and sys.argv[1] == "--table":
         print(markdown(json.loads(Path(sys.argv[2]).read_text())))
+        return 0
+    if len(sys.argv) > 2 and sys.argv[1] == "--segments":  # --segments FILE...: longest-turn means, per run
+        print(segments_table([(Path(f).name, json.loads(Path(f).read_text())) for f in sys.argv[2:]]))
         return 0
     if len(sys.argv) > 3 and sys.argv[1] == "--plot":  # --plot RESULTS.json OUT.png: the PNG again
         res = json.loads(Path(sys.argv[2]).read_text())
