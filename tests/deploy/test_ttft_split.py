@@ -67,3 +67,21 @@ def test_summary_counts_reuse_off_prefix_hits_per_turn() -> None:
     t1, t2 = s["per_turn"]
     assert (t1["cached_off_mean"], t1["cached_off_zero"]) == (0, 3)
     assert (t2["cached_off_mean"], t2["cached_off_zero"]) == (448, 1)
+
+
+def test_segments_table_gives_each_arm_its_mean_segments_at_the_longest_turn() -> None:
+    seg_on = dict.fromkeys(fleet.SEGMENTS, 10.0)
+    seg_off = dict.fromkeys(fleet.SEGMENTS, 100.0)
+
+    def turn(reuse: bool, k: int, ttft: float, seg: dict, cached: int, lookup: float) -> dict:
+        return {"reuse": reuse, "turn": k, "ttft_ms": ttft, "prompt_tokens": 2000, "prefill_cached_tokens": cached,
+                "split": {"segments_ms": seg}, "timing_ms": {"lookup": lookup} if reuse else {}}
+    res = {"config": {"turns": 2}, "fleet": {"turns": [
+        turn(True, 2, 90.0, seg_on, 1500, 4.0), turn(True, 2, 110.0, seg_on, 1500, 8.0),
+        turn(True, 1, 5000.0, seg_off, 0, 0.0),  # not the longest turn: not in the rows
+        turn(False, 2, 900.0, seg_off, 0, 0.0)]}}
+    rows = fleet.segments_table([("r.json", res)]).splitlines()
+    assert rows[2] == "| `r.json` | on | 2 | 100 | " + " | ".join(["10"] * len(fleet.SEGMENTS)) + " | 500 |"
+    assert rows[3] == "| `r.json` | off | 1 | 900 | " + " | ".join(["100"] * len(fleet.SEGMENTS)) + " | 2,000 |"
+    # later reuse-on turns only (turn 1 has nothing to look up)
+    assert rows[-1].endswith("`r.json`: median 8, mean 6, p90 8, max 8 (2 turns).")
