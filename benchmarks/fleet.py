@@ -410,6 +410,11 @@ def summarise(fleet: dict[str, Any], turns_n: int) -> dict[str, Any]:
                              else None),
             "cached_off": med(off, lambda t: t["prefill_cached_tokens"] if t.get("prefill_cached_tokens", -1) >= 0
                               else None),
+            # Reuse-off's prefix-cache hit tokens per turn, mean over the arm's turns: whether its
+            # prefill caches still held the history (the case reuse exists for needs them not to).
+            "cached_off_mean": (round(statistics.mean(xs), 1) if (xs := [
+                t["prefill_cached_tokens"] for t in off if t.get("prefill_cached_tokens", -1) >= 0]) else None),
+            "cached_off_zero": sum(1 for t in off if t.get("prefill_cached_tokens", -1) == 0),
             # Prompt tokens prefill computed (the work reuse saves), medians.
             "computed_on": med(on, _computed), "computed_off": med(off, _computed),
             # Later reuse-on turns whose prefill already held the history (no READ needed).
@@ -466,7 +471,7 @@ def summarise(fleet: dict[str, Any], turns_n: int) -> dict[str, Any]:
             "retries": sum(t["attempts"] - 1 for t in turns)}
 
 
-def plot(summary: dict[str, Any], path: Path) -> None:
+def plot(summary: dict[str, Any], path: Path, arms: str = "together") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -499,7 +504,7 @@ def plot(summary: dict[str, Any], path: Path) -> None:
                label="turn 1 (nothing to reuse)")
         c.axhline(0.5, color="red", lw=1, label="target ≤ 0.5")
         c.axhline(1.0, color="grey", lw=1)
-        c.set_xlabel("round (both arms at the same time)")
+        c.set_xlabel("round (arms one after the other)" if arms == "alternate" else "round (both arms at the same time)")
         c.set_ylabel("TTFT reuse on / off")
         c.set_title(f"per round; median longest-turn ratio {summary['rounds_longest_on_over_off'].get('median')}")
         c.legend(fontsize=7)
@@ -542,6 +547,10 @@ def markdown(result: dict[str, Any]) -> str:
                      f"| {f0(p.get('cached_on'))} / {f0(p.get('cached_off'))} "
                      f"| {f0(p.get('computed_on'))} / {f0(p.get('computed_off'))} "
                      f"| {'–' if p.get('local_hits_on') is None else p['local_hits_on']} | {p.get('same_prefill_on', '–')} / {p.get('same_prefill_off', '–')} |")
+    if any(p.get("cached_off_mean") is not None for p in s["per_turn"]):
+        lines += ["", "Reuse off, prefix-cache hit tokens per turn (mean over the arm's turns; turns with none): "
+                  + "; ".join(f"turn {p['turn']}: {f0(p.get('cached_off_mean'))} of {p['prompt_tokens']} "
+                              f"({p.get('cached_off_zero')}/{p['convs']})" for p in s["per_turn"]) + "."]
     lines += ["", f"Affinity: {s['affinity_hits']}/{s['affinity_later_turns']} later turns on the decode holding "
                   f"their KV; longest turn TTFT on/off = {s['longest_turn_on_over_off']}"
                   + (f" (all later turns, median: {s['later_turns_on_over_off']})" if "later_turns_on_over_off" in s
@@ -586,12 +595,47 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def segments_table(runs: list[tuple[str, dict[str, Any]]]) -> str:
+    """The longest turn's **mean** segments per arm and run (ms: they add up to the mean
+    TTFT, unlike medians), the mean prompt tokens prefill computed, and the router's lookup
+    over every later reuse-on turn: which costs are reuse's own and which both arms pay."""
+    lines = ["| run | arm | n | TTFT | " + " | ".join(SEGMENTS) + " | prompt tokens computed |",
+             "|---|---|---|---|" + "---|" * len(SEGMENTS) + "---|"]
+    looks = []
+    for name, res in runs:
+        n_turns = res["config"]["turns"]
+        for reuse in (True, False):
+            ts = [t for t in res["fleet"]["turns"] if t["turn"] == n_turns and t["reuse"] == reuse
+                  and "segments_ms" in t.get("split", {})]
+            if not ts:
+                continue
+            comp = [c for c in map(_computed, ts) if c is not None]
+            lines.append(f"| `{name}` | {'on' if reuse else 'off'} | {len(ts)} "
+                         f"| {statistics.mean(t['ttft_ms'] for t in ts):,.0f} | "
+                         + " | ".join(f"{statistics.mean(t['split']['segments_ms'][k] for t in ts):,.0f}"
+                                      for k in SEGMENTS)
+                         + (f" | {statistics.mean(comp):,.0f} |" if comp else " | – |"))
+        lk = sorted(t.get("timing_ms", {}).get("lookup", 0.0) for t in res["fleet"]["turns"]
+                    if t["reuse"] and t["turn"] > 1)
+        if lk:
+            looks.append(f"`{name}`: median {_pct(lk, 0.5):.0f}, mean {statistics.mean(lk):.0f}, "
+                         f"p90 {_pct(lk, 0.9):.0f}, max {lk[-1]:.0f} ({len(lk)} turns)")
+    return "\n".join(lines + ["", "Router lookup per later reuse-on turn (ms): " + "; ".join(looks) + "."])
+
+
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "--stand-in-engines":
         _stand_in_engines([int(p) for p in sys.argv[2:]])
         return 0
     if len(sys.argv) > 2 and sys.argv[1] == "--table":
         print(markdown(json.loads(Path(sys.argv[2]).read_text())))
+        return 0
+    if len(sys.argv) > 2 and sys.argv[1] == "--segments":  # --segments FILE...: longest-turn means, per run
+        print(segments_table([(Path(f).name, json.loads(Path(f).read_text())) for f in sys.argv[2:]]))
+        return 0
+    if len(sys.argv) > 3 and sys.argv[1] == "--plot":  # --plot RESULTS.json OUT.png: the PNG again
+        res = json.loads(Path(sys.argv[2]).read_text())
+        plot(summarise(res["fleet"], res["config"]["turns"]), Path(sys.argv[3]), res["config"].get("arms", "together"))
         return 0
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--convs", type=int, default=3, help="conversations with reuse, and as many without")
@@ -651,7 +695,7 @@ def main() -> int:
         "decision_p99_le_1ms": all(d["p99_us"] <= 1000 for d in result["decision_cost"])}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
-    plot(result["summary"], args.png)
+    plot(result["summary"], args.png, args.arms)
     s = result["summary"]
     print(f"\n{'turn':>4} {'prompt':>6} {'TTFT on':>8} {'TTFT off':>8} {'READs':>5} {'read tok':>8}")
     for p in s["per_turn"]:

@@ -50,3 +50,38 @@ def test_a_turn_without_a_read_has_no_read_segments_and_missing_lines_are_named(
     lines = _lines(read=False)
     lines["d0"] = [e for e in lines["d0"] if e["event"] != "recv_done"]
     assert fleet.split(turn, lines) == {"missing": ["recv_done"]}
+
+
+def test_summary_counts_reuse_off_prefix_hits_per_turn() -> None:
+    """Whether reuse-off's prefill caches still held the history is part of the verdict
+    (the case reuse exists for needs them not to): mean hit tokens and turns with none."""
+    def turn(conv: str, reuse: bool, k: int, cached: int) -> dict:
+        return {"conv": conv, "reuse": reuse, "turn": k, "prompt_tokens": 1000 * k, "ttft_ms": 100.0 * k,
+                "reads": 0, "read_tokens": 0, "prefill": "p0", "decode": "d0", "attempts": 1, "round": 1,
+                "prefill_cached_tokens": cached}
+    turns = [turn("on", True, 1, 0), turn("on", True, 2, 896),
+             turn("a", False, 1, 0), turn("a", False, 2, 0),
+             turn("b", False, 1, 0), turn("b", False, 2, 896),
+             turn("c", False, 1, 0), turn("c", False, 2, -1)]  # -1: the engine did not say
+    s = fleet.summarise({"turns": turns}, 2)
+    t1, t2 = s["per_turn"]
+    assert (t1["cached_off_mean"], t1["cached_off_zero"]) == (0, 3)
+    assert (t2["cached_off_mean"], t2["cached_off_zero"]) == (448, 1)
+
+
+def test_segments_table_gives_each_arm_its_mean_segments_at_the_longest_turn() -> None:
+    seg_on = dict.fromkeys(fleet.SEGMENTS, 10.0)
+    seg_off = dict.fromkeys(fleet.SEGMENTS, 100.0)
+
+    def turn(reuse: bool, k: int, ttft: float, seg: dict, cached: int, lookup: float) -> dict:
+        return {"reuse": reuse, "turn": k, "ttft_ms": ttft, "prompt_tokens": 2000, "prefill_cached_tokens": cached,
+                "split": {"segments_ms": seg}, "timing_ms": {"lookup": lookup} if reuse else {}}
+    res = {"config": {"turns": 2}, "fleet": {"turns": [
+        turn(True, 2, 90.0, seg_on, 1500, 4.0), turn(True, 2, 110.0, seg_on, 1500, 8.0),
+        turn(True, 1, 5000.0, seg_off, 0, 0.0),  # not the longest turn: not in the rows
+        turn(False, 2, 900.0, seg_off, 0, 0.0)]}}
+    rows = fleet.segments_table([("r.json", res)]).splitlines()
+    assert rows[2] == "| `r.json` | on | 2 | 100 | " + " | ".join(["10"] * len(fleet.SEGMENTS)) + " | 500 |"
+    assert rows[3] == "| `r.json` | off | 1 | 900 | " + " | ".join(["100"] * len(fleet.SEGMENTS)) + " | 2,000 |"
+    # later reuse-on turns only (turn 1 has nothing to look up)
+    assert rows[-1].endswith("`r.json`: median 8, mean 6, p90 8, max 8 (2 turns).")
