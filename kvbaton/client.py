@@ -575,10 +575,6 @@ class RendezvousSession:
         self._waiting: dict[int, asyncio.Future] = {}
         self._wakeup = asyncio.Event()
         self._generation = 0  # one per stream opened; an older stream's request iterator stops
-        # Plain renewals go packed (KeepAliveRequest.conversation_ids) while this is set;
-        # cleared for the rest of a stream whose server ignores them (``fallbacks`` counts).
-        self.packed = True
-        self.fallbacks = 0
         self._task = asyncio.get_running_loop().create_task(self._run(), name="kvbaton-session")
 
     async def offer(self, req: rendezvous_pb2.OfferRequest) -> rendezvous_pb2.RendezvousResponse:
