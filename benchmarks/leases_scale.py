@@ -47,6 +47,7 @@ import signal
 import subprocess
 import sys
 import time
+from typing import Any
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -223,22 +224,21 @@ async def run(args, baseline_dir: pathlib.Path | None = None) -> dict:
                 await k.wait_ready(30)
                 await k.lease.Grant(lease_pb2.GrantRequest(conversation_id="probe", engine_id="dec-probe", ttl_ms=3_600_000), timeout=5)
             await asyncio.sleep(1.0)
-            # Two empty servers first: what the pair looks like before one gets the leases.
-            idle = await idle_cpu(pids, args.idle_s)
-            out["before"] = {"idle_cpu_pct": {"empty": idle[0], "to_fill": idle[1]},
+            async def phase(name: str, second: str, **extra: Any) -> None:
+                """Idle CPU, interleaved Gets and RSS of both servers, as ``out[name]``
+                (``second``: what the second server is called in this phase)."""
+                idle = await idle_cpu(pids, args.idle_s)
+                out[name] = {**extra, "idle_cpu_pct": {"empty": idle[0], second: idle[1]},
                              "get": await interleaved_gets(ekv, kv, args.gets, args.rounds),
-                             "rss_mib": {"empty": rss_mib(pids[0]), "to_fill": rss_mib(pids[1])}}
-            print("before:", json.dumps({k: v for k, v in out["before"].items() if k != "get"}),
-                  json.dumps({k: out["before"]["get"][k] for k in ("empty", "full")}), flush=True)
+                             "rss_mib": {"empty": rss_mib(pids[0]), second: rss_mib(pids[1])}}
+                print(f"{name}:", json.dumps({k: v for k, v in out[name].items() if k != "get"}),
+                      json.dumps({k: out[name]["get"][k] for k in ("empty", "full")}), flush=True)
+
+            # Two empty servers first: what the pair looks like before one gets the leases.
+            await phase("before", "to_fill")
             rate = await grant_many(kv, args.leases, ttl_ms=args.ttl_ms)
             await asyncio.sleep(2.0)
-            idle = await idle_cpu(pids, args.idle_s)
-            out["with_leases"] = {"live_leases": {"empty": 1, "full": args.leases + 1}, "grants_per_s": rate,
-                                  "idle_cpu_pct": {"empty": idle[0], "full": idle[1]},
-                                  "get": await interleaved_gets(ekv, kv, args.gets, args.rounds),
-                                  "rss_mib": {"empty": rss_mib(pids[0]), "full": rss_mib(pids[1])}}
-            print("with leases:", json.dumps({k: v for k, v in out["with_leases"].items() if k != "get"}),
-                  json.dumps({k: out["with_leases"]["get"][k] for k in ("empty", "full")}), flush=True)
+            await phase("with_leases", "full", live_leases={"empty": 1, "full": args.leases + 1}, grants_per_s=rate)
             # Renewals that need a write: granted more than the slack (1 s) ago, so the stored
             # deadline no longer covers now + TTL. Each message renews leases not renewed before.
             ka = []
@@ -262,12 +262,7 @@ async def run(args, baseline_dir: pathlib.Path | None = None) -> dict:
                 print("keepalive:", json.dumps({k: v for k, v in r.items() if k != "server_cpu_ms_per_message"}), flush=True)
             out["keepalive"] = ka
             await asyncio.sleep(1.0)
-            idle = await idle_cpu(pids, args.idle_s)
-            out["after"] = {"idle_cpu_pct": {"empty": idle[0], "full": idle[1]},
-                            "get": await interleaved_gets(ekv, kv, args.gets, args.rounds),
-                            "rss_mib": {"empty": rss_mib(pids[0]), "full": rss_mib(pids[1])}}
-            print("after:", json.dumps({k: v for k, v in out["after"].items() if k != "get"}),
-                  json.dumps({k: out["after"]["get"][k] for k in ("empty", "full")}), flush=True)
+            await phase("after", "full")
             out["loadavg_at_end"] = list(os.getloadavg())
     finally:
         stop_server(server)
