@@ -758,6 +758,10 @@ class Router:
             self.metrics.request_seconds.labels(self.mode, "decode").observe(time.perf_counter() - opened.t0)
 
 
+#: the :class:`Router` of an app made by :func:`build_app` (for embedders and tests)
+ROUTER_KEY = web.AppKey("kvbaton_router", Router)
+
+
 def build_app(prefill_url: str | Sequence[str] = (), decode_url: str | Sequence[str] = (), mode: str = "pull", *,
               control_plane: str | None = None, **router_kw: Any) -> web.Application:
     """``control_plane`` (default: ``$KVBATON_CONTROL_PLANE``) enables conversation reuse
@@ -781,5 +785,5 @@ def build_app(prefill_url: str | Sequence[str] = (), decode_url: str | Sequence[
     app.router.add_get("/metrics", router.metrics_endpoint)
     app.router.add_post("/v1/completions", router.completions)
     app.router.add_post("/v1/chat/completions", router.chat)
-    app["router"] = router
+    app[ROUTER_KEY] = router
     return app
