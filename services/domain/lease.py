@@ -254,6 +254,10 @@ class LeaseService:
     def _ckey(self, conversation_id: str) -> bytes:
         return _key(self.prefix, "c", conversation_id)
 
+    def _rkey(self, conversation_id: str) -> bytes:
+        """A revoke that found no lease (see :meth:`revoke`): what a late first Grant is ordered against."""
+        return _key(self.prefix, "r", conversation_id)
+
     def deadline(self, info: pb.LeaseInfo) -> int:
         """A lease's deadline: its record's, or the journal's when later."""
         journal = self.journal.deadline.get(info.lease_id)
@@ -347,6 +351,8 @@ class LeaseService:
             ckv, lkv, old = await self._read(conversation_id)
             if retention_id and old is not None and lkv is not None:
                 await self._refuse_if_revoked_after(conversation_id, retention_id, old, lkv)
+            elif retention_id and old is None and self.retention_revision is not None:
+                await self._refuse_if_revoked_first(conversation_id, retention_id)
             if (old is None or old.state not in LIVE_STATES) and len(self.hub.records) >= self.config.max_live_leases:
                 raise exhausted(f"{len(self.hub.records)} live leases (limit {self.config.max_live_leases}); "
                                 "revoke finished conversations or raise the limit")
@@ -409,6 +415,18 @@ class LeaseService:
             self.metrics.lease_late_grants_refused.inc()
             raise precondition(f"conversation {conversation_id}: lease {old.lease_id} was revoked ({old.reason}) "
                                f"after retention {retention_id} was registered: not granted; free its blocks")
+
+    async def _refuse_if_revoked_first(self, conversation_id: str, retention_id: str) -> None:
+        """The same for a conversation's first lease: its revoke found no lease and left a
+        marker (:meth:`revoke`); blocks registered before that marker are not granted."""
+        marker = await self.store.get(self._rkey(conversation_id))
+        if marker is None or self.retention_revision is None:
+            return
+        registered = await self.retention_revision(conversation_id, retention_id)
+        if registered is not None and registered < marker.mod_revision:
+            self.metrics.lease_late_grants_refused.inc()
+            raise precondition(f"conversation {conversation_id} was revoked before its first lease, after retention "
+                               f"{retention_id} was registered: not granted; free its blocks")
 
     # -- renew -------------------------------------------------------------
     async def renew(self, conversation_id: str, lease_id: str = "", ttl_ms: int = 0) -> pb.RenewResult:
@@ -1014,6 +1032,11 @@ class LeaseService:
             else:
                 _, kv, info = await self._read(conversation_id)
             if info is None or kv is None:
+                if not lease_id:
+                    # Decode may still be about to lease the conversation's first turn (its
+                    # Grant follows the answer): remember the revoke, under the tombstone
+                    # lease, so that Grant is refused (``_refuse_if_revoked_first``).
+                    await self.store.put(self._rkey(conversation_id), b"", lease=await self._tombstones.lease())
                 raise not_found(f"no lease {lease_id or ''} for conversation {conversation_id}".replace("  ", " "))
             if info.state in TERMINAL_STATES:
                 return self._view(info)

@@ -68,3 +68,31 @@ async def test_a_grant_that_replaces_a_live_lease_is_not_a_late_grant(kv):
     assert second.state == lpb.LEASE_STATE_ACTIVE and second.lease_id != first.lease_id
     old = await kv.call(kv.lease.Get, lpb.GetLeaseRequest(conversation_id=conv, ))
     assert old.lease_id == second.lease_id
+
+
+async def test_a_first_grant_after_a_revoke_that_found_no_lease_is_refused(kv, plane):
+    """A one-turn conversation ended at once: the revoke finds no lease yet (NOT_FOUND, as
+    before) but is remembered, so decode's late first Grant is refused too."""
+    await register(kv, DEC)
+    conv = "late-4"
+    turn1 = await _retain(kv, conv, [1])
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await kv.call(kv.lease.Revoke, lpb.RevokeRequest(conversation_id=conv))
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await _grant(kv, conv, turn1)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "was revoked before its first lease" in (err.value.details() or "")
+    assert plane.metrics.lease_late_grants_refused._value.get() == 1
+    # the conversation goes on later: a turn registered after the revoke is granted
+    lease = await _grant(kv, conv, await _retain(kv, conv, [1, 2]))
+    assert lease.state == lpb.LEASE_STATE_ACTIVE
+
+
+async def test_a_revoke_of_an_unknown_conversation_does_not_block_its_later_turns(kv):
+    await register(kv, DEC)
+    conv = "late-5"
+    with pytest.raises(grpc.aio.AioRpcError):
+        await kv.call(kv.lease.Revoke, lpb.RevokeRequest(conversation_id=conv))
+    lease = await _grant(kv, conv, await _retain(kv, conv, [1]))
+    assert lease.state == lpb.LEASE_STATE_ACTIVE
