@@ -13,12 +13,22 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
-from collections.abc import AsyncIterator, Callable, Hashable, Iterable
+from collections.abc import AsyncIterator, Callable, Hashable, Iterable, Sequence
 from typing import Generic, TypeVar, cast
 
 import structlog
 
-from ..store.base import CompactedError, EventType, KeyValue, Store, StoreError, WatchEvent
+from ..store.base import (
+    CompactedError,
+    Compare,
+    EventType,
+    KeyValue,
+    Op,
+    Store,
+    StoreError,
+    TxnResult,
+    WatchEvent,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -190,6 +200,22 @@ class PrefixHub(Generic[T, E]):
             self.records[key] = (record, revision)
         else:
             self.records.pop(key, None)
+
+    async def txn_preparsed(self, parsed: dict[bytes, T], compares: Sequence[Compare], success: Sequence[Op],
+                            failure: Sequence[Op] = ()) -> TxnResult:
+        """``store.txn`` for writes whose records this replica already holds parsed
+        (``parsed``: written value -> record): offered in ``preparsed`` while the write is
+        in flight, so its event is cached without a parse, and dropped again if the write
+        fails or raises (no event will take them)."""
+        self.preparsed.update(parsed)
+        result: TxnResult | None = None
+        try:
+            result = await self.store.txn(compares, success, failure)
+        finally:
+            if result is None or not result.succeeded:
+                for value in parsed:
+                    self.preparsed.pop(value, None)
+        return result
 
     async def _run(self) -> None:
         backoff = 0.05

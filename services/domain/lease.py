@@ -182,7 +182,7 @@ class LeaseService:
         self.on_refused = on_refused
         # Optional async (conversation_id, retention_id) -> store revision of that retained
         # registration, or None (the registrar's): a Grant for blocks registered before the
-        # conversation's lease was revoked is refused (see :meth:`_revoked_after`).
+        # conversation's lease was revoked is refused (see :meth:`_refuse_if_revoked_since`).
         self.retention_revision = retention_revision
         self.prefix = prefix
         self._lprefix = prefix + b"l/"  # _lkey runs per renewal: no per-call formatting
@@ -349,10 +349,8 @@ class LeaseService:
         for _ in range(_CAS_RETRIES):
             now = self.clock.now_ms()
             ckv, lkv, old = await self._read(conversation_id)
-            if retention_id and old is not None and lkv is not None:
-                await self._refuse_if_revoked_after(conversation_id, retention_id, old, lkv)
-            elif retention_id and old is None and self.retention_revision is not None:
-                await self._refuse_if_revoked_first(conversation_id, retention_id)
+            if retention_id:
+                await self._refuse_if_revoked_since(conversation_id, retention_id, old, lkv)
             if (old is None or old.state not in LIVE_STATES) and len(self.hub.records) >= self.config.max_live_leases:
                 raise exhausted(f"{len(self.hub.records)} live leases (limit {self.config.max_live_leases}); "
                                 "revoke finished conversations or raise the limit")
@@ -393,40 +391,38 @@ class LeaseService:
                 return self._view(info, now), (self._view(replaced, now) if replaced else None)
         raise DomainError(Code.ABORTED, f"grant for {conversation_id} kept conflicting; retry")
 
-    async def _refuse_if_revoked_after(self, conversation_id: str, retention_id: str, old: pb.LeaseInfo,
-                                       lkv: KeyValue) -> None:
+    async def _refuse_if_revoked_since(self, conversation_id: str, retention_id: str, old: pb.LeaseInfo | None,
+                                       lkv: KeyValue | None) -> None:
         """A late Grant must not outlive a revoke.
 
         Why: decode registers a finished turn's blocks and then leases them from its control
         thread, after the answer left the engine. A client that ends the conversation
-        (``Revoke``) in between ends the *previous* turn's lease; the late Grant would then
-        start a fresh lease and decode would hold the last turn's blocks for a whole TTL after
-        the client let go. The store orders the two: if the conversation's lease was revoked
-        (or is draining from a revoke) at a revision after this registration was written, the
-        client's revoke covers these blocks too, so the Grant is refused with
-        FAILED_PRECONDITION and decode frees them. A registration written after the revoke
-        (the conversation went on) is granted as usual."""
-        if self.retention_revision is None or old.reason.startswith(_REPLACED_PREFIX):
+        (``Revoke``) in between ends the *previous* turn's lease, or finds none yet on the
+        first turn (:meth:`revoke` then leaves a marker); the late Grant would then start a
+        fresh lease and decode would hold the last turn's blocks for a whole TTL after the
+        client let go. The store orders the two: if the conversation was revoked (its lease
+        revoked or draining from a revoke, or the marker written) at a revision after this
+        registration was written, the client's revoke covers these blocks too, so the Grant
+        is refused with FAILED_PRECONDITION and decode frees them. A registration written
+        after the revoke (the conversation went on) is granted as usual."""
+        if self.retention_revision is None:
             return
-        if old.state != REVOKED and not (old.state == DRAINING and old.reason):
-            return
+        if old is None:
+            marker = await self.store.get(self._rkey(conversation_id))
+            if marker is None:
+                return
+            revoked_at, what = marker.mod_revision, f"conversation {conversation_id} was revoked before its first lease,"
+        else:
+            if lkv is None or old.reason.startswith(_REPLACED_PREFIX):
+                return
+            if old.state != REVOKED and not (old.state == DRAINING and old.reason):
+                return
+            revoked_at = lkv.mod_revision
+            what = f"conversation {conversation_id}: lease {old.lease_id} was revoked ({old.reason})"
         registered = await self.retention_revision(conversation_id, retention_id)
-        if registered is not None and registered < lkv.mod_revision:
+        if registered is not None and registered < revoked_at:
             self.metrics.lease_late_grants_refused.inc()
-            raise precondition(f"conversation {conversation_id}: lease {old.lease_id} was revoked ({old.reason}) "
-                               f"after retention {retention_id} was registered: not granted; free its blocks")
-
-    async def _refuse_if_revoked_first(self, conversation_id: str, retention_id: str) -> None:
-        """The same for a conversation's first lease: its revoke found no lease and left a
-        marker (:meth:`revoke`); blocks registered before that marker are not granted."""
-        marker = await self.store.get(self._rkey(conversation_id))
-        if marker is None or self.retention_revision is None:
-            return
-        registered = await self.retention_revision(conversation_id, retention_id)
-        if registered is not None and registered < marker.mod_revision:
-            self.metrics.lease_late_grants_refused.inc()
-            raise precondition(f"conversation {conversation_id} was revoked before its first lease, after retention "
-                               f"{retention_id} was registered: not granted; free its blocks")
+            raise precondition(f"{what} after retention {retention_id} was registered: not granted; free its blocks")
 
     # -- renew -------------------------------------------------------------
     async def renew(self, conversation_id: str, lease_id: str = "", ttl_ms: int = 0) -> pb.RenewResult:
@@ -687,14 +683,9 @@ class LeaseService:
             fence = Compare(self._fence_ends, CompareTarget.MOD_REVISION, CompareOp.LESS, seen + 1)
             # Its watch event is cached without decoding the record again (10,000 ids split
             # and checked): the journal hub takes the batch this replica already holds.
-            self.journal_hub.preparsed[value] = lease_journal.JournalBatch(ids, array.array("q", deadlines))
-            try:
-                result = await self.store.txn([fence], puts, [Get(self._fence_ends)])
-            except BaseException:
-                self.journal_hub.preparsed.pop(value, None)
-                raise
-            if not result.succeeded:
-                self.journal_hub.preparsed.pop(value, None)
+            result = await self.journal_hub.txn_preparsed(
+                {value: lease_journal.JournalBatch(ids, array.array("q", deadlines))}, [fence], puts,
+                [Get(self._fence_ends)])
             if result.succeeded:
                 self.journal.note(ids, deadlines, record, unique=True)
                 self.stats["renewal_writes"] += len(ids)
@@ -765,7 +756,7 @@ class LeaseService:
         The new records go to the hub already parsed: applying the watch event then costs
         a dictionary lookup instead of a parse per renewal."""
         compares, puts, done = [], [], {}
-        records, preparsed = self.hub.records, self.hub.preparsed
+        records, parsed = self.hub.records, {}
         for lease_id, deadline in due:
             key = self._lkey(lease_id)
             entry = records.get(key)
@@ -782,16 +773,11 @@ class LeaseService:
             value = new.SerializeToString()
             compares.append(Compare(key, CompareTarget.MOD_REVISION, CompareOp.EQUAL, rev))
             puts.append((lease_id, Put(key, value)))
-            preparsed[value] = new
+            parsed[value] = new
         if not puts:
             return done
-        try:
-            result = await self.store.txn(compares, [p for _, p in puts])
-        except BaseException:
-            self._forget_preparsed(puts)
-            raise
+        result = await self.hub.txn_preparsed(parsed, compares, [p for _, p in puts])
         if not result.succeeded:
-            self._forget_preparsed(puts)
             return done
         self.stats["renewal_writes"] += len(puts)
         self.metrics.lease_renewal_writes.inc(len(puts))
@@ -799,11 +785,6 @@ class LeaseService:
         await self.hub.wait_for(result.revision)
         done.update({lease_id: True for lease_id, _ in puts})
         return done
-
-    def _forget_preparsed(self, puts: list[tuple[str, Put]]) -> None:
-        preparsed = self.hub.preparsed
-        for _, put in puts:
-            preparsed.pop(put.value, None)
 
     async def _write_deadline(self, lease_id: str, deadline: int) -> bool:
         key = self._lkey(lease_id)
@@ -1035,7 +1016,7 @@ class LeaseService:
                 if not lease_id:
                     # Decode may still be about to lease the conversation's first turn (its
                     # Grant follows the answer): remember the revoke, under the tombstone
-                    # lease, so that Grant is refused (``_refuse_if_revoked_first``).
+                    # lease, so that Grant is refused (``_refuse_if_revoked_since``).
                     await self.store.put(self._rkey(conversation_id), b"", lease=await self._tombstones.lease())
                 raise not_found(f"no lease {lease_id or ''} for conversation {conversation_id}".replace("  ", " "))
             if info.state in TERMINAL_STATES:
