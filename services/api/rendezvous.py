@@ -58,8 +58,7 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
                                    engine_id=r.decode_engine_id, block_ids=r.block_ids, num_tokens=r.num_tokens,
                                    timeout_ms=r.timeout_ms, request_id=r.request_id, peer=r.prefill_engine_id)
         state, matched, dup = await self.domain.submit(msg)
-        if out is None:
-            return pb.RendezvousResponse(state=state, matched_now=matched, duplicate=dup)
+        out = pb.RendezvousResponse() if out is None else out
         out.state.CopyFrom(state)
         out.matched_now, out.duplicate = matched, dup
         return out
@@ -74,8 +73,7 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
         # A duplicate of the completion that was answered with the MATCH is answered with it
         # again (its first answer may have been lost with a broken stream).
         delivered = r.match_in_answer and (matched or dup) and match_delivered(state, r.prefill_engine_id)
-        if out is None:
-            return pb.RendezvousResponse(state=state, matched_now=matched, duplicate=dup, match_delivered=delivered)
+        out = pb.RendezvousResponse() if out is None else out
         out.state.CopyFrom(state)
         out.matched_now, out.duplicate, out.match_delivered = matched, dup, delivered
         return out
