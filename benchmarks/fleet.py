@@ -61,7 +61,7 @@ from kvbaton.services.router.choice import ROLE_DECODE, ROLE_PREFILL, Fleet, Pre
 from kvbaton.stack.fleet_stack import FleetStack, stream_tokens, wait_leased
 from kvbaton.stack.pd_stack import stop_group, wait_port
 from kvbaton.stack.ports import free_port
-from kvbaton.tinymodel import ensure_tiny_model
+from kvbaton.tinymodel import SHAPES, ensure_tiny_model, spec_for_shape
 
 PY = sys.executable
 BLOCK = 128
@@ -274,7 +274,7 @@ def conversation(stack: FleetStack, router: str, conv: str, reuse: bool, seed: i
 
 
 def run_fleet(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
-    model = ensure_tiny_model(args.model_dir)
+    model = ensure_tiny_model(args.model_dir, spec_for_shape(args.model_shape))
     t0 = time.monotonic()
     mib = 1024 * 1024
     role_args = {"prefill": ["--enable-prompt-tokens-details"], "decode": []}
@@ -523,7 +523,8 @@ def markdown(result: dict[str, Any]) -> str:
              f"(+{cfg['new_tokens']} tokens a turn, {cfg['output_tokens']} out), {cfg['mode']}; "
              f"commit `{result['commit'][:7]}`",
              f"prefill KV cache {cfg.get('prefill_kv_mib') or 64} MiB, decode {cfg.get('decode_kv_mib') or 64} MiB "
-             f"per engine; load average {result['machine']['loadavg_start'][0]:.1f} → "
+             f"per engine; model shape `{cfg.get('model_shape', 'tiny')}`; load average "
+             f"{result['machine']['loadavg_start'][0]:.1f} → "
              f"{result['machine']['loadavg_end'][0]:.1f}",
              "", "| turn | prompt tokens | TTFT reuse on (ms, median) | TTFT reuse off (ms, median) "
                  "| reuse READs | tokens read back | prefill leg on / off (ms) | decode to 1st byte on / off (ms) "
@@ -659,11 +660,18 @@ def main() -> int:
                          "cannot hold every conversation")
     ap.add_argument("--decode-kv-mib", type=int, default=0, help="decode engines' KV cache (MiB; 0 = 64)")
     ap.add_argument("--overhead-requests", type=int, default=300)
-    ap.add_argument("--model-dir", type=Path,
-                    default=Path(os.environ.get("KVBATON_TINY_MODEL", ROOT / ".cache/tiny-model")))
+    ap.add_argument("--model-shape", choices=sorted(SHAPES), default="tiny",
+                    help="the generated model's shape (kvbaton.tinymodel.SHAPES): tiny = the tests' 2-layer "
+                         "model; compute = the same KV bytes per token with ~13x the prefill work per token")
+    ap.add_argument("--model-dir", type=Path, default=None,
+                    help="where the model is built (default: $KVBATON_TINY_MODEL or .cache/tiny-model for tiny, "
+                         ".cache/tiny-model-SHAPE otherwise)")
     ap.add_argument("--out", type=Path, default=RESULTS / "fleet.json")
     ap.add_argument("--png", type=Path, default=RESULTS / "fleet_ttft_per_turn.png")
     args = ap.parse_args()
+    if args.model_dir is None:
+        args.model_dir = (Path(os.environ.get("KVBATON_TINY_MODEL", ROOT / ".cache/tiny-model"))
+                          if args.model_shape == "tiny" else ROOT / f".cache/tiny-model-{args.model_shape}")
     if args.first_tokens + args.turns * (args.new_tokens + args.output_tokens) > args.max_model_len - 96:
         ap.error(f"conversations would outgrow the engines' {args.max_model_len}-token context")
     workdir = Path(tempfile.mkdtemp(prefix="kvbaton-fleet-bench-"))
