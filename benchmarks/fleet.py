@@ -624,12 +624,46 @@ def segments_table(runs: list[tuple[str, dict[str, Any]]]) -> str:
     return "\n".join(lines + ["", "Router lookup per later reuse-on turn (ms): " + "; ".join(looks) + "."])
 
 
+def runs_table(runs: list[tuple[str, dict[str, Any]]]) -> str:
+    """One row per results file: the configuration that matters for the verdict and the
+    verdict both ways — pooled (the median TTFT at the longest turn over all of an arm's
+    conversations in the run) and over rounds (the median of each round's ratio, with how
+    many rounds were at or below 1/2) — beside turn 1, where neither arm can reuse anything
+    (its ratio over rounds is the noise floor of a per-round ratio)."""
+    lines = ["| results file | model shape | prefill KV (MiB per engine) | arms | conversations per arm | rounds "
+             "| load average start → end "
+             "| longest turn on / off (ms, pooled medians) | pooled on/off | on/off, median of rounds "
+             "(quartiles; range) | rounds ≤ ½ | turn 1 on/off, median of rounds | longest turn prompt tokens "
+             "computed on / off (mean) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name, res in runs:
+        cfg, n_turns = res["config"], res["config"]["turns"]
+        s = summarise(res["fleet"], n_turns)
+        last, rr, first = s["per_turn"][-1], s["rounds_longest_on_over_off"], s["rounds_first_turn_on_over_off"]
+        comp = {r: [c for c in (_computed(t) for t in res["fleet"]["turns"] if t["turn"] == n_turns
+                                and t["reuse"] == r) if c is not None] for r in (True, False)}
+        load = res["machine"]
+        lines.append(
+            f"| `{name}` | {cfg.get('model_shape', 'tiny')} | {cfg.get('prefill_kv_mib') or 64} "
+            f"| {cfg.get('arms', 'together')} | {cfg['convs']} "
+            f"| {rr['n']} | {load['loadavg_start'][0]:.1f} → {load['loadavg_end'][0]:.1f} "
+            f"| {last['ttft_on_ms']:,.0f} / {last['ttft_off_ms']:,.0f} | {s['longest_turn_on_over_off']} "
+            f"| **{rr['median']}** ({rr['q1']}–{rr['q3']}; {rr['min']}–{rr['max']}) "
+            f"| {s['rounds_meeting_half']} of {rr['n']} | {first['median']} "
+            f"| {statistics.mean(comp[True]):,.0f} / {statistics.mean(comp[False]):,.0f} |"
+            if comp[True] and comp[False] else "| – |")
+    return "\n".join(lines)
+
+
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "--stand-in-engines":
         _stand_in_engines([int(p) for p in sys.argv[2:]])
         return 0
     if len(sys.argv) > 2 and sys.argv[1] == "--table":
         print(markdown(json.loads(Path(sys.argv[2]).read_text())))
+        return 0
+    if len(sys.argv) > 2 and sys.argv[1] == "--runs":  # --runs FILE...: one verdict row per run
+        print(runs_table([(Path(f).name, json.loads(Path(f).read_text())) for f in sys.argv[2:]]))
         return 0
     if len(sys.argv) > 2 and sys.argv[1] == "--segments":  # --segments FILE...: longest-turn means, per run
         print(segments_table([(Path(f).name, json.loads(Path(f).read_text())) for f in sys.argv[2:]]))
