@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
+import contextlib
 import json
 import os
 import platform
@@ -49,7 +50,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -58,7 +58,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 
 from kvbaton.services.router.choice import ROLE_DECODE, ROLE_PREFILL, Fleet, PrefillHint
-from kvbaton.stack.fleet_stack import FleetStack, stream_tokens, wait_leased
+from kvbaton.stack.fleet_stack import FleetStack, LeaseWaiter, stream_tokens
 from kvbaton.stack.pd_stack import stop_group, wait_port
 from kvbaton.stack.ports import free_port
 from kvbaton.tinymodel import SHAPES, ensure_tiny_model, spec_for_shape
@@ -227,50 +227,71 @@ def router_overhead(n: int, workdir: Path) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------- 3. the fleet
-def conversation(stack: FleetStack, router: str, conv: str, reuse: bool, seed: int, args: argparse.Namespace,
-                 lock: threading.Lock) -> list[dict[str, Any]]:
+def conversation(stack: FleetStack, router: str, conv: str, reuse: bool, seed: int,
+                 args: argparse.Namespace) -> list[dict[str, Any]]:
+    """One agent conversation. Between turns it does only what an agent does (think) and,
+    with reuse, waits for decode's lease on the turn just answered (streamed answers are not
+    held by the router; a real agent's think time covers it). Nothing else: which READs and
+    offers belong to a turn is read from the engines' stats lines after the run
+    (:func:`attribute`), so neither arm spends the shared cores on bookkeeping mid-run."""
     rnd = random.Random(seed)
     prompt = [rnd.randrange(10, 4000) for _ in range(args.first_tokens)]
     out: list[dict[str, Any]] = []
-    for turn in range(1, args.turns + 1):
-        with lock:
-            marks = {p: stack.event_count(p) for p in stack.prefill_ids}
-            smarks = {p: stack.event_count(p, "scheduler") for p in stack.prefill_ids}
-        body = {"model": "tiny", "prompt": prompt, "max_tokens": args.output_tokens, "temperature": 0.0,
-                "ignore_eos": True}
-        t_send = time.time()
-        res = stream_tokens(f"{router}/v1/completions", body, {"X-Session-ID": conv} if reuse else {})
-        h = res["headers"]
-        rec = {"conv": conv, "reuse": reuse, "turn": turn, "prompt_tokens": len(prompt),
-               "t_send": t_send, "transfer_id": h.get("X-Kvbaton-Transfer-Id", ""),
-               "ttft_ms": round(res["ttft_s"] * 1000, 1), "total_ms": round(res["total_s"] * 1000, 1),
-               "prefill": h.get("X-Kvbaton-Prefill"), "decode": h.get("X-Kvbaton-Decode"),
-               "attempts": int(h.get("X-Kvbaton-Attempts", 1)), "offered_tokens": int(h.get("X-Kvbaton-Reuse-Tokens", 0)),
-               # Where the TTFT went (the router's Server-Timing: lookup, prefill leg, decode
-               # leg to first bytes) and how much of the prompt prefill did not compute.
-               "timing_ms": server_timing(h.get("Server-Timing", "")),
-               "prefill_cached_tokens": int(h.get("X-Kvbaton-Prefill-Cached-Tokens", -1)),
-               "prompt": prompt, "output": res["token_ids"]}
-        time.sleep(args.think_s)  # the agent thinks; the connector's stats land meanwhile
-        reads = [e for p in stack.prefill_ids for e in stack.events(p, "reuse_read", since=marks[p])
-                 if e["conversation_id"] == conv] if reuse else []
-        rec["reads"] = len(reads)
-        rec["read_tokens"] = sum(int(e["num_blocks"]) for e in reads) * BLOCK
-        rec["read_ms"] = [round(float(e["duration_s"]) * 1000, 2) for e in reads]
-        offers = [e for p in stack.prefill_ids for e in stack.events(p, "reuse_offer", since=smarks[p],
-                                                                     part="scheduler")
-                  if e["conversation_id"] == conv] if reuse else []
-        # What prefill's own prefix cache held of the history when decode's was offered.
-        rec["reuse_offers"] = [{k: e[k] for k in ("local_hit_tokens", "reusable_tokens", "read_tokens", "decision")}
-                               for e in offers]
-        if reuse and turn < args.turns:
-            full = (len(prompt) + args.output_tokens - 1) // BLOCK * BLOCK
-            t_lease = time.monotonic()
-            held = wait_leased(stack.cp_address, conv, full)
-            rec["lease_wait_s"] = round(time.monotonic() - t_lease, 3) if held else -1.0
-        out.append(rec)
-        prompt = prompt + res["token_ids"] + [rnd.randrange(10, 4000) for _ in range(args.new_tokens)]
+    with contextlib.ExitStack() as cleanup:
+        waiter = cleanup.enter_context(LeaseWaiter(stack.cp_address)) if reuse else None
+        for turn in range(1, args.turns + 1):
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": args.output_tokens, "temperature": 0.0,
+                    "ignore_eos": True}
+            t_send = time.time()
+            res = stream_tokens(f"{router}/v1/completions", body, {"X-Session-ID": conv} if reuse else {})
+            h = res["headers"]
+            rec = {"conv": conv, "reuse": reuse, "turn": turn, "prompt_tokens": len(prompt),
+                   "t_send": t_send, "transfer_id": h.get("X-Kvbaton-Transfer-Id", ""),
+                   "ttft_ms": round(res["ttft_s"] * 1000, 1), "total_ms": round(res["total_s"] * 1000, 1),
+                   "prefill": h.get("X-Kvbaton-Prefill"), "decode": h.get("X-Kvbaton-Decode"),
+                   "attempts": int(h.get("X-Kvbaton-Attempts", 1)),
+                   "offered_tokens": int(h.get("X-Kvbaton-Reuse-Tokens", 0)),
+                   # Where the TTFT went (the router's Server-Timing: lookup, prefill leg, decode
+                   # leg to first bytes) and how much of the prompt prefill did not compute.
+                   "timing_ms": server_timing(h.get("Server-Timing", "")),
+                   "prefill_cached_tokens": int(h.get("X-Kvbaton-Prefill-Cached-Tokens", -1)),
+                   "prompt": prompt, "output": res["token_ids"]}
+            time.sleep(args.think_s)  # the agent thinks
+            if waiter is not None and turn < args.turns:
+                full = (len(prompt) + args.output_tokens - 1) // BLOCK * BLOCK
+                t_lease = time.monotonic()
+                held = waiter.wait(conv, full)
+                rec["lease_wait_s"] = round(time.monotonic() - t_lease, 3) if held else -1.0
+            out.append(rec)
+            prompt = prompt + res["token_ids"] + [rnd.randrange(10, 4000) for _ in range(args.new_tokens)]
     return out
+
+
+def attribute(turns: list[dict[str, Any]], evs: dict[str, list[dict[str, Any]]], prefill_ids: list[str]) -> None:
+    """Each reuse turn's READs from decode and prefill's reuse offers, from the stats lines
+    after the run: a conversation's lines (``conversation_id``) stamped between its turn's
+    send and its next turn's send belong to that turn (a conversation's turns are
+    sequential; the engines stamp ``time.time()`` on this machine's one clock)."""
+    by_conv: dict[str, list[dict[str, Any]]] = {}
+    for t in turns:
+        by_conv.setdefault(t["conv"], []).append(t)
+    lines: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for p in prefill_ids:
+        for e in evs.get(p, []):
+            if e["event"] in ("reuse_read", "reuse_offer") and e.get("conversation_id"):
+                lines.setdefault((e["conversation_id"], e["event"]), []).append(e)
+    for conv, ts in by_conv.items():
+        ts.sort(key=lambda t: t["turn"])
+        for t, nxt in zip(ts, [*ts[1:], None]):
+            start, end = t["t_send"], (nxt["t_send"] if nxt is not None else float("inf"))
+            reads = [e for e in lines.get((conv, "reuse_read"), []) if start <= e["t"] < end]
+            offers = [e for e in lines.get((conv, "reuse_offer"), []) if start <= e["t"] < end]
+            t["reads"] = len(reads)
+            t["read_tokens"] = sum(int(e["num_blocks"]) for e in reads) * BLOCK
+            t["read_ms"] = [round(float(e["duration_s"]) * 1000, 2) for e in reads]
+            # What prefill's own prefix cache held of the history when decode's was offered.
+            t["reuse_offers"] = [{k: e[k] for k in ("local_hit_tokens", "reusable_tokens", "read_tokens", "decision")}
+                                 for e in offers]
 
 
 def run_fleet(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
@@ -290,7 +311,6 @@ def run_fleet(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         stack.warm_up()
         started_s = time.monotonic() - t0
         router = stack.routers[0]
-        lock = threading.Lock()
         rnd = random.Random(7)
         turns: list[dict[str, Any]] = []
         rounds: list[dict[str, Any]] = []
@@ -314,7 +334,7 @@ def run_fleet(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             got = []
             for group in groups:
                 with concurrent.futures.ThreadPoolExecutor(len(group)) as ex:
-                    futs = [ex.submit(conversation, stack, router, c, r, s, args, lock) for c, r, s in group]
+                    futs = [ex.submit(conversation, stack, router, c, r, s, args) for c, r, s in group]
                     got += [dict(t, round=rd) for f in futs for t in f.result(timeout=1800)]
             turns += got
             rounds.append({"round": rd, "wall_s": round(time.monotonic() - t_round, 1), "loadavg": os.getloadavg()})
@@ -324,6 +344,7 @@ def run_fleet(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             print(f"round {rd}: longest turn TTFT on {on:.0f} ms / off {off:.0f} ms = {on / off:.3f} "
                   f"({rounds[-1]['wall_s']} s)", flush=True)
         evs = stack_events(stack)
+        attribute(turns, evs, stack.prefill_ids)
         for t in turns:
             t["split"] = split(t, evs)
         with urllib.request.urlopen(f"{router}/kvbaton/fleet", timeout=10) as r:

@@ -31,7 +31,7 @@ from kvbaton.stack.vllm_server import VllmServer, small_engine_args
 if TYPE_CHECKING:
     from kvbaton.client import KvbatonClient
 
-__all__ = ["FleetStack", "stream_tokens", "wait_leased"]
+__all__ = ["FleetStack", "LeaseWaiter", "await_leased", "stream_tokens", "wait_leased"]
 
 
 class FleetStack(StackBase):
@@ -181,35 +181,79 @@ def stream_tokens(url: str, body: dict[str, Any], headers: dict[str, str] | None
     return {"token_ids": ids, "ttft_s": ttft, "total_s": time.perf_counter() - t0, "headers": kv_headers}
 
 
+async def await_leased(kv: KvbatonClient, conv: str, num_tokens: int, timeout_s: float = 10.0) -> str | None:
+    """Until decode's retention of ``conv`` covers ``num_tokens`` and is under a live lease
+    (decode registers it just after the answer), over an open client; returns the holding
+    engine, or None if that did not happen within ``timeout_s``."""
+    import asyncio
+
+    from kvbaton.v1 import lease_pb2, registrar_pb2
+
+    deadline = time.monotonic() + timeout_s
+    while (left := deadline - time.monotonic()) > 0:
+        call_s = max(0.05, min(2.0, left))
+        try:
+            lease = await kv.lease.Get(lease_pb2.GetLeaseRequest(conversation_id=conv), timeout=call_s)
+            ret = (await kv.registrar.LookupRetained(
+                registrar_pb2.LookupRetainedRequest(conversation_id=conv), timeout=call_s)).retained
+            if (lease.state == lease_pb2.LEASE_STATE_ACTIVE and ret.num_tokens >= num_tokens
+                    and lease.retention_id == ret.retention_id):
+                return ret.engine_id
+        except grpc.aio.AioRpcError as exc:
+            # NOT_FOUND: not there yet. DEADLINE_EXCEEDED: a control plane starved of
+            # CPU for one call (seen at load 20 on the 2-core box, killing a whole
+            # benchmark run); ask again until this wait's own deadline.
+            if exc.code() not in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.DEADLINE_EXCEEDED):
+                raise
+        await asyncio.sleep(0.05)
+    return None
+
+
 def wait_leased(cp: str, conv: str, num_tokens: int, timeout_s: float = 10.0, *,
                 client: Callable[[], KvbatonClient] | None = None) -> str | None:
-    """Until decode's retention of ``conv`` covers ``num_tokens`` and is under a live lease
-    (decode registers it just after the answer); returns the holding engine, or None if
-    that did not happen within ``timeout_s``. ``client`` makes the control-plane client
-    (e.g. a secured stack's :meth:`~kvbaton.stack.base.StackBase.client`); default: plaintext to ``cp``."""
+    """:func:`await_leased` from synchronous code, over a client opened for this one wait.
+    ``client`` makes the control-plane client (e.g. a secured stack's
+    :meth:`~kvbaton.stack.base.StackBase.client`); default: plaintext to ``cp``."""
     import asyncio
 
     from kvbaton.client import KvbatonClient
-    from kvbaton.v1 import lease_pb2, registrar_pb2
 
     async def go() -> str | None:
         async with (client() if client is not None else KvbatonClient(cp)) as kv:
-            deadline = time.monotonic() + timeout_s
-            while (left := deadline - time.monotonic()) > 0:
-                call_s = max(0.05, min(2.0, left))
-                try:
-                    lease = await kv.lease.Get(lease_pb2.GetLeaseRequest(conversation_id=conv), timeout=call_s)
-                    ret = (await kv.registrar.LookupRetained(
-                        registrar_pb2.LookupRetainedRequest(conversation_id=conv), timeout=call_s)).retained
-                    if (lease.state == lease_pb2.LEASE_STATE_ACTIVE and ret.num_tokens >= num_tokens
-                            and lease.retention_id == ret.retention_id):
-                        return ret.engine_id
-                except grpc.aio.AioRpcError as exc:
-                    # NOT_FOUND: not there yet. DEADLINE_EXCEEDED: a control plane starved of
-                    # CPU for one call (seen at load 20 on the 2-core box, killing a whole
-                    # benchmark run); ask again until this wait's own deadline.
-                    if exc.code() not in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.DEADLINE_EXCEEDED):
-                        raise
-                await asyncio.sleep(0.05)
-            return None
+            return await await_leased(kv, conv, num_tokens, timeout_s)
     return asyncio.run(go())
+
+
+class LeaseWaiter:
+    """:func:`await_leased` from one synchronous thread, over one client and event loop it
+    keeps. Why: a benchmark that waits after every turn of every conversation would
+    otherwise open a channel (and an event loop) per wait, and that CPU competes with the
+    engines being measured — only in the arm that waits. Use as a context manager."""
+
+    def __init__(self, cp: str, client: Callable[[], KvbatonClient] | None = None) -> None:
+        import asyncio
+
+        from kvbaton.client import KvbatonClient
+
+        async def open_client() -> KvbatonClient:  # a grpc.aio channel is made inside its loop
+            kv = client() if client is not None else KvbatonClient(cp)
+            await kv.__aenter__()
+            return kv
+
+        self._runner = asyncio.Runner()
+        self._kv = self._runner.run(open_client())
+
+    def wait(self, conv: str, num_tokens: int, timeout_s: float = 10.0) -> str | None:
+        return self._runner.run(await_leased(self._kv, conv, num_tokens, timeout_s))
+
+    def close(self) -> None:
+        try:
+            self._runner.run(self._kv.__aexit__(None, None, None))
+        finally:
+            self._runner.close()
+
+    def __enter__(self) -> LeaseWaiter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -31,3 +31,24 @@ def test_a_control_plane_that_does_not_answer_ends_the_wait_at_its_deadline_not_
     assert got is None
     # Each call is bounded by the wait's time left (not a fixed 2 s per call).
     assert 0.5 <= took < 1.9, took
+
+
+def test_a_lease_waiter_keeps_one_client_across_waits_and_each_wait_is_bounded() -> None:
+    from kvbaton.stack.fleet_stack import LeaseWaiter
+
+    proxy = TcpProxy("127.0.0.1", free_port())
+    proxy.partition()
+    made: list[KvbatonClient] = []
+
+    def client() -> KvbatonClient:
+        made.append(KvbatonClient(proxy.endpoint))
+        return made[-1]
+    try:
+        with LeaseWaiter(proxy.endpoint, client=client) as waiter:
+            for _ in range(2):
+                t0 = time.monotonic()
+                assert waiter.wait("conv-1", 128, timeout_s=0.4) is None
+                assert 0.3 <= time.monotonic() - t0 < 1.5
+    finally:
+        proxy.close()
+    assert len(made) == 1  # one channel for both waits
