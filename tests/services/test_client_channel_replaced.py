@@ -1,7 +1,10 @@
 """One client, several streams (the connector's: session, subscribe, renewals): when one of
 them moves the client to the next replica, the others' calls on the old channel are
 cancelled by its close. Each stream must re-open on the new channel, not end for good (a
-dead session answered every later call "no answer on the session within 10 s")."""
+dead session answered every later call "no answer on the session within 10 s"). Unary
+calls in flight are sent again on the new channel, and the engine's registration keeper
+goes on: it ended there once, and its engine's registration lapsed for good (the fleet
+e2e's "a router sees one prefill of two")."""
 
 from __future__ import annotations
 
