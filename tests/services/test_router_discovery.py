@@ -209,3 +209,24 @@ async def test_a_resumed_stream_survives_its_client_moving_replica(plane, kv):
         await asyncio.gather(reader, return_exceptions=True)
         assert reader.cancelled()
         await mover.close()
+
+
+async def test_a_re_registration_over_a_live_one_keeps_the_engine_routable(plane, kv):
+    """The connector registers again while its previous registration still lives (an answer
+    lost under load, a retry on the other replica): the registrar moves the record to a new
+    liveness lease and revokes the old one. Ruled out as the fleet e2e's "one prefill of
+    two": that revoke ends nothing (the record left the old lease when it was rewritten),
+    the router sees only PUTs, and keeps the engine under the new incarnation."""
+    async with _router(plane.address) as (fleet, _, state):
+        first = await _register(kv, "p1", ttl_ms=60_000)
+        await _until(lambda: fleet.engines.get("p1") is not None
+                     and fleet.engines["p1"].incarnations == {0: first.incarnation}, 5, "p1 listed")
+        again = await _register(kv, "p1", ttl_ms=60_000)
+        await _until(lambda: fleet.engines["p1"].incarnations == {0: again.incarnation}, 5, "p1's new incarnation")
+        revision = state.revision
+        # A later change the router must see, so that anything before it has been applied.
+        await _register(kv, "p0", ttl_ms=60_000)
+        await _until(lambda: state.revision > revision and "p0" in _routable(fleet), 5, "p0 seen")
+        assert _routable(fleet) == {"p0", "p1"}
+        ranks = (await kv.call(kv.registrar.GetEngine, registrar_pb2.GetEngineRequest(engine_id="p1"))).ranks
+        assert [r.incarnation for r in ranks] == [again.incarnation]
