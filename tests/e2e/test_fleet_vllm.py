@@ -250,7 +250,8 @@ def test_the_surviving_decode_takes_the_conversations_over(fleet: FleetStack, co
     # Both prefills: in a fresh-clone CI run (2026-12-02) a router saw one prefill of two for
     # over 60 s here. p1's registration keeper had ended: its client moved replica while a
     # RefreshEngine (or RegisterEngine) was in flight, the call's CancelledError ended the
-    # keeper, and the registration lapsed for good (tests/services/test_client_channel_replaced.py).
+    # keeper, and the registration lapsed for good (reproduced without vLLM, fixed:
+    # tests/services/test_router_discovery.py, test_client_channel_replaced.py).
     fleet.wait_routers_see(2, 1, timeout_s=60)
     refused = fleet.events("d0", "retain_failed", part="retention")
     assert all("held by engine d1" in e["error"] for e in refused), refused

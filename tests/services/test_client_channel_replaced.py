@@ -20,7 +20,7 @@ from kvbaton.v1 import common_pb2, lease_pb2
 from kvbaton.v1 import registrar_pb2 as rgpb
 from kvbaton.v1 import rendezvous_pb2 as rpb
 from tests.services.conftest import fast_config
-from tests.services.helpers import engine_rank, register
+from tests.services.helpers import Gate, engine_rank, register
 
 
 @pytest.fixture
@@ -61,39 +61,13 @@ async def test_renewals_survive_another_stream_moving_the_client(kv):
 # --- unary calls, and the connector's registration keeper (README "A fleet", Discovery) ----
 
 
-class _Gate:
-    """Holds the first ``n`` calls of a control-plane domain method until ``release``, so a
-    test can move the client while the call is in flight on the old channel; counts every
-    call (``calls``) and wakes waiters on each (``wait_calls``)."""
-
-    def __init__(self, real, hold: int = 1) -> None:
-        self.real, self.hold = real, hold
-        self.calls = 0
-        self.arrived = asyncio.Event()
-        self.release = asyncio.Event()
-        self._changed = asyncio.Condition()
-
-    async def __call__(self, *args, **kwargs):
-        self.calls += 1
-        async with self._changed:
-            self._changed.notify_all()
-        if self.calls <= self.hold:
-            self.arrived.set()
-            await self.release.wait()
-        return await self.real(*args, **kwargs)
-
-    async def wait_calls(self, n: int, timeout_s: float) -> None:
-        async with self._changed:
-            await asyncio.wait_for(self._changed.wait_for(lambda: self.calls >= n), timeout_s)
-
-
 async def test_a_call_in_flight_when_another_stream_moves_the_client_is_sent_again(plane):
     """Closing the old channel cancels the unary calls on it too, and gRPC raises
     ``CancelledError`` in their callers: ``KvbatonClient.call`` used to let it out, so the
     caller's task ended as if cancelled (the connector's registration keeper among them).
     The call is sent again on the new channel instead, as after UNAVAILABLE."""
     client = KvbatonClient([plane.address, plane.address], timeout_s=3)
-    gate = _Gate(plane.registrar.get_engine)
+    gate = Gate(plane.registrar.get_engine)
     plane.registrar.get_engine = gate
     try:
         await register(client, "dec", common_pb2.ENGINE_ROLE_DECODE, ttl_ms=60_000)
@@ -108,37 +82,11 @@ async def test_a_call_in_flight_when_another_stream_moves_the_client_is_sent_aga
         await client.close()
 
 
-async def test_an_engines_registration_outlives_its_client_moving_replica_mid_refresh(plane):
-    """The vLLM fleet e2e's "a router sees one prefill of two for over 60 s": the engine's
-    keeper (``ControlThread.register_rank``) ended when its client moved replica while a
-    RefreshEngine was in flight (the CancelledError above), silently; the registration then
-    lapsed one TTL later and never came back, so every router was right not to route to it.
-    The keeper must go on refreshing, and the engine stay registered past its TTL."""
-    gate = _Gate(plane.registrar.refresh_engine)
-    plane.registrar.refresh_engine = gate
-    control = ControlThread(f"{plane.address},{plane.address}", timeout_s=3)
-    kv = KvbatonClient(plane.address, timeout_s=3)
-    ttl_ms = 3_000  # refreshed every second
-    try:
-        keeper = control.register_rank(engine_rank("p1", common_pb2.ENGINE_ROLE_PREFILL), ttl_ms=ttl_ms)
-        await asyncio.wait_for(gate.arrived.wait(), 10)  # the first refresh, held at the server
-        await asyncio.wait_for(asyncio.wrap_future(control.submit(lambda c: c.reconnect())), 5)
-        gate.release.set()
-        # Refreshes keep coming over more than one TTL after the move (before the fix: none).
-        await gate.wait_calls(1 + 2 * ttl_ms // 1000, timeout_s=20)
-        assert not keeper.done()
-        ranks = (await kv.call(kv.registrar.GetEngine, rgpb.GetEngineRequest(engine_id="p1"))).ranks
-        assert [r.engine_id for r in ranks] == ["p1"]
-    finally:
-        control.close()
-        await kv.close()
-
-
 async def test_the_registration_keeper_survives_an_unexpected_error(plane):
     """Anything but its own cancellation or a refusal of the registration itself
     (INVALID_ARGUMENT) is logged and retried: a keeper that ends leaves the engine
     unregistered for good one TTL later, with nothing in its log to say why."""
-    gate = _Gate(plane.registrar.refresh_engine, hold=0)
+    gate = Gate(plane.registrar.refresh_engine, hold=0)
     plane.registrar.refresh_engine = gate
     control = ControlThread(plane.address, timeout_s=3)
     real_call, failed = control.client.call, []
