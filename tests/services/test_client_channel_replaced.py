@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 
+import grpc
 import pytest
 
 from kvbaton.client import KvbatonClient
@@ -61,23 +62,33 @@ async def test_renewals_survive_another_stream_moving_the_client(kv):
 # --- unary calls, and the connector's registration keeper (README "A fleet", Discovery) ----
 
 
-async def test_a_call_in_flight_when_another_stream_moves_the_client_is_sent_again(plane):
+@pytest.mark.parametrize("retries", [3, 0])
+async def test_a_call_in_flight_when_another_stream_moves_the_client_is_sent_again(plane, retries):
     """Closing the old channel cancels the unary calls on it too, and gRPC raises
     ``CancelledError`` in their callers: ``KvbatonClient.call`` used to let it out, so the
     caller's task ended as if cancelled (the connector's registration keeper among them).
-    The call is sent again on the new channel instead, as after UNAVAILABLE."""
+    The call is sent again on the new channel instead, as after UNAVAILABLE; a call allowed
+    no retry fails UNAVAILABLE, an error its caller handles, not a cancellation."""
     client = KvbatonClient([plane.address, plane.address], timeout_s=3)
     gate = Gate(plane.registrar.get_engine)
     plane.registrar.get_engine = gate
     try:
         await register(client, "dec", common_pb2.ENGINE_ROLE_DECODE, ttl_ms=60_000)
-        call = asyncio.create_task(client.call(client.registrar.GetEngine, rgpb.GetEngineRequest(engine_id="dec")))
+        call = asyncio.create_task(client.call(client.registrar.GetEngine, rgpb.GetEngineRequest(engine_id="dec"),
+                                               retries=retries))
         await asyncio.wait_for(gate.arrived.wait(), 5)
         await client.reconnect()  # what another stream's or call's UNAVAILABLE does
         gate.release.set()
-        resp = await asyncio.wait_for(call, 5)
-        assert [r.engine_id for r in resp.ranks] == ["dec"]
-        assert gate.calls == 2  # the cancelled one and its resend on the new channel
+        if retries:
+            resp = await asyncio.wait_for(call, 5)
+            assert [r.engine_id for r in resp.ranks] == ["dec"]
+            assert gate.calls == 2  # the cancelled one and its resend on the new channel
+        else:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await asyncio.wait_for(call, 5)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "moved to another replica" in err.value.details()
+            assert gate.calls == 1
     finally:
         await client.close()
 
