@@ -261,16 +261,33 @@ class KvbatonClient:
 
         Safe because every kvbaton mutation is idempotent for the same message.
         ``metadata``: extra call metadata, e.g. a request's ``traceparent``
-        (``kvbaton.services.tracing.grpc_metadata``)."""
+        (``kvbaton.services.tracing.grpc_metadata``).
+
+        A call whose channel another call or stream closed under it (``reconnect``: the
+        client moved replica) is sent again on the new channel: gRPC ends it with
+        ``CancelledError``, which used to end the caller's task as if it had been cancelled
+        (the connector's registration keeper stopped for good, and its engine's
+        registration lapsed one TTL later: the fleet e2e's "a router sees one prefill of
+        two"). Out of attempts, it raises UNAVAILABLE, not ``CancelledError``."""
         delay = 0.05
         service, name = self._route(method)
         shed = ShedBackoff(self.timeout_s)
         attempt = 0
         while True:
+            channel = self.channel
             try:
                 # Resolved on every attempt: a reconnect replaces the stubs.
                 return await getattr(getattr(self, service), name)(request, timeout=shed.remaining(self.timeout_s),
                                                                    metadata=metadata)
+            except asyncio.CancelledError:
+                if not channel_closed_under(channel, self.channel):
+                    raise
+                if attempt == retries:
+                    raise _status_error(grpc.StatusCode.UNAVAILABLE.value[0],
+                                        f"{name}: the client moved to another replica during the call") from None
+                log.info("client.retry", code="CHANNEL_REPLACED", address=self.address, attempt=attempt)
+                attempt += 1
+                continue  # at once: nothing failed on the server side
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                     wait = shed.next_wait(retry_after_s(exc))

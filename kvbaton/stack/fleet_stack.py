@@ -146,9 +146,22 @@ class FleetStack(StackBase):
                     # What it saw (why an engine is not routable) and what it follows.
                     seen = [{k: e.get(k) for k in ("engine_id", "role", "routable", "suspect", "draining", "ranks")}
                             for e in engines]
+                    # And what the registrar lists: an engine missing there is not registered
+                    # (its connector's keeper), not missing from the router's view.
                     raise TimeoutError(f"router {url} sees {p} prefill / {d} decode engines: {seen}; "
-                                       f"discovery {view.get('discovery')}")
+                                       f"discovery {view.get('discovery')}; "
+                                       f"the registrar lists {sorted(self.registered())}")
                 time.sleep(0.1)
+
+    def registered(self) -> set[str]:
+        """The engine ids the registrar lists now (as the operator, every page)."""
+        import asyncio
+
+        async def go() -> set[str]:
+            async with self.client() as kv:
+                listed, _, _ = await kv.list_engines_at()
+                return {r.engine_id for r in listed}
+        return asyncio.run(go())
 
 
 def stream_tokens(url: str, body: dict[str, Any], headers: dict[str, str] | None = None,

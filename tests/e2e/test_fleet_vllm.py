@@ -224,18 +224,6 @@ def test_decode_killed_mid_conversation_costs_no_error(fleet: FleetStack, convs:
     _assert_equal_to_single(fleet, convs, since=since)
 
 
-def _registered(fleet: FleetStack) -> set[str]:
-    import asyncio
-
-    from kvbaton.v1 import registrar_pb2
-
-    async def go() -> set[str]:
-        async with fleet.client() as kv:
-            return {r.engine_id for r in (await kv.registrar.ListEngines(registrar_pb2.ListEnginesRequest(),
-                                                                          timeout=5)).ranks}
-    return asyncio.run(go())
-
-
 def test_the_surviving_decode_takes_the_conversations_over(fleet: FleetStack, convs: list[Conversation]) -> None:
     """The dead decode's leases live on (nobody revokes them), so until its registration
     lapses (liveness TTL, ``ttl_ms`` 10 s here) d0's retains of its conversations are
@@ -244,16 +232,15 @@ def test_the_surviving_decode_takes_the_conversations_over(fleet: FleetStack, co
     is retained under a lease of d0's, and the turn after is offered that history from d0
     (and READs it, where it lands on the prefill that lacks it)."""
     deadline = time.monotonic() + 45
-    while "d1" in _registered(fleet):
+    while "d1" in fleet.registered():
         assert time.monotonic() < deadline, "d1's registration never lapsed"
         time.sleep(0.2)
-    # At least one prefill: in a fresh-clone CI run (2026-12-02) p1's registration lapsed under
-    # load and it re-registered, but a router still routed over one prefill 60 s later. One
-    # cause is fixed (the router's discovery loop stopped for good when its control-plane client
-    # moved replica: tests/services/test_router_discovery.py), but waiting for both prefills here
-    # failed again once under load (i13-fleet3), so the gap is still open. Takeover is what
-    # this checks.
-    fleet.wait_routers_see(1, 1, timeout_s=60)
+    # Both prefills: in a fresh-clone CI run (2026-12-02) a router saw one prefill of two for
+    # over 60 s here. p1's registration keeper had ended: its client moved replica while a
+    # RefreshEngine (or RegisterEngine) was in flight, the call's CancelledError ended the
+    # keeper, and the registration lapsed for good (reproduced without vLLM, fixed:
+    # tests/services/test_router_discovery.py, test_client_channel_replaced.py).
+    fleet.wait_routers_see(2, 1, timeout_s=60)
     refused = fleet.events("d0", "retain_failed", part="retention")
     assert all("held by engine d1" in e["error"] for e in refused), refused
     since = len(convs[0].turns)

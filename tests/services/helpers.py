@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from kvbaton.v1 import common_pb2, registrar_pb2
 
 
@@ -37,3 +39,31 @@ async def serve_rendezvous(servicer):
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     return server, f"127.0.0.1:{port}"
+
+
+class Gate:
+    """Wraps a control-plane domain method (``plane.registrar.refresh_engine = Gate(...)``):
+    holds its first ``hold`` calls until ``release`` is set (``arrived`` says one is held),
+    so that a test can move a client while its call is in flight on the old channel; counts
+    every call (``calls``) and wakes ``wait_calls`` on each, so a test waits for calls to
+    arrive, not for time to pass."""
+
+    def __init__(self, real, hold: int = 1) -> None:
+        self.real, self.hold = real, hold
+        self.calls = 0
+        self.arrived = asyncio.Event()
+        self.release = asyncio.Event()
+        self._changed = asyncio.Condition()
+
+    async def __call__(self, *args, **kwargs):
+        self.calls += 1
+        async with self._changed:
+            self._changed.notify_all()
+        if self.calls <= self.hold:
+            self.arrived.set()
+            await self.release.wait()
+        return await self.real(*args, **kwargs)
+
+    async def wait_calls(self, n: int, timeout_s: float) -> None:
+        async with self._changed:
+            await asyncio.wait_for(self._changed.wait_for(lambda: self.calls >= n), timeout_s)

@@ -2,7 +2,9 @@
 registration lapses leaves the router's rotation, and one that registers again is back,
 each within 1 s of the registrar's change, also after the router's control-plane client
 moved replica under its watch (the issue-13 gap: the watch loop stopped for good then).
-The listing / watch hand-off by revision, and its refusals, are checked on the wire."""
+The listing / watch hand-off by revision, and its refusals, are checked on the wire, and
+an engine whose own client moves replica stays in rotation (the fleet e2e's "one prefill
+of two": its registration keeper ended then, and the registration lapsed for good)."""
 
 from __future__ import annotations
 
@@ -15,11 +17,12 @@ import grpc
 import pytest
 
 from kvbaton.client import KvbatonClient
+from kvbaton.connector.control import ControlThread
 from kvbaton.services.router.choice import ROLE_PREFILL, Fleet
 from kvbaton.services.router.discovery import DiscoveryState, follow_registrar
 from kvbaton.v1 import common_pb2, registrar_pb2
 
-from .helpers import engine_rank
+from .helpers import Gate, engine_rank
 
 PREFILL = common_pb2.ENGINE_ROLE_PREFILL
 WITHIN_S = 1.0  # the bound the router must meet after each registrar change
@@ -209,3 +212,57 @@ async def test_a_resumed_stream_survives_its_client_moving_replica(plane, kv):
         await asyncio.gather(reader, return_exceptions=True)
         assert reader.cancelled()
         await mover.close()
+
+
+async def test_a_re_registration_over_a_live_one_keeps_the_engine_routable(plane, kv):
+    """The connector registers again while its previous registration still lives (an answer
+    lost under load, a retry on the other replica): the registrar moves the record to a new
+    liveness lease and revokes the old one. Ruled out as the fleet e2e's "one prefill of
+    two": that revoke ends nothing (the record left the old lease when it was rewritten),
+    the router sees only PUTs, and keeps the engine under the new incarnation."""
+    async with _router(plane.address) as (fleet, _, state):
+        first = await _register(kv, "p1", ttl_ms=60_000)
+        await _until(lambda: fleet.engines.get("p1") is not None
+                     and fleet.engines["p1"].incarnations == {0: first.incarnation}, 5, "p1 listed")
+        again = await _register(kv, "p1", ttl_ms=60_000)
+        await _until(lambda: fleet.engines["p1"].incarnations == {0: again.incarnation}, 5, "p1's new incarnation")
+        revision = state.revision
+        # A later change the router must see, so that anything before it has been applied.
+        await _register(kv, "p0", ttl_ms=60_000)
+        await _until(lambda: state.revision > revision and "p0" in _routable(fleet), 5, "p0 seen")
+        assert _routable(fleet) == {"p0", "p1"}
+        ranks = (await kv.call(kv.registrar.GetEngine, registrar_pb2.GetEngineRequest(engine_id="p1"))).ranks
+        assert [r.incarnation for r in ranks] == [again.incarnation]
+
+
+async def test_a_prefill_stays_routable_after_its_client_moved_replica_mid_refresh(plane, kv):
+    """The fleet e2e's "a router sees one prefill of two for over 60 s", without vLLM: the
+    engine's registration keeper (``ControlThread.register_rank``, the connector's) shares
+    its client with the engine's session and streams; one of those moved the client to the
+    other replica while a RefreshEngine was in flight, closing the channel cancelled the
+    call, ``KvbatonClient.call`` let the ``CancelledError`` out and the keeper ended. One TTL
+    later the registration lapsed for good and every router rightly dropped the engine.
+    Now the refresh is sent again on the new channel and the engine stays in rotation."""
+    gate = Gate(plane.registrar.refresh_engine)
+    plane.registrar.refresh_engine = gate
+    ttl_ms = 3_000  # refreshed every second
+    await _register(kv, "p0", ttl_ms=60_000)
+    async with _router(plane.address) as (fleet, _, _state):
+        control = ControlThread(f"{plane.address},{plane.address}", timeout_s=3)
+        try:
+            rank = engine_rank("p1", PREFILL)
+            rank.serve_url = "http://127.0.0.1:1/p1"
+            keeper = control.register_rank(rank, ttl_ms=ttl_ms)
+            await asyncio.wait_for(gate.arrived.wait(), 10)  # its first refresh, held at the server
+            await _until(lambda: _routable(fleet) == {"p0", "p1"}, 5, "p1 routable after registering")
+            # What a failed call or stream of the engine's client does: move to the next replica.
+            await asyncio.wait_for(asyncio.wrap_future(control.submit(lambda c: c.reconnect())), 5)
+            gate.release.set()
+            # Two TTLs' worth of refreshes after the move, or p1 gone from the router's view
+            # (its registration lapsed: what happened before the fix), whichever comes first.
+            await _until(lambda: gate.calls >= 1 + 2 * ttl_ms // 1000 or "p1" not in _routable(fleet), 20,
+                         "p1's refreshes after the move")
+            assert _routable(fleet) == {"p0", "p1"}, "the router sees one prefill of two: p1's registration lapsed"
+            assert not keeper.done(), "p1's registration keeper ended"
+        finally:
+            control.close()
