@@ -17,6 +17,8 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Sequence
 
+import structlog
+
 from .base import (
     CompactedError,
     Compare,
@@ -35,6 +37,8 @@ from .base import (
     Watch,
     WatchEvent,
 )
+
+log = structlog.get_logger(__name__)
 
 _HISTORY = 100_000
 # History kept for resuming watches, bounded in bytes (keys and values, previous values
@@ -127,11 +131,24 @@ class _MemoryWatch(Watch):
             self._queue.put_nowait(None)
 
 
+#: A gap this long between two looks at the leases (the reaper looks every 50 ms while any
+#: lease lives) means the process did not run: see ``MemoryStore._expire_leases``.
+STALL_AFTER_S = 1.0
+
+
 class MemoryStore(Store):
     """A single-process store with etcd's semantics."""
 
-    def __init__(self, *, clock=time.monotonic, history_bytes: int = HISTORY_BYTES, watch_bytes: int = WATCH_BYTES) -> None:
+    def __init__(self, *, clock=time.monotonic, history_bytes: int = HISTORY_BYTES, watch_bytes: int = WATCH_BYTES,
+                 stall_after_s: float | None = None) -> None:
         self._clock = clock
+        # Stall compensation is measured on the store's own clock: on by default with the
+        # real one; a test's injected clock jumps on purpose, so it must ask for it.
+        self._stall_after_s = stall_after_s if stall_after_s is not None else (
+            STALL_AFTER_S if clock is time.monotonic else float("inf"))
+        self._last_look = clock()
+        #: Seconds of stalls added to lease deadlines so far (tests and stats read it).
+        self.stalled_s = 0.0
         self.incarnation = "mem-" + secrets.token_hex(8)
         self.history_bytes = history_bytes
         self.watch_bytes = watch_bytes
@@ -287,6 +304,8 @@ class MemoryStore(Store):
 
     # -- leases ------------------------------------------------------------
     async def grant_lease(self, ttl_s: float) -> int:
+        if not self._leases:  # the reaper was idle: the time since its last look was no stall
+            self._last_look = self._clock()
         lease_id = next(self._lease_ids)
         deadline = self._clock() + ttl_s
         self._leases[lease_id] = (ttl_s, deadline)
@@ -313,9 +332,23 @@ class MemoryStore(Store):
             self._apply([Delete(k) for k in keys])
 
     def _expire_leases(self) -> None:
+        """End every lease past its deadline. After a stall of this process (no look at
+        the leases for ``stall_after_s``: starved of CPU, or its loop blocked), every
+        deadline first moves later by the stall: the holders' keepalives could not be
+        served meanwhile (they are queued, to be answered next), and ending every lease at
+        once on resuming would unregister a healthy fleet (seen: a 9.6 s stall lapsed all
+        four engines' registrations and a router answered 503). etcd does the same when a
+        new leader takes over its leases. A holder that is really gone ends one stall late."""
         if not self._leases:
             return
         now = self._clock()
+        gap, self._last_look = now - self._last_look, now
+        if gap >= self._stall_after_s:
+            self.stalled_s += gap
+            self._leases = {lid: (ttl, deadline + gap) for lid, (ttl, deadline) in self._leases.items()}
+            self._earliest_deadline += gap
+            log.warning("store.stall_compensated", stalled_s=round(gap, 3), leases=len(self._leases),
+                        why="no look at the leases meanwhile (the process stalled): deadlines moved as much later")
         if now < self._earliest_deadline:
             return
         dead = [lid for lid, (_, deadline) in self._leases.items() if deadline <= now]
