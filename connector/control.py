@@ -150,18 +150,18 @@ class ControlThread:
                         incarnation = ""  # lease lapsed: register again
                     log.warning("kvbaton: registrar call failed (%s); retrying in %.1fs",
                                 exc.code().name, delay)
-                    await asyncio.sleep(delay)
-                    # At most 1 s between tries: a restarted control plane sees engines back
-                    # within a second or two.
-                    delay = min(delay * 2, 1.0)
                 except Exception:
                     # Never stop for anything else: a keeper that ends leaves the engine
                     # unregistered for good one TTL later (no router sends it anything),
                     # and nothing said why (its future is never awaited).
                     log.warning("kvbaton: registration of engine %s rank %d failed unexpectedly; retrying in %.1fs",
                                 rank.engine_id, rank.tp_rank, delay, exc_info=True)
-                    await asyncio.sleep(delay)
-                    delay = min(delay * 2, 1.0)
+                else:
+                    continue
+                await asyncio.sleep(delay)
+                # At most 1 s between tries: a restarted control plane sees engines back
+                # within a second or two.
+                delay = min(delay * 2, 1.0)
         fut = asyncio.run_coroutine_threadsafe(_keep(), self._loop)
         self._refresh_task = fut
         return fut
