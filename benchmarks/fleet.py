@@ -664,15 +664,15 @@ def runs_table(runs: list[tuple[str, dict[str, Any]]]) -> str:
         comp = {r: [c for c in (_computed(t) for t in res["fleet"]["turns"] if t["turn"] == n_turns
                                 and t["reuse"] == r) if c is not None] for r in (True, False)}
         load = res["machine"]
+        computed = (f"{statistics.mean(comp[True]):,.0f} / {statistics.mean(comp[False]):,.0f}"
+                    if comp[True] and comp[False] else "–")  # files from before the header was read
         lines.append(
             f"| `{name}` | {cfg.get('model_shape', 'tiny')} | {cfg.get('prefill_kv_mib') or 64} "
             f"| {cfg.get('arms', 'together')} | {cfg['convs']} "
             f"| {rr['n']} | {load['loadavg_start'][0]:.1f} → {load['loadavg_end'][0]:.1f} "
             f"| {last['ttft_on_ms']:,.0f} / {last['ttft_off_ms']:,.0f} | {s['longest_turn_on_over_off']} "
             f"| **{rr['median']}** ({rr['q1']}–{rr['q3']}; {rr['min']}–{rr['max']}) "
-            f"| {s['rounds_meeting_half']} of {rr['n']} | {first['median']} "
-            f"| {statistics.mean(comp[True]):,.0f} / {statistics.mean(comp[False]):,.0f} |"
-            if comp[True] and comp[False] else "| – |")
+            f"| {s['rounds_meeting_half']} of {rr['n']} | {first['median']} | {computed} |")
     return "\n".join(lines)
 
 
