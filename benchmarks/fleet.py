@@ -665,7 +665,7 @@ def runs_table(runs: list[tuple[str, dict[str, Any]]]) -> str:
                                 and t["reuse"] == r) if c is not None] for r in (True, False)}
         load = res["machine"]
         computed = (f"{statistics.mean(comp[True]):,.0f} / {statistics.mean(comp[False]):,.0f}"
-                    if comp[True] and comp[False] else "–")  # files from before the header was read
+                    if comp[True] and comp[False] else "–")  # runs without prefill-cached-token counts
         lines.append(
             f"| `{name}` | {cfg.get('model_shape', 'tiny')} | {cfg.get('prefill_kv_mib') or 64} "
             f"| {cfg.get('arms', 'together')} | {cfg['convs']} "

@@ -147,7 +147,7 @@ class MemoryStore(Store):
         self._stall_after_s = stall_after_s if stall_after_s is not None else (
             STALL_AFTER_S if clock is time.monotonic else float("inf"))
         self._last_look = clock()
-        #: Seconds of stalls added to lease deadlines so far (tests and stats read it).
+        #: Seconds of stalls added to lease deadlines so far (tests read it; each stall is logged).
         self.stalled_s = 0.0
         self.incarnation = "mem-" + secrets.token_hex(8)
         self.history_bytes = history_bytes
