@@ -227,14 +227,8 @@ def wait_leased(cp: str, conv: str, num_tokens: int, timeout_s: float = 10.0, *,
     """:func:`await_leased` from synchronous code, over a client opened for this one wait.
     ``client`` makes the control-plane client (e.g. a secured stack's
     :meth:`~kvbaton.stack.base.StackBase.client`); default: plaintext to ``cp``."""
-    import asyncio
-
-    from kvbaton.client import KvbatonClient
-
-    async def go() -> str | None:
-        async with (client() if client is not None else KvbatonClient(cp)) as kv:
-            return await await_leased(kv, conv, num_tokens, timeout_s)
-    return asyncio.run(go())
+    with LeaseWaiter(cp, client) as waiter:
+        return waiter.wait(conv, num_tokens, timeout_s)
 
 
 class LeaseWaiter:
