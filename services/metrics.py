@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import REGISTRY, Collector
 
@@ -312,6 +312,16 @@ class RouterMetrics:
             "kvbaton_router_decision_seconds",
             "Time the router spends choosing a prefill and a decode engine (in-process, no I/O).",
             buckets=(1e-6, 2e-6, 5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 5e-3), registry=registry)
+        self.role_waits = Counter(
+            "kvbaton_router_role_waits_total",
+            "Requests that found no routable engine of a role and waited for one (--role-wait-s), by role "
+            "and outcome: served (one came), timed_out (503), shed (--role-wait-max already waiting: 503 "
+            "at once), client_gone.",
+            ["role", "outcome"], registry=registry)
+        self.role_waiting = Gauge(
+            "kvbaton_router_role_waiting",
+            "Requests waiting now for an engine of a role to become routable.",
+            ["role"], registry=registry)
 
 
 class ConnectorMetrics:

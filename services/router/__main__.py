@@ -1,6 +1,6 @@
 """``python -m kvbaton.services.router [--prefill [ID=]URL ...] [--decode [ID=]URL ...] --mode pull|push --port P
-[--control-plane H:P [--no-discover]] [--slack N] [--load-poll-s S] [--otlp-endpoint URL] [--tls-ca F --tls-cert F --tls-key F
---token T | --token-file F]``.
+[--control-plane H:P [--no-discover]] [--slack N] [--load-poll-s S] [--role-wait-s S] [--role-wait-max N]
+[--otlp-endpoint URL] [--tls-ca F --tls-cert F --tls-key F --token T | --token-file F]``.
 
 Engines: every ``--prefill`` / ``--decode`` given (repeatable; ``ID=URL`` names the engine
 as it registers, so the router can tell which URL holds a conversation's KV) and, with a
@@ -45,6 +45,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--retain-wait-s", type=float, default=5.0,
                     help="hold a conversational turn's answer until decode's retention of it is leased, at most "
                          "this long, so that the client's next turn or revoke comes after it (default 5; 0: off)")
+    ap.add_argument("--role-wait-s", type=float, default=5.0,
+                    help="a request that finds no routable engine of a role (all re-registering at once, say) "
+                         "waits this long for one, woken by the fleet view changing, then gets 503 with "
+                         "Retry-After (default 5; 0: 503 at once)")
+    ap.add_argument("--role-wait-max", type=int, default=256,
+                    help="at most this many requests wait for an engine at once; past that, 503 at once "
+                         "(default 256)")
     ap.add_argument("--no-retry", action="store_true",
                     help="do not re-send a request whose engine failed before answering")
     ap.add_argument("--mode", choices=("pull", "push"), default="pull")
@@ -77,7 +84,8 @@ def main(argv: list[str] | None = None) -> None:
         web.run_app(build_app(args.prefill, args.decode, args.mode, control_plane=args.control_plane,
                               discover=discover, slack=args.slack, suspect_s=args.suspect_s,
                               retry=not args.no_retry, security=creds, load_poll_s=args.load_poll_s,
-                              retain_wait_s=args.retain_wait_s,
+                              retain_wait_s=args.retain_wait_s, role_wait_s=args.role_wait_s,
+                              role_wait_max=args.role_wait_max,
                               prefill_engine_id=args.prefill_engine_id, decode_engine_id=args.decode_engine_id),
                     host=args.host, port=args.port, print=None, access_log=None)
     finally:

@@ -79,6 +79,7 @@ from .choice import (
     PrefillHint,
     estimate_prompt_tokens,
 )
+from .role_wait import CLIENT_GONE, SHED, Refusal, RoleWaits
 
 log = logging.getLogger("kvbaton.router")
 
@@ -196,6 +197,12 @@ def prefill_cached_tokens(answer: Any) -> int | None:
     return int(n) if isinstance(n, int) else None
 
 
+def _client_gone(request: web.Request) -> bool:
+    """Whether the client's connection is closed (aiohttp does not cancel the handler)."""
+    transport = request.transport
+    return transport is None or transport.is_closing()
+
+
 def _error(status: int, message: str, kind: str) -> web.Response:
     return web.json_response({"error": {"message": message, "type": kind, "code": status}}, status=status)
 
@@ -208,7 +215,7 @@ class Router:
                  lookup_timeout_s: float = 1.0, metrics: RouterMetrics | None = None,
                  discover: bool | None = None, slack: int = 4, suspect_s: float = 5.0,
                  retry: bool = True, security: Any = None, load_poll_s: float = 0.0,
-                 retain_wait_s: float = 5.0) -> None:
+                 retain_wait_s: float = 5.0, role_wait_s: float = 5.0, role_wait_max: int = 256) -> None:
         if mode not in ("pull", "push"):
             raise ValueError(f"mode must be pull or push, got {mode!r}")
         prefills = [prefill_url] if isinstance(prefill_url, str) else list(prefill_url)
@@ -255,6 +262,8 @@ class Router:
         self.decisions_ns: collections.deque[int] = collections.deque(maxlen=_DECISIONS_KEPT)
         self.decisions_cpu_ns: collections.deque[int] = collections.deque(maxlen=_DECISIONS_KEPT)
         self.metrics = metrics or router_metrics()
+        #: requests that find no routable engine of a role wait for one (``role_wait.py``)
+        self.role_waits = RoleWaits(role_wait_s, role_wait_max, self.metrics)
         # Series that exist from the first scrape (rate() sees 0 rather than "no data").
         for leg in ("prefill", "decode"):
             self.metrics.upstream_errors.labels(leg)
@@ -289,6 +298,7 @@ class Router:
 
                 self.discovery = DiscoveryState()
                 self._watch = asyncio.create_task(follow_registrar(self._kv, self.fleet, ready=self.discovered,
+                                                                   on_change=self.role_waits.changed,
                                                                    state=self.discovery))
                 try:  # the first listing, so that the first request has engines to go to
                     await asyncio.wait_for(self.discovered.wait(), 5.0)
@@ -380,6 +390,7 @@ class Router:
         return web.json_response({"mode": self.mode, "discover": self.discover,
                                   "discovery": self.discovery.json() if self.discovery is not None else None,
                                   "engines": self.fleet.snapshot(time.monotonic()),
+                                  "role_wait": self.role_waits.json(),
                                   "decision_us": summary(self.decisions_ns),
                                   "decision_cpu_us": summary(self.decisions_cpu_ns)})
 
@@ -387,7 +398,8 @@ class Router:
         return web.json_response(self.stats_json())
 
     def stats_json(self) -> dict[str, Any]:
-        return {**self.stats, "served": {f"{p}>{d}": n for (p, d), n in self.stats["served"].items()}}
+        return {**self.stats, "served": {f"{p}>{d}": n for (p, d), n in self.stats["served"].items()},
+                "role_wait": self.role_waits.json()}
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._dispatch(request, "/v1/completions")
@@ -459,9 +471,24 @@ class Router:
         self.decisions_ns.append(dt)
         self.decisions_cpu_ns.append(time.thread_time_ns() - c0)
         self.metrics.decision_seconds.observe(dt / 1e9)
-        if choice.reason is not None:
+        if choice.reason is not None and choice.prefill is not None and choice.decode is not None:
             self.metrics.decode_choices.labels(choice.reason.value).inc()
         return choice
+
+    def _no_engine(self, refusal: Refusal) -> web.Response:
+        """503 for a request that got no engine of ``refusal.role``, saying why and when to retry."""
+        self.stats["no_engine"] += 1
+        role = refusal.role
+        if refusal.outcome == "off":
+            message = f"no {role} engine available"
+        elif refusal.outcome == SHED:
+            message = (f"no {role} engine available, and the router is not waiting for one: "
+                       f"{self.role_waits.max_waiting} requests already wait for engines (--role-wait-max)")
+        else:
+            message = f"no {role} engine available: waited {refusal.waited_s:.1f} s for one (--role-wait-s)"
+        resp = _error(503, message, "ServiceUnavailable")
+        resp.headers["Retry-After"] = str(self.role_waits.retry_after_s)
+        return resp
 
     async def _dispatch_body(self, request: web.Request, path: str, sp: Any) -> web.StreamResponse:
         try:
@@ -487,16 +514,24 @@ class Router:
         exclude: set[str] = set()
         attempts = 2 if self.retry else 1
         for attempt in range(attempts):
-            if reuse and not self.fleet.holder_usable(holder, time.monotonic()):
-                # Its holder is gone, draining or failing: a READ would only fail and recompute.
-                self.stats["reuse_holder_unusable"] += 1
-                reuse = None
-            choice = self._choose(holder, exclude, self._hint(conv), tokens,
-                                  int(reuse["num_tokens"]) if reuse else 0)
-            if choice.prefill is None or choice.decode is None:
-                self.stats["no_engine"] += 1
-                missing = "prefill" if choice.prefill is None else "decode"
-                return _error(503, f"no {missing} engine available", "ServiceUnavailable")
+            # A role with no routable engine: wait (bounded) for the fleet view to change.
+            with self.role_waits.ticket(lambda: _client_gone(request)) as waiting:
+                while True:
+                    if reuse and not self.fleet.holder_usable(holder, time.monotonic()):
+                        # Its holder is gone, draining or failing: a READ would only fail and recompute.
+                        self.stats["reuse_holder_unusable"] += 1
+                        reuse = None
+                    choice = self._choose(holder, exclude, self._hint(conv), tokens,
+                                          int(reuse["num_tokens"]) if reuse else 0)
+                    if choice.prefill is not None and choice.decode is not None:
+                        waiting.served()
+                        break
+                    refusal = await waiting.wait(ROLE_PREFILL if choice.prefill is None else ROLE_DECODE)
+                    if refusal is not None:
+                        if refusal.outcome == CLIENT_GONE:  # nobody to answer (counted as 499)
+                            return web.Response(status=int(STATUS_CLIENT_GONE))
+                        return self._no_engine(refusal)
+            assert choice.prefill is not None and choice.decode is not None
             if attempt == 0:
                 if choice.reason is not None:
                     self.stats[f"decode_{choice.reason.value}"] += 1
