@@ -21,6 +21,9 @@ Failures: an engine that fails at the transport level (connection refused or dro
 timeout) before any byte of the answer reached the client is marked suspect and the
 request is sent once more, as a new transfer (new ``transfer_id``), to other engines; the
 client sees one answer. The failed leg's partner is cancelled (push) so it frees its blocks.
+A request that finds no routable engine of a role (every engine of it re-registering at
+once) waits for one, woken by the fleet view changing, at most ``role_wait_s``, then gets a
+503 with ``Retry-After``; at most ``role_wait_max`` wait at once (``role_wait.py``).
 
 Conversations (bidirectional reuse): a request names a conversation with ``conversation_id``
 in the body or the ``X-Conversation-Id`` / ``X-Session-ID`` header (all the same thing; two
