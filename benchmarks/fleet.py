@@ -34,6 +34,10 @@ the commit) and a plot (``benchmarks/results/fleet_ttft_per_turn.png``):
    prefill's own prefix-cache hit vs what decode offered). ``--prefill-kv-mib`` /
    ``--decode-kv-mib`` size the engines' KV caches: small prefill caches make the case
    reuse exists for (a prefill that no longer holds the conversation).
+   A turn answered with an HTTP error (say the router's 503 while every prefill
+   re-registers) or cut by a transport error is recorded with its ``error`` and the
+   conversation goes on (:func:`conversation` says why); the summary, the verdict
+   (``targets.errors_per_arm``), ``--table`` and ``--runs`` count such turns per arm.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ import argparse
 import asyncio
 import concurrent.futures
 import contextlib
+import http.client
 import json
 import os
 import platform
@@ -51,6 +56,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -227,13 +233,73 @@ def router_overhead(n: int, workdir: Path) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------- 3. the fleet
+#: What a turn's request can fail with besides an HTTP error status: the connection refused,
+#: dropped (before the answer or mid-stream), timed out, or a stream that is not SSE JSON.
+TURN_TRANSPORT_ERRORS = (OSError, http.client.HTTPException, ValueError)
+
+
+def send_turn(url: str, body: dict[str, Any], headers: dict[str, str],
+              timeout_s: float = 120.0) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """One turn's request, streamed: ``(result, None)`` (:func:`stream_tokens`'s), or
+    ``(None, error)`` when the answer was an HTTP error or the transport failed. The error
+    is a record, not an exception, so that one refused turn (a 503 while every prefill
+    re-registered) does not end the whole run: ``{"status": HTTP status or None for a
+    transport error, "message": the error body's message or the exception, "t": when it
+    failed (time.time()), "after_ms": since the send, "headers": the router's X-Kvbaton-*}``."""
+    t0 = time.time()
+    status: int | None = None
+    try:
+        res = stream_tokens(url, body, headers, timeout_s=timeout_s)
+        if res.get("done", True):
+            return res, None
+        # Cut mid-answer (the router drops the connection when decode fails after tokens went
+        # out): the tokens so far are not the answer.
+        message, kv = f"the stream ended before data: [DONE], after {len(res['token_ids'])} tokens", res["headers"]
+    except urllib.error.HTTPError as exc:
+        try:
+            raw = exc.read()
+        except TURN_TRANSPORT_ERRORS:
+            raw = b""
+        try:
+            message = str(json.loads(raw)["error"]["message"])
+        except (ValueError, KeyError, TypeError):
+            message = raw.decode(errors="replace")[:500] or str(exc.reason)
+        kv = {k: v for k, v in exc.headers.items()
+              if k.lower().startswith("x-kvbaton-") or k.lower() == "retry-after"} if exc.headers else {}
+        status = exc.code
+    except TURN_TRANSPORT_ERRORS as exc:
+        # urllib.error.URLError (refused), TimeoutError, ConnectionResetError,
+        # http.client.RemoteDisconnected / IncompleteRead, or a garbled chunk.
+        message, kv = f"{type(exc).__name__}: {exc}"[:500], {}
+    t = time.time()
+    return None, {"status": status, "message": message, "t": t, "after_ms": round((t - t0) * 1000, 1),
+                  "headers": kv}
+
+
+def answered(turns: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The turns that got an answer (every turn of a results file from before errors were
+    recorded): TTFT, engines and READs exist only for these."""
+    return [t for t in turns if not t.get("error")]
+
+
 def conversation(stack: FleetStack, router: str, conv: str, reuse: bool, seed: int,
                  args: argparse.Namespace) -> list[dict[str, Any]]:
     """One agent conversation. Between turns it does only what an agent does (think) and,
     with reuse, waits for decode's lease on the turn just answered (streamed answers are not
     held by the router; a real agent's think time covers it). Nothing else: which READs and
     offers belong to a turn is read from the engines' stats lines after the run
-    (:func:`attribute`), so neither arm spends the shared cores on bookkeeping mid-run."""
+    (:func:`attribute`), so neither arm spends the shared cores on bookkeeping mid-run.
+
+    A turn that gets an HTTP error or a transport error is recorded with its ``error``
+    (:func:`send_turn`; no TTFT, engines nor output) and the conversation **goes on**: its
+    next turn is this turn's prompt + the fresh tokens, without an answer (there is none to
+    append; a partial stream is dropped). Going on rather than ending keeps every
+    conversation in every later turn's medians: ending would drop the failed conversation's
+    later turns from one arm only, so the per-turn comparison would no longer be between the
+    same conversations. The history stays a valid prompt (the failed turn's prompt is a
+    prefix of the next), and with reuse the KV decode retained for the last answered turn is
+    still a prefix of it, so nothing is offered that does not match. No lease is waited for
+    after a failed turn (nothing new was retained)."""
     rnd = random.Random(seed)
     prompt = [rnd.randrange(10, 4000) for _ in range(args.first_tokens)]
     out: list[dict[str, Any]] = []
@@ -243,11 +309,12 @@ def conversation(stack: FleetStack, router: str, conv: str, reuse: bool, seed: i
             body = {"model": "tiny", "prompt": prompt, "max_tokens": args.output_tokens, "temperature": 0.0,
                     "ignore_eos": True}
             t_send = time.time()
-            res = stream_tokens(f"{router}/v1/completions", body, {"X-Session-ID": conv} if reuse else {})
-            h = res["headers"]
+            res, error = send_turn(f"{router}/v1/completions", body, {"X-Session-ID": conv} if reuse else {})
+            h = res["headers"] if res is not None else (error or {}).get("headers", {})
             rec = {"conv": conv, "reuse": reuse, "turn": turn, "prompt_tokens": len(prompt),
                    "t_send": t_send, "transfer_id": h.get("X-Kvbaton-Transfer-Id", ""),
-                   "ttft_ms": round(res["ttft_s"] * 1000, 1), "total_ms": round(res["total_s"] * 1000, 1),
+                   "ttft_ms": round(res["ttft_s"] * 1000, 1) if res is not None else None,
+                   "total_ms": round(res["total_s"] * 1000, 1) if res is not None else None,
                    "prefill": h.get("X-Kvbaton-Prefill"), "decode": h.get("X-Kvbaton-Decode"),
                    "attempts": int(h.get("X-Kvbaton-Attempts", 1)),
                    "offered_tokens": int(h.get("X-Kvbaton-Reuse-Tokens", 0)),
@@ -255,15 +322,18 @@ def conversation(stack: FleetStack, router: str, conv: str, reuse: bool, seed: i
                    # leg to first bytes) and how much of the prompt prefill did not compute.
                    "timing_ms": server_timing(h.get("Server-Timing", "")),
                    "prefill_cached_tokens": int(h.get("X-Kvbaton-Prefill-Cached-Tokens", -1)),
-                   "prompt": prompt, "output": res["token_ids"]}
+                   "prompt": prompt, "output": res["token_ids"] if res is not None else []}
+            if error is not None:
+                rec["error"] = error
+                print(f"{conv} turn {turn}: {error['status'] or 'transport error'}: {error['message']}", flush=True)
             time.sleep(args.think_s)  # the agent thinks
-            if waiter is not None and turn < args.turns:
+            if waiter is not None and turn < args.turns and res is not None:
                 full = (len(prompt) + args.output_tokens - 1) // BLOCK * BLOCK
                 t_lease = time.monotonic()
                 held = waiter.wait(conv, full)
                 rec["lease_wait_s"] = round(time.monotonic() - t_lease, 3) if held else -1.0
             out.append(rec)
-            prompt = prompt + res["token_ids"] + [rnd.randrange(10, 4000) for _ in range(args.new_tokens)]
+            prompt = prompt + rec["output"] + [rnd.randrange(10, 4000) for _ in range(args.new_tokens)]
     return out
 
 
@@ -338,15 +408,21 @@ def run_fleet(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                     got += [dict(t, round=rd) for f in futs for t in f.result(timeout=1800)]
             turns += got
             rounds.append({"round": rd, "wall_s": round(time.monotonic() - t_round, 1), "loadavg": os.getloadavg()})
-            last = [t for t in got if t["turn"] == args.turns]
-            on = statistics.median(t["ttft_ms"] for t in last if t["reuse"])
-            off = statistics.median(t["ttft_ms"] for t in last if not t["reuse"])
-            print(f"round {rd}: longest turn TTFT on {on:.0f} ms / off {off:.0f} ms = {on / off:.3f} "
-                  f"({rounds[-1]['wall_s']} s)", flush=True)
+            last = [t for t in answered(got) if t["turn"] == args.turns]
+            errors = {arm: sum(1 for t in got if t.get("error") and t["reuse"] == r) for arm, r in (("on", True),
+                                                                                                ("off", False))}
+            on_l, off_l = [t["ttft_ms"] for t in last if t["reuse"]], [t["ttft_ms"] for t in last if not t["reuse"]]
+            if on_l and off_l:
+                on, off = statistics.median(on_l), statistics.median(off_l)
+                print(f"round {rd}: longest turn TTFT on {on:.0f} ms / off {off:.0f} ms = {on / off:.3f} "
+                      f"({rounds[-1]['wall_s']} s; errors on {errors['on']}, off {errors['off']})", flush=True)
+            else:
+                print(f"round {rd}: an arm's longest turn got no answer (errors on {errors['on']}, "
+                      f"off {errors['off']})", flush=True)
         evs = stack_events(stack)
         attribute(turns, evs, stack.prefill_ids)
         for t in turns:
-            t["split"] = split(t, evs)
+            t["split"] = split(t, evs) if not t.get("error") else {"missing": ["the answer (an error)"]}
         with urllib.request.urlopen(f"{router}/kvbaton/fleet", timeout=10) as r:
             fleet_view = json.loads(r.read())
         in_run_cost = {**fleet_view["decision_us"], "cpu": fleet_view.get("decision_cpu_us")}
@@ -356,7 +432,7 @@ def run_fleet(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         # alone (greedy: identical).
         equal = []
         for t in turns:
-            if t["turn"] == args.turns and t["round"] in (1, args.rounds):
+            if t["turn"] == args.turns and t["round"] in (1, args.rounds) and not t.get("error"):
                 single = stack.engines["p0"].post_json("/v1/completions", {
                     "model": "tiny", "prompt": t["prompt"], "max_tokens": args.output_tokens, "temperature": 0.0,
                     "ignore_eos": True, "return_token_ids": True}, timeout_s=300)["choices"][0]["token_ids"]
@@ -364,8 +440,10 @@ def run_fleet(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     for t in turns:
         t.pop("prompt")
         t.pop("output")
+    # records_errors: a turn's HTTP or transport error is in its record (files from before
+    # this ended the run at the first one instead, so they hold none by construction).
     return {"turns": turns, "rounds": rounds, "router_decision_us_in_run": in_run_cost, "router_stats": router_stats,
-            "last_turns_equal_single": equal, "startup_s": round(started_s, 1)}
+            "last_turns_equal_single": equal, "startup_s": round(started_s, 1), "records_errors": True}
 
 
 def _computed(t: dict[str, Any]) -> int | None:
@@ -404,13 +482,41 @@ def _segments(ts: list[dict[str, Any]]) -> dict[str, float] | None:
     return {k: round(statistics.median(g[k] for g in got), 1) for k in SEGMENTS} if got else None
 
 
+def errors_summary(fleet: dict[str, Any]) -> dict[str, Any]:
+    """Turns that got an HTTP or transport error, per arm, by status ("transport" for none);
+    ``recorded``: False for results files from before errors were recorded (such a run ended
+    at its first error, so a file that exists holds none)."""
+    out: dict[str, Any] = {"recorded": bool(fleet.get("records_errors"))}
+    for arm, reuse in (("on", True), ("off", False)):
+        errs = [t["error"] for t in fleet["turns"] if t.get("error") and t["reuse"] == reuse]
+        by: dict[str, int] = {}
+        for e in errs:
+            key = str(e["status"]) if e.get("status") is not None else "transport"
+            by[key] = by.get(key, 0) + 1
+        out[arm] = {"count": len(errs), "by_status": dict(sorted(by.items()))}
+    return out
+
+
+def errors_text(errors: dict[str, Any]) -> str:
+    """``3 / 0`` (on / off), with the statuses: ``3 (503 ×2, transport ×1) / 0``."""
+    def arm(e: dict[str, Any]) -> str:
+        by = ", ".join(f"{k} ×{n}" for k, n in e["by_status"].items())
+        return f"{e['count']}" + (f" ({by})" if by else "")
+    return f"{arm(errors['on'])} / {arm(errors['off'])}" if errors["recorded"] else "–"
+
+
 def summarise(fleet: dict[str, Any], turns_n: int) -> dict[str, Any]:
+    """Per turn, per round and overall, over the answered turns (:func:`answered`); the
+    turns that got an error are counted per arm in ``errors``. A turn none of an arm's
+    conversations got an answer to has no per-turn row."""
     per_turn = []
-    turns = fleet["turns"]
+    turns = answered(fleet["turns"])
     prev_prefill: dict[str, str] = {}
     for k in range(1, turns_n + 1):
         on = [t for t in turns if t["reuse"] and t["turn"] == k]
         off = [t for t in turns if not t["reuse"] and t["turn"] == k]
+        if not (on and off):
+            continue
         def med(ts: list[dict[str, Any]], f: Any) -> float | None:
             xs = [x for x in map(f, ts) if x is not None]
             return round(statistics.median(xs), 1) if xs else None
@@ -470,17 +576,18 @@ def summarise(fleet: dict[str, Any], turns_n: int) -> dict[str, Any]:
         loff = [t["ttft_ms"] for t in rt if not t["reuse"] and t["turn"] == turns_n]
         aon = [t["ttft_ms"] for t in rt if t["reuse"] and t["turn"] > 1]
         aoff = [t["ttft_ms"] for t in rt if not t["reuse"] and t["turn"] > 1]
-        if not (lon and loff and aon and aoff):
+        fon = [t["ttft_ms"] for t in rt if t["reuse"] and t["turn"] == 1]
+        foff = [t["ttft_ms"] for t in rt if not t["reuse"] and t["turn"] == 1]
+        if not (lon and loff and aon and aoff and fon and foff):
             continue
         per_round.append({
             "round": rd, "longest_on_ms": round(statistics.median(lon), 1), "longest_off_ms": round(statistics.median(loff), 1),
             "longest_on_over_off": round(statistics.median(lon) / statistics.median(loff), 3),
             "later_on_over_off": round(statistics.median(aon) / statistics.median(aoff), 3),
-            "first_turn_on_over_off": round(
-                statistics.median(t["ttft_ms"] for t in rt if t["reuse"] and t["turn"] == 1)
-                / statistics.median(t["ttft_ms"] for t in rt if not t["reuse"] and t["turn"] == 1), 3)})
+            "first_turn_on_over_off": round(statistics.median(fon) / statistics.median(foff), 3)})
     return {"per_turn": per_turn, "affinity_hits": hits, "affinity_later_turns": total,
-            "later_turns_on_over_off": round(statistics.median(later_on) / statistics.median(later_off), 3),
+            "later_turns_on_over_off": (round(statistics.median(later_on) / statistics.median(later_off), 3)
+                                        if later_on and later_off else None),
             "affinity_hit_rate": round(hits / total, 3) if total else None,
             "longest_turn_on_over_off": round(last["ttft_on_ms"] / last["ttft_off_ms"], 3),
             "per_round": per_round,
@@ -489,7 +596,8 @@ def summarise(fleet: dict[str, Any], turns_n: int) -> dict[str, Any]:
             "rounds_first_turn_on_over_off": _spread([r["first_turn_on_over_off"] for r in per_round]),
             "rounds_meeting_half": sum(r["longest_on_over_off"] <= 0.5 for r in per_round),
             "reads": first_reads(turns),
-            "retries": sum(t["attempts"] - 1 for t in turns)}
+            "retries": sum(t["attempts"] - 1 for t in fleet["turns"]),
+            "errors": errors_summary(fleet)}
 
 
 def plot(summary: dict[str, Any], path: Path, arms: str = "together") -> None:
@@ -578,7 +686,9 @@ def markdown(result: dict[str, Any]) -> str:
                   + (f" (all later turns, median: {s['later_turns_on_over_off']})" if "later_turns_on_over_off" in s
                      else "") + f"; retries "
                   f"{s['retries']}; last turns equal to a single engine: "
-                  f"{sum(result['fleet']['last_turns_equal_single'])}/{len(result['fleet']['last_turns_equal_single'])}.",
+                  f"{sum(result['fleet']['last_turns_equal_single'])}/{len(result['fleet']['last_turns_equal_single'])}"
+                  + (f"; turns that got an HTTP or transport error, on / off: {errors_text(s['errors'])}"
+                     if s["errors"]["recorded"] else "") + ".",
               ]
     if s["per_round"] and n_rounds > 1:
         lr, al, ft = s["rounds_longest_on_over_off"], s["rounds_later_on_over_off"], s["rounds_first_turn_on_over_off"]
@@ -627,7 +737,7 @@ def segments_table(runs: list[tuple[str, dict[str, Any]]]) -> str:
     for name, res in runs:
         n_turns = res["config"]["turns"]
         for reuse in (True, False):
-            ts = [t for t in res["fleet"]["turns"] if t["turn"] == n_turns and t["reuse"] == reuse
+            ts = [t for t in answered(res["fleet"]["turns"]) if t["turn"] == n_turns and t["reuse"] == reuse
                   and "segments_ms" in t.get("split", {})]
             if not ts:
                 continue
@@ -637,7 +747,7 @@ def segments_table(runs: list[tuple[str, dict[str, Any]]]) -> str:
                          + " | ".join(f"{statistics.mean(t['split']['segments_ms'][k] for t in ts):,.0f}"
                                       for k in SEGMENTS)
                          + (f" | {statistics.mean(comp):,.0f} |" if comp else " | – |"))
-        lk = sorted(t.get("timing_ms", {}).get("lookup", 0.0) for t in res["fleet"]["turns"]
+        lk = sorted(t.get("timing_ms", {}).get("lookup", 0.0) for t in answered(res["fleet"]["turns"])
                     if t["reuse"] and t["turn"] > 1)
         if lk:
             looks.append(f"`{name}`: median {_pct(lk, 0.5):.0f}, mean {statistics.mean(lk):.0f}, "
@@ -650,18 +760,21 @@ def runs_table(runs: list[tuple[str, dict[str, Any]]]) -> str:
     verdict both ways — pooled (the median TTFT at the longest turn over all of an arm's
     conversations in the run) and over rounds (the median of each round's ratio, with how
     many rounds were at or below 1/2) — beside turn 1, where neither arm can reuse anything
-    (its ratio over rounds is the noise floor of a per-round ratio)."""
+    (its ratio over rounds is the noise floor of a per-round ratio). When any of the files
+    records errors (:func:`errors_summary`), a last column counts the turns that got one, on /
+    off ("–" for a file from before: its run would have ended at the first)."""
+    with_errors = any(res["fleet"].get("records_errors") for _, res in runs)
     lines = ["| results file | model shape | prefill KV (MiB per engine) | arms | conversations per arm | rounds "
              "| load average start → end "
              "| longest turn on / off (ms, pooled medians) | pooled on/off | on/off, median of rounds "
              "(quartiles; range) | rounds ≤ ½ | turn 1 on/off, median of rounds | longest turn prompt tokens "
-             "computed on / off (mean) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "computed on / off (mean) |" + (" turns with an error on / off |" if with_errors else ""),
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if with_errors else "")]
     for name, res in runs:
         cfg, n_turns = res["config"], res["config"]["turns"]
         s = summarise(res["fleet"], n_turns)
         last, rr, first = s["per_turn"][-1], s["rounds_longest_on_over_off"], s["rounds_first_turn_on_over_off"]
-        comp = {r: [c for c in (_computed(t) for t in res["fleet"]["turns"] if t["turn"] == n_turns
+        comp = {r: [c for c in (_computed(t) for t in answered(res["fleet"]["turns"]) if t["turn"] == n_turns
                                 and t["reuse"] == r) if c is not None] for r in (True, False)}
         load = res["machine"]
         computed = (f"{statistics.mean(comp[True]):,.0f} / {statistics.mean(comp[False]):,.0f}"
@@ -672,7 +785,8 @@ def runs_table(runs: list[tuple[str, dict[str, Any]]]) -> str:
             f"| {rr['n']} | {load['loadavg_start'][0]:.1f} → {load['loadavg_end'][0]:.1f} "
             f"| {last['ttft_on_ms']:,.0f} / {last['ttft_off_ms']:,.0f} | {s['longest_turn_on_over_off']} "
             f"| **{rr['median']}** ({rr['q1']}–{rr['q3']}; {rr['min']}–{rr['max']}) "
-            f"| {s['rounds_meeting_half']} of {rr['n']} | {first['median']} | {computed} |")
+            f"| {s['rounds_meeting_half']} of {rr['n']} | {first['median']} | {computed} |"
+            + (f" {errors_text(s['errors'])} |" if with_errors else ""))
     return "\n".join(lines)
 
 
@@ -755,7 +869,9 @@ def main() -> int:
         "longest_turn_ttft_on_le_half_off": (rounds["median"] if rounds["n"] else
                                              result["summary"]["longest_turn_on_over_off"]) <= 0.5,
         "rounds_meeting_half": f"{result['summary']['rounds_meeting_half']}/{rounds['n']}",
-        "decision_p99_le_1ms": all(d["p99_us"] <= 1000 for d in result["decision_cost"])}
+        "decision_p99_le_1ms": all(d["p99_us"] <= 1000 for d in result["decision_cost"]),
+        # Turns that got an HTTP or transport error instead of an answer, per arm.
+        "errors_per_arm": {arm: result["summary"]["errors"][arm]["count"] for arm in ("on", "off")}}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     plot(result["summary"], args.png, args.arms)
@@ -766,7 +882,7 @@ def main() -> int:
               f"{p['reads_on']:>5} {p['read_tokens_on']:>8}")
     print(f"affinity {s['affinity_hits']}/{s['affinity_later_turns']}; longest turn on/off (pooled) "
           f"{s['longest_turn_on_over_off']}; per round {s['rounds_longest_on_over_off']}; "
-          f"targets {result['targets']}; results {args.out}")
+          f"errors on / off {errors_text(s['errors'])}; targets {result['targets']}; results {args.out}")
     return 0
 
 

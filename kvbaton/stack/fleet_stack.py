@@ -167,8 +167,9 @@ class FleetStack(StackBase):
 def stream_tokens(url: str, body: dict[str, Any], headers: dict[str, str] | None = None,
                   timeout_s: float = 120.0) -> dict[str, Any]:
     """Stream ``/v1/completions`` (``return_token_ids``) and return the output token ids,
-    the time to the first token, the total time and the router's ``X-Kvbaton-*`` and
-    ``Server-Timing`` headers.
+    the time to the first token, the total time, the router's ``X-Kvbaton-*`` and
+    ``Server-Timing`` headers, and ``done``: whether the stream ended with ``data: [DONE]``
+    (a stream the router cut mid-answer just ends: urllib reads that as a normal end).
     Raises ``urllib.error.HTTPError`` on a non-200 answer."""
     import urllib.request
 
@@ -178,11 +179,13 @@ def stream_tokens(url: str, body: dict[str, Any], headers: dict[str, str] | None
     t0 = time.perf_counter()
     ttft = -1.0
     ids: list[int] = []
+    done = False
     with urllib.request.urlopen(req, timeout=timeout_s) as r:
         kv_headers = {k: v for k, v in r.headers.items()
                       if k.lower().startswith("x-kvbaton-") or k.lower() == "server-timing"}
         for raw in r:
             line = raw.decode().strip()
+            done = done or line == "data: [DONE]"
             if not line.startswith("data:") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[5:])
@@ -191,7 +194,8 @@ def stream_tokens(url: str, body: dict[str, Any], headers: dict[str, str] | None
                 if got and ttft < 0:
                     ttft = time.perf_counter() - t0
                 ids.extend(got)
-    return {"token_ids": ids, "ttft_s": ttft, "total_s": time.perf_counter() - t0, "headers": kv_headers}
+    return {"token_ids": ids, "ttft_s": ttft, "total_s": time.perf_counter() - t0, "headers": kv_headers,
+            "done": done}
 
 
 async def await_leased(kv: KvbatonClient, conv: str, num_tokens: int, timeout_s: float = 10.0) -> str | None:
