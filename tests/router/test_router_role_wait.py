@@ -11,6 +11,7 @@ import asyncio
 import time
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvbaton.v1 import common_pb2
 from tests.router.test_router_fleet import _register, _until, fleet, plane  # noqa: F401 - fixtures
@@ -79,6 +80,11 @@ async def test_past_role_wait_max_a_request_is_shed_at_once_with_a_reason(fleet,
     assert (await asyncio.wait_for(first, 10))[0] == 200
     got = await _role_wait(fleet, router)
     assert got["outcomes"]["prefill"] == {"served": 1, "timed_out": 0, "shed": 1, "client_gone": 0}
+    async with fleet.session.get(router + "/metrics") as r:
+        samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+                   for fam in text_string_to_metric_families(await r.text()) for s in fam.samples}
+    assert samples[("kvbaton_router_role_waits_total", (("outcome", "shed"), ("role", "prefill")))] >= 1
+    assert samples[("kvbaton_router_role_waiting", (("role", "prefill"),))] == 0
 
 
 async def test_a_client_that_disconnects_stops_waiting(fleet, plane):  # noqa: F811
