@@ -53,14 +53,13 @@ def parse_threshold(text: str) -> tuple[int, int, int]:
     """``"700,10,10"`` -> (700, 10, 10), for ``--gc-threshold``; ValueError if it is not
     three whole numbers, each at least 1 (a 0 would turn that part of the collector off,
     and reference cycles would then never be reclaimed: unbounded memory)."""
-    parts = text.split(",")
     try:
-        values = tuple(int(p) for p in parts)
+        values = [int(p) for p in text.split(",")]
     except ValueError:
-        values = ()
+        values = []
     if len(values) != 3 or min(values) < 1:
         raise ValueError(f"gc threshold {text!r}: three whole numbers >= 1, gen0,gen1,gen2 (e.g. 700,10,10)")
-    return values  # type: ignore[return-value]
+    return values[0], values[1], values[2]
 
 
 def set_threshold(threshold: tuple[int, int, int]) -> None:
