@@ -17,21 +17,21 @@ the whole heap once and reclaims such cycles.
 
 Thresholds (``SERVE_THRESHOLD``, set by ``serve()``; ``kvbaton serve --gc-threshold``):
 a generation-0 pass runs after 700 *net* allocations of tracked objects (allocations
-minus frees), not 700 allocations — the short-lived objects of a call die by reference
-counting and never count. Measured on the open-loop benchmark's server (session-answer,
-500 matches/s, four points, ~17,000 live transfers; CPU time of the collector itself,
-from ``gc.callbacks``, an ad-hoc run on a loaded machine): ~5 net allocations per match,
-so with CPython's thresholds 126 young, 11 middle and 1 full pass in ~20,000 matches,
-98 ms in all (~5 µs per match, ~1.5 % of the server's CPU) — the collector is not where
-a match's CPU goes, and no threshold can save more than that. What the thresholds do
-decide is the longest pause: the full pass took 39 ms alone (all that was promoted since
-start-up, the first time the "a quarter of the long-lived heap" rule let one run), which
-is what the benchmark's p99 showed as a stall at a fixed moment. A full pass after every
-2 middle passes instead of 10 walks ~1/5 as much each time (largest pause 8.7 ms in the
-same run, 75 ms in all); a large generation-0 threshold (50,000) only moves the pause
-into one young pass over 50,000 objects (23 ms), and its rare middle and full passes
-would walk millions of objects at 100,000 leases. Since full passes are ~5× as frequent,
-``unfreeze_every`` is 5× larger, so the whole-heap pass comes as seldom as before.
+minus frees), not 700 allocations — a call's short-lived objects die by reference
+counting and never count, so a raised generation-0 threshold saves little. The open-loop
+benchmark (``benchmarks/results/control_plane_cpu4_rounds.json``, its collections timed
+by ``benchmarks/gc_probe.py``; ``benchmarks/README.md`` has the tables) showed the
+collector's CPU during the measured points at 2-14 µs per match with every threshold
+tried, about 1 % of the server's CPU per match — not where a match's CPU goes — and a
+full pass as the stall it had blamed: with CPython's thresholds one full pass of 59-76
+ms at the same moment every round (the first one after start-up, which walks everything
+promoted since; the "a quarter of the long-lived heap" rule holds it back that long),
+p99 117-248 ms in that point. A full pass after every 2 middle passes instead of 10
+walks less each time (in that point: longest pass 9.7-19.3 ms, p99 8.7-19.3 ms); a
+generation-0 threshold of 50,000 only moved the stall into one young pass over that many
+objects (23-35 ms), and its rare middle and full passes would walk millions of objects
+at 100,000 leases. Full passes being more frequent, ``unfreeze_every`` is 5× larger, so
+the whole-heap pass comes about as seldom as before.
 """
 
 from __future__ import annotations
