@@ -31,7 +31,9 @@ walks less each time (in that point: longest pass 9.7-19.3 ms, p99 8.7-19.3 ms);
 generation-0 threshold of 50,000 only moved the stall into one young pass over that many
 objects (23-35 ms), and its rare middle and full passes would walk millions of objects
 at 100,000 leases. Full passes being more frequent, ``unfreeze_every`` is 5× larger, so
-the whole-heap pass comes about as seldom as before.
+the whole-heap pass comes about as seldom as before. A rerun
+(``control_plane_cpu4_rerun.json``) showed the same, and a full pass after every middle
+one (``700,10,1``) no better.
 """
 
 from __future__ import annotations
