@@ -48,6 +48,7 @@ import random
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import grpc
@@ -68,6 +69,17 @@ def cpu_seconds(pid: int | None = None) -> float:
     """User+system CPU of a process (this one by default), from /proc."""
     fields = pathlib.Path(f"/proc/{pid or os.getpid()}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def rss_mib(pid: int) -> float | None:
+    """Resident memory of a process (MiB), from /proc; None once it is gone."""
+    try:
+        for line in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
 
 
 def pct(values: list[float], q: float) -> float | None:
@@ -306,8 +318,6 @@ def healthy(r: dict, p99_ms: float) -> bool:
 def export_baseline(commit: str) -> pathlib.Path:
     """The tree of ``commit`` in a temp dir, importable as ``kvbaton`` (with its
     ``kvbaton.services`` and ``kvbaton.connector``) ahead of this checkout's editable install."""
-    import tempfile
-
     dest = pathlib.Path(tempfile.mkdtemp(prefix="kvbaton-baseline-"))
     archive = subprocess.run(["git", "archive", commit], cwd=ROOT, capture_output=True, check=True, timeout=60).stdout
     subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True, timeout=60)
@@ -328,8 +338,12 @@ async def run_store(args, store_url: str, store_pids: list[int], variant: str = 
         env["PYTHONPATH"] = cwd
     # The floor: the same server with canned rendezvous answers (benchmarks/floor_server.py).
     entry = [str(ROOT / "benchmarks" / "floor_server.py")] if variant == "floor" else ["-m", "kvbaton.cli"]
-    server = subprocess.Popen([sys.executable, *entry, "serve", "--insecure", "--listen", f"127.0.0.1:{port}",
-                               "--store", store_url, *serve_args],
+    # Through benchmarks/gc_probe.py: the server's garbage collections, timed, per point.
+    gc_out = tempfile.NamedTemporaryFile(prefix="kvbaton-gc-", suffix=".json", delete=False)
+    gc_out.close()
+    env["KVBATON_GC_PROBE_OUT"] = gc_out.name
+    server = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "gc_probe.py"), *entry, "serve", "--insecure",
+                               "--listen", f"127.0.0.1:{port}", "--store", store_url, *serve_args],
                               env=env, start_new_session=True, cwd=cwd)
     profiler = None
     if args.profile:  # py-spy on the server for this store's whole run (its own CPU is not the server's)
@@ -401,18 +415,52 @@ async def run_store(args, store_url: str, store_pids: list[int], variant: str = 
             out["profile"] = {"file": profile_path, **profile_shares(pathlib.Path(profile_path))}
         stop_group(server)
         out["loadavg_at_end"] = os.getloadavg()
+        out["gc"] = attach_gc(pathlib.Path(gc_out.name), out["points"])
+        pathlib.Path(gc_out.name).unlink(missing_ok=True)
     return out
+
+
+def gc_summary(passes: list[list[float]], t0: float | None = None) -> dict:
+    """Collections (gc_probe.py's [start, generation, cpu ms, wall ms, collected]): how many
+    per generation, their CPU in all, the longest, and each pass over 5 ms (wall) with its
+    start in s after ``t0`` (a point's start: line them up with its ``slowest_1pct``)."""
+    n: dict[str, int] = {}
+    for p in passes:
+        n[str(int(p[1]))] = n.get(str(int(p[1])), 0) + 1
+    return {"passes": n, "cpu_ms": round(sum(p[2] for p in passes), 2),
+            "max_cpu_ms": round(max((p[2] for p in passes), default=0.0), 2),
+            "max_wall_ms": round(max((p[3] for p in passes), default=0.0), 2),
+            "over_5ms": [{"at_s": round(p[0] - t0, 3) if t0 is not None else None, "gen": int(p[1]),
+                          "wall_ms": round(p[3], 2), "cpu_ms": round(p[2], 2)} for p in passes if p[3] > 5]}
+
+
+def attach_gc(path: pathlib.Path, points: list[dict]) -> dict:
+    """Each point's collections (by its monotonic window) into the point as ``gc``; the
+    server's whole life (start-up included) returned."""
+    windows = [r.pop("_window") for r in points]
+    try:
+        probe = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {"error": "no gc probe output (the server did not exit cleanly)"}
+    passes = probe["passes"]
+    for r, (t0, t1) in zip(points, windows):
+        r["gc"] = gc_summary([p for p in passes if t0 <= p[0] < t1], t0)
+    return {"threshold": probe["threshold"], **gc_summary(passes)}
 
 
 async def measure(args, kv, peer, stubs, server_pid: int, store_pids: list[int], *, path: str, rate: float, tag: str,
                   seed: int) -> dict:
     s0, c0 = cpu_seconds(server_pid), cpu_seconds()
+    started = time.monotonic()  # the clock benchmarks/gc_probe.py stamps collections with
     e0 = sum(cpu_seconds(p) for p in store_pids)
     r = await open_loop(kv, peer, stubs, path=path, rate=rate, seconds=args.seconds, grace_s=args.grace, tag=tag,
                         call_timeout_s=args.call_timeout, transfer_timeout_ms=args.transfer_timeout_ms, seed=seed,
                         offer_lead_ms=args.offer_lead_ms)
     per = max(r["matches"], 1)
     r["server_cpu_us_per_match"] = (cpu_seconds(server_pid) - s0) / per * 1e6
+    # Whether the server's memory stays bounded point after point (a GC setting, a cache).
+    r["server_rss_mib"] = rss_mib(server_pid)
+    r["_window"] = (started, time.monotonic())  # replaced by the point's collections (attach_gc)
     r["client_cpu_us_per_match"] = (cpu_seconds() - c0) / per * 1e6
     if store_pids:
         r["store_cpu_us_per_match"] = (sum(cpu_seconds(p) for p in store_pids) - e0) / per * 1e6
@@ -422,8 +470,17 @@ async def measure(args, kv, peer, stubs, server_pid: int, store_pids: list[int],
           f"cpu/match server {r['server_cpu_us_per_match']:.0f} us client {r['client_cpu_us_per_match']:.0f} us"
           + (f" etcd {r['store_cpu_us_per_match']:.0f} us" if store_pids else "")
           + f"  msgs/match {r['messages_per_match']:.2f}"
+          + (f"  rss {r['server_rss_mib']:.0f} MiB" if r["server_rss_mib"] is not None else "")
           + (f"  batch {r['calls_per_batch']:.1f}" if "calls_per_batch" in r else ""), flush=True)
     return r
+
+
+def gc_cell(g: dict | None) -> str:
+    """A point's collections as ``young/middle/full, longest ms`` (wall), e.g. ``7/1/0, 3.2``."""
+    if not g:
+        return "–"
+    n = g["passes"]
+    return f"{n.get('0', 0)}/{n.get('1', 0)}/{n.get('2', 0)}, {g['max_wall_ms']:.1f}"
 
 
 def markdown(results: dict) -> str:
@@ -435,11 +492,15 @@ def markdown(results: dict) -> str:
     for st in results["stores"]:
         end = f"; at end {', '.join(f'{x:.1f}' for x in st['loadavg_at_end'])}" if "loadavg_at_end" in st else ""
         rnd = f", round {st['round']}" if "round" in st else ""
+        rss = any("server_rss_mib" in r for r in st["points"])  # recorded since issue 17's fourth pass
+        gcs = any("gc" in r for r in st["points"])  # likewise (benchmarks/gc_probe.py)
         lines += [f"**{st['store']}, {st.get('variant', 'current')}{rnd}** (load average at start "
                   f"{', '.join(f'{x:.1f}' for x in st['loadavg_at_start'])}{end}):", "",
                   "| path | offered /s | achieved /s | p50 ms | p99 ms | max ms | answers | lost | server CPU µs/match "
-                  "| messages/match | generator CPU µs/match" + (" | etcd CPU µs/match" if "etcd" in st["store"] else "") + " |",
-                  "|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:" + ("|---:" if "etcd" in st["store"] else "") + "|"]
+                  "| messages/match | generator CPU µs/match" + (" | etcd CPU µs/match" if "etcd" in st["store"] else "")
+                  + (" | server RSS MiB" if rss else "") + (" | GC passes (0/1/2), longest ms" if gcs else "") + " |",
+                  "|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:" + ("|---:" if "etcd" in st["store"] else "")
+                  + ("|---:" if rss else "") + ("|---:" if gcs else "") + "|"]
         for r in st["points"]:
             answers = ", ".join(f"{k} {v:,}" for k, v in sorted(r["answers"].items()))
             over = f" (2× {r['overload_of']:,.0f})" if "overload_of" in r else ""
@@ -448,7 +509,9 @@ def markdown(results: dict) -> str:
                          f"| {fmt(r['p99_ms'], 2)} | {fmt(r['max_ms'], 1)} | {answers} | {r['lost']} "
                          f"| {r['server_cpu_us_per_match']:,.0f} | {fmt(r.get('messages_per_match'), 2)} "
                          f"| {r['client_cpu_us_per_match']:,.0f}"
-                         + (f" | {r.get('store_cpu_us_per_match', 0):,.0f}" if "etcd" in st["store"] else "") + " |")
+                         + (f" | {r.get('store_cpu_us_per_match', 0):,.0f}" if "etcd" in st["store"] else "")
+                         + (f" | {fmt(r.get('server_rss_mib'), 0)}" if rss else "")
+                         + (f" | {gc_cell(r.get('gc'))}" if gcs else "") + " |")
         for path, sm in st["summary"].items():
             lines.append(f"\n{path}: highest swept rate with p99 < {p99:g} ms, only OK answers and nothing lost: "
                          f"{fmt(sm.get(f'max_rate_p99_under_{p99:g}ms'), 0)} /s; highest achieved "

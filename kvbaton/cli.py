@@ -217,6 +217,24 @@ def loop_runner(choice: str) -> Any:
     return asyncio.run
 
 
+def _gc_threshold(text: str) -> tuple[int, int, int]:
+    """``--gc-threshold``: three numbers, checked by services/gc_policy.py."""
+    from kvbaton.services import gc_policy
+
+    try:
+        return gc_policy.parse_threshold(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _gc_help() -> str:
+    from kvbaton.services import gc_policy
+
+    default, cpython = (",".join(map(str, t)) for t in (gc_policy.SERVE_THRESHOLD, gc_policy.CPYTHON_THRESHOLD))
+    return (f"the garbage collector's thresholds (gc.set_threshold) for the server process; default {default} "
+            f"(why: services/gc_policy.py); CPython's own: {cpython}")
+
+
 def _serve(args) -> int:
     from kvbaton import logs
     from kvbaton.services.server import ALL_SERVICES, ServerConfig, serve
@@ -229,6 +247,8 @@ def _serve(args) -> int:
                           insecure=args.insecure, tokens_file=args.tokens or "", rate_limit=args.rate_limit,
                           max_streams_per_client=args.max_streams_per_client, otlp_endpoint=args.otlp_endpoint,
                           shed_lag_ms=args.shed_lag_ms)
+    if args.gc_threshold is not None:
+        config.gc_threshold = args.gc_threshold
     config.lease.default_ttl_ms = args.default_lease_ttl_ms
     # /metrics and the status page listen on the gRPC address's host: loopback by
     # default, every interface when --listen is 0.0.0.0 (containers).
@@ -278,6 +298,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--shed-lag-ms", type=float, default=20.0,
                    help="refuse new transfers (RESOURCE_EXHAUSTED) while the server's event loop runs more than "
                         "this many ms behind; 0: never (default %(default)s)")
+    s.add_argument("--gc-threshold", type=_gc_threshold, default=None, metavar="GEN0,GEN1,GEN2",
+                   help=_gc_help())
     s.add_argument("--log-level", default=None)
     s.add_argument("--metrics-port", type=int, default=None,
                    help="serve /metrics (and the status page, /api/state) on this port (default: off; 9464 is usual)")

@@ -84,6 +84,9 @@ class ServerConfig:
     # OpenTelemetry collector (OTLP/gRPC) for traces; None: $KVBATON_OTLP_ENDPOINT; "": off.
     # Tracing already configured in this process (tests: an in-memory exporter) is kept.
     otlp_endpoint: str | None = None
+    # The garbage collector's thresholds that ``serve()`` sets (services/gc_policy.py says
+    # why these); planes built in-process leave their process's collector alone.
+    gc_threshold: tuple[int, int, int] = gc_policy.SERVE_THRESHOLD
 
 
 class ControlPlane:
@@ -371,6 +374,7 @@ async def _set(servicer, name: str, status) -> None:
 
 async def serve(config: ServerConfig) -> None:
     """Runs until SIGINT/SIGTERM, then shuts down gracefully."""
+    gc_policy.set_threshold(config.gc_threshold)  # a bad value fails here, before anything starts
     plane = ControlPlane(config)
     await plane.start()
     # Everything loaded so far (modules, stubs, caches) lives as long as the process:
