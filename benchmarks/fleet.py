@@ -283,7 +283,7 @@ def answered(turns: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def conversation(stack: FleetStack, router: str, conv: str, reuse: bool, seed: int,
-                 args: argparse.Namespace) -> list[dict[str, Any]]:
+                 args: argparse.Namespace, start_delay_s: float = 0.0) -> list[dict[str, Any]]:
     """One agent conversation. Between turns it does only what an agent does (think) and,
     with reuse, waits for decode's lease on the turn just answered (streamed answers are not
     held by the router; a real agent's think time covers it). Nothing else: which READs and
@@ -299,8 +299,13 @@ def conversation(stack: FleetStack, router: str, conv: str, reuse: bool, seed: i
     same conversations. The history stays a valid prompt (the failed turn's prompt is a
     prefix of the next), and with reuse the KV decode retained for the last answered turn is
     still a prefix of it, so nothing is offered that does not match. No lease is waited for
-    after a failed turn (nothing new was retained)."""
+    after a failed turn (nothing new was retained).
+
+    ``start_delay_s`` (``--stagger-s`` × the conversation's place in its group) spreads the
+    first turns out: agents that all start at once send every later turn at once too, and
+    then each turn's TTFT is mostly its wait behind the others' prefills."""
     rnd = random.Random(seed)
+    time.sleep(start_delay_s)
     prompt = [rnd.randrange(10, 4000) for _ in range(args.first_tokens)]
     out: list[dict[str, Any]] = []
     with contextlib.ExitStack() as cleanup:
@@ -404,7 +409,8 @@ def run_fleet(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             got = []
             for group in groups:
                 with concurrent.futures.ThreadPoolExecutor(len(group)) as ex:
-                    futs = [ex.submit(conversation, stack, router, c, r, s, args) for c, r, s in group]
+                    futs = [ex.submit(conversation, stack, router, c, r, s, args, k * args.stagger_s)
+                            for k, (c, r, s) in enumerate(group)]
                     got += [dict(t, round=rd) for f in futs for t in f.result(timeout=1800)]
             turns += got
             rounds.append({"round": rd, "wall_s": round(time.monotonic() - t_round, 1), "loadavg": os.getloadavg()})
@@ -764,12 +770,13 @@ def runs_table(runs: list[tuple[str, dict[str, Any]]]) -> str:
     records errors (:func:`errors_summary`), a last column counts the turns that got one, on /
     off ("–" for a file from before: its run would have ended at the first)."""
     with_errors = any(res["fleet"].get("records_errors") for _, res in runs)
-    lines = ["| results file | model shape | prefill KV (MiB per engine) | arms | conversations per arm | rounds "
+    lines = ["| results file | model shape | prefill KV (MiB per engine) | arms | conversations per arm "
+             "| think / stagger (s) | rounds "
              "| load average start → end "
              "| longest turn on / off (ms, pooled medians) | pooled on/off | on/off, median of rounds "
              "(quartiles; range) | rounds ≤ ½ | turn 1 on/off, median of rounds | longest turn prompt tokens "
              "computed on / off (mean) |" + (" turns with an error on / off |" if with_errors else ""),
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if with_errors else "")]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if with_errors else "")]
     for name, res in runs:
         cfg, n_turns = res["config"], res["config"]["turns"]
         s = summarise(res["fleet"], n_turns)
@@ -782,7 +789,7 @@ def runs_table(runs: list[tuple[str, dict[str, Any]]]) -> str:
         lines.append(
             f"| `{name}` | {cfg.get('model_shape', 'tiny')} | {cfg.get('prefill_kv_mib') or 64} "
             f"| {cfg.get('arms', 'together')} | {cfg['convs']} "
-            f"| {rr['n']} | {load['loadavg_start'][0]:.1f} → {load['loadavg_end'][0]:.1f} "
+            f"| {cfg.get('think_s', 0.5):g} / {cfg.get('stagger_s', 0.0):g} | {rr['n']} | {load['loadavg_start'][0]:.1f} → {load['loadavg_end'][0]:.1f} "
             f"| {last['ttft_on_ms']:,.0f} / {last['ttft_off_ms']:,.0f} | {s['longest_turn_on_over_off']} "
             f"| **{rr['median']}** ({rr['q1']}–{rr['q3']}; {rr['min']}–{rr['max']}) "
             f"| {s['rounds_meeting_half']} of {rr['n']} | {first['median']} | {computed} |"
@@ -820,6 +827,8 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=400)
     ap.add_argument("--output-tokens", type=int, default=16)
     ap.add_argument("--think-s", type=float, default=0.5)
+    ap.add_argument("--stagger-s", type=float, default=0.0,
+                    help="the k-th conversation of a group starts k x this later (0: all at once)")
     ap.add_argument("--max-model-len", type=int, default=4096,
                     help="engines' context (the tiny model allows 8192 positions)")
     ap.add_argument("--mode", choices=("pull", "push"), default="pull")
