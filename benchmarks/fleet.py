@@ -850,7 +850,10 @@ def main() -> int:
     if args.model_dir is None:
         args.model_dir = (Path(os.environ.get("KVBATON_TINY_MODEL", ROOT / ".cache/tiny-model"))
                           if args.model_shape == "tiny" else ROOT / f".cache/tiny-model-{args.model_shape}")
-    if args.first_tokens + args.turns * (args.new_tokens + args.output_tokens) > args.max_model_len - 96:
+    # The last turn's prompt (the first tokens, then each earlier turn's answer and fresh
+    # tokens) plus its answer, with room for the chat of block rounding.
+    longest = args.first_tokens + (args.turns - 1) * (args.new_tokens + args.output_tokens) + args.output_tokens
+    if longest > args.max_model_len - 96:
         ap.error(f"conversations would outgrow the engines' {args.max_model_len}-token context")
     workdir = Path(tempfile.mkdtemp(prefix="kvbaton-fleet-bench-"))
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
