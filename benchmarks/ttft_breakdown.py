@@ -94,6 +94,8 @@ def run_conversation(stack: FleetStack, router: str, conv: str, reuse: bool, see
         reset = reset_prefill_caches(stack) if cold else None
         t_send = time.time()
         res = stream_tokens(f"{router}/v1/completions", body, {"X-Session-ID": conv} if reuse else {})
+        if not res["done"]:  # cut mid-answer: its TTFT is real but the next turn's prompt would not be
+            raise RuntimeError(f"{conv} turn {turn}: the stream ended without [DONE]")
         h = res["headers"]
         out.append({"conv": conv, "reuse": reuse, "turn": turn, "prompt_tokens": len(prompt), "t_send": t_send,
                     "ttft_ms": round(res["ttft_s"] * 1000, 1), "transfer_id": h.get("X-Kvbaton-Transfer-Id", ""),

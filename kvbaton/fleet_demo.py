@@ -99,6 +99,10 @@ def run(args: argparse.Namespace, workdir: Path) -> int:
                 problems.append(f"turn {i}: request failed: {exc!r}")
                 print(f"{i:>4} request failed: {exc!r}")
                 break
+            if not res["done"]:
+                problems.append(f"turn {i}: the answer's stream ended without [DONE]")
+                print(f"{i:>4} stream cut after {len(res['token_ids'])} tokens")
+                break
             h = res["headers"]
             offered = int(h.get("X-Kvbaton-Reuse-Tokens", 0))
             read, _, fails = _reads(stack, conv, marks, expect=offered > 0)

@@ -57,6 +57,8 @@ class Conversation:
         res = stream_tokens(f"{router}/v1/completions", {
             "model": "tiny", "prompt": self.prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0,
             "ignore_eos": True}, {header: self.id})
+        # A stream the router cut mid-answer ends like a finished one; only [DONE] says it was not.
+        assert res["done"], f"{self.id}: the answer's stream ended without [DONE] ({len(res['token_ids'])} tokens)"
         self.turns.append({"prompt": self.prompt, "out": res["token_ids"], "headers": res["headers"],
                            "router": router})
         self.prompt = self.prompt + res["token_ids"] + [self.rnd.randrange(10, 4000) for _ in range(150)]
