@@ -18,7 +18,7 @@
 #   .devscripts/control_plane.py  only where the checkout's benchmarks/control_plane.py is
 #                older than the one measured (then .devscripts/COMMIT says which commit it is)
 #
-# Usage: bash benchmarks/run_cp_device.sh COMMIT WHAT...   WHAT: smoke | etcd | memory | replicas
+# Usage: [SUFFIX=_rep2] bash benchmarks/run_cp_device.sh COMMIT WHAT...   WHAT: smoke | etcd | memory | replicas
 #   smoke     one short memory-store point and one short point over 2 replicas on etcd
 #   etcd      etcd (3 members), session path, one server, the load from one process (the
 #             product's defaults, the issue's target), 250/s up until saturated
@@ -28,9 +28,10 @@
 set -uo pipefail
 commit=${1:?commit measured}; shift
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
-if ! python3 -c "import grpc, uvloop" 2>/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-fi
+# Always these wheels, ahead of anything the machine's Python has (it may carry other
+# grpcio/uvloop versions).
+[ -d /tmp/site/grpc ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl || exit 1
 mkdir -p /tmp/bin
 [ -x /tmp/bin/etcd ] || { gunzip -c .devbin/etcd.gz > /tmp/bin/etcd && chmod +x /tmp/bin/etcd; } || exit 1
 # kvbaton.services -> services/, kvbaton.connector -> connector/: what the editable install maps.
@@ -42,11 +43,12 @@ CP=benchmarks/control_plane.py
 model=$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ *//')
 machine="device machine: $(nproc) cores ($model), $(awk '/MemTotal/{printf "%d", $2/1048576}' /proc/meminfo) GiB, kernel $(uname -r), one NVIDIA H200 unused; NOT the 2-core VM"
 echo "$machine"; uptime; etcd --version | head -1; python3 --version
+python3 -c "import grpc, uvloop, google.protobuf as p; print('grpcio', grpc.__version__, 'from', grpc.__file__, 'uvloop', uvloop.__version__, 'protobuf', p.__version__)"
 cp_run() {  # name, then control_plane.py arguments
   local name=$1; shift
   echo "== $name: $CP $*"
-  timeout 540 python3 "$CP" "$@" --machine "$machine" --commit "$commit" --out "$OUT/control_plane_device_$name.json" \
-    2>&1 | grep -v -E 'kvbaton.PLAINTEXT|kvbaton listening' | tee -a "$OUT/control_plane_device.log"
+  timeout 540 python3 "$CP" "$@" --machine "$machine" --commit "$commit" --out "$OUT/control_plane_device_$name${SUFFIX:-}.json" \
+    2>&1 | grep -v -E 'kvbaton.PLAINTEXT|kvbaton listening|session_shed_retry|^$' | tee -a "$OUT/control_plane_device${SUFFIX:-}.log"
   local rc=${PIPESTATUS[0]}
   echo "== $name rc=$rc"
   return "$rc"
