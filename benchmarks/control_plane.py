@@ -34,6 +34,12 @@ Subscribe stream). ``kvbaton serve`` runs in its own process, so the
 server's CPU is its own; ``etcd1``/``etcd3`` start a 1- or 3-member etcd on loopback with
 ``kvbaton/stack/etcd_cluster.py``. The results JSON records the configuration, the git
 commit and the load average when each store's runs started.
+
+``--replicas N`` runs N ``kvbaton serve`` processes on one etcd (engine pairs' decode and
+prefill clients round robin over them, so each transfer's two sides reach different
+replicas); ``--generators G`` spreads the load over G processes of this script, each its
+own engine pair and rate/G from one shared start, their latencies pooled (one Python
+load generator falls behind its schedule near 1,000 transfers/s).
 """
 
 from __future__ import annotations
@@ -134,7 +140,7 @@ class Point:
 
 async def open_loop(kv: KvbatonClient, peer: KvbatonClient, stubs: list, *, path: str, rate: float, seconds: float,
                     grace_s: float, tag: str, call_timeout_s: float, transfer_timeout_ms: int, seed: int,
-                    offer_lead_ms: float = 0.0) -> dict:
+                    offer_lead_ms: float = 0.0, start_at: float | None = None, raw: bool = False) -> dict:
     pre, dec = f"pre-{tag}", f"dec-{tag}"
     await register(kv, pre, common_pb2.ENGINE_ROLE_PREFILL)
     await register(kv, dec, common_pb2.ENGINE_ROLE_DECODE)
@@ -204,6 +210,10 @@ async def open_loop(kv: KvbatonClient, peer: KvbatonClient, stubs: list, *, path
     before = [dict(x.stats) for x in sessions]
     inflight: set[asyncio.Task] = set()
     t0 = time.perf_counter() + 0.05
+    start_late_ms = 0.0
+    if start_at is not None:  # one of several generator processes: the start they share (time.monotonic())
+        t0 = time.perf_counter() + (start_at - time.monotonic())
+        start_late_ms = max(time.perf_counter() - t0, 0.0) * 1000
     for i, at in enumerate(schedule):
         due = t0 + at
         delay = due - time.perf_counter()
@@ -256,6 +266,15 @@ async def open_loop(kv: KvbatonClient, peer: KvbatonClient, stubs: list, *, path
     wire = (sum(b for _, b in sent) + sum(received)) if sessions else 2 * calls
     result["messages_per_match"] = (wire + pt.stream_events) / max(len(lat), 1)
     result["offer_lead_ms"] = offer_lead_ms if path != "unary" else 0.0
+    if start_at is not None:
+        result["start_late_ms"] = start_late_ms
+    if raw:  # what merge_generators() needs to pool several generator processes' points
+        result["_lat_due"] = [((pt.matched[tid] - pt.scheduled[tid]) * 1000, pt.scheduled[tid] - t0)
+                              for tid in accepted if tid in pt.matched]
+        result["_refused"] = pt.refused_after
+        result["_messages"] = wire + pt.stream_events
+        result["_span_s"] = span
+        result["_sent"] = [sum(c for c, _ in sent), sum(b for _, b in sent)]
     if sent:
         result["calls_per_batch"] = sum(c for c, _ in sent) / max(sum(b for _, b in sent), 1)
         # Shed calls the session clients sent again after the server's retry hint (their
@@ -263,6 +282,119 @@ async def open_loop(kv: KvbatonClient, peer: KvbatonClient, stubs: list, *, path
         result["shed_retries"] = sum(x.stats.get("shed_retries", 0) - b.get("shed_retries", 0)
                                      for x, b in zip(sessions, before))
     return result
+
+
+async def generator_point(job: dict) -> dict:
+    """One generator process's share of a point (``--generators``): its own decode/prefill
+    engine pair, the decode's clients on ``job['dec_addr']`` and the prefill's on
+    ``job['pre_addr']`` (round robin over the replicas), its share of the rate from the
+    shared start ``job['start_at']`` (time.monotonic(), one clock for every process here)."""
+    addrs = job["unary_addrs"]
+    chans = ([grpc.aio.insecure_channel(addrs[c % len(addrs)], options=[("grpc.use_local_subchannel_pool", 1)])
+              for c in range(job["channels"])] if job["path"] == "unary" else [])
+    try:
+        async with KvbatonClient(job["pre_addr"], timeout_s=job["call_timeout"]) as kv, \
+                KvbatonClient(job["dec_addr"], timeout_s=job["call_timeout"]) as peer:
+            await kv.wait_ready(30)
+            await peer.wait_ready(30)
+            for c in chans:
+                await asyncio.wait_for(c.channel_ready(), 10)
+            if job["window"] is not None:
+                kv.session.max_in_flight = peer.session.max_in_flight = job["window"]
+            c0 = cpu_seconds()
+            r = await open_loop(kv, peer, [rendezvous_pb2_grpc.RendezvousStub(c) for c in chans], path=job["path"],
+                                rate=job["rate"], seconds=job["seconds"], grace_s=job["grace"], tag=job["tag"],
+                                call_timeout_s=job["call_timeout"], transfer_timeout_ms=job["transfer_timeout_ms"],
+                                seed=job["seed"], offer_lead_ms=job["offer_lead_ms"], start_at=job["start_at"], raw=True)
+            r["_cpu_s"] = cpu_seconds() - c0
+    finally:
+        for c in chans:
+            await c.close(grace=0)
+    return r
+
+
+def merge_generators(parts: list[dict], rate: float) -> dict:
+    """Several generator processes' results of one point as one point: latencies pooled
+    (p50/p99/max over every match), answers and counts summed, rates summed."""
+    lat_due = sorted(x for r in parts for x in r.pop("_lat_due"))
+    lat = [ms for ms, _ in lat_due]
+    refused: dict[str, list[float]] = {}
+    for r in parts:
+        for code, v in r.pop("_refused").items():
+            refused.setdefault(code, []).extend(v)
+    answers: collections.Counter[str] = collections.Counter()
+    reasons: dict[str, list[str]] = {}
+    for r in parts:
+        answers.update(r["answers"])
+        for code, v in r["reasons"].items():
+            reasons.setdefault(code, [])
+            reasons[code] += [x for x in v if x not in reasons[code]][:3 - len(reasons[code])]
+    matches = len(lat)
+    calls, batches = (sum(r["_sent"][i] for r in parts) for i in (0, 1))
+    m = {
+        "path": parts[0]["path"], "target_rate": rate, "seconds": parts[0]["seconds"],
+        "transfers": sum(r["transfers"] for r in parts), "accepted": sum(r["accepted"] for r in parts),
+        "matches": matches,
+        "achieved_rate": matches / max(max(r["_span_s"] for r in parts), parts[0]["seconds"]),
+        "p50_ms": pct(lat, 50), "p99_ms": pct(lat, 99), "max_ms": max(lat) if lat else None,
+        "answers": dict(answers), "reasons": reasons,
+        **{k: sum(r[k] for r in parts) for k in ("lost", "half", "unanswered")},
+        "send_lag_p99_ms": max((r["send_lag_p99_ms"] or 0.0) for r in parts),
+        "start_late_ms": max(r.get("start_late_ms", 0.0) for r in parts),
+        "slowest_1pct": [{"due_s": round(due_s, 4), "ms": round(ms, 2)}
+                         for ms, due_s in sorted(lat_due[-max(matches // 100, 1):], key=lambda x: x[1])] if lat else [],
+        "refused_after_ms": {code: {"p50": pct(v, 50), "max": max(v)} for code, v in refused.items()},
+        "messages_per_match": sum(r["_messages"] for r in parts) / max(matches, 1),
+        "offer_lead_ms": parts[0]["offer_lead_ms"],
+        "generator_cpu_s": [r["_cpu_s"] for r in parts],
+        "by_generator": [{"target_rate": r["target_rate"], "matches": r["matches"], "p99_ms": r["p99_ms"],
+                          "send_lag_p99_ms": r["send_lag_p99_ms"]} for r in parts],
+    }
+    if batches:
+        m["calls_per_batch"] = calls / batches
+        m["shed_retries"] = sum(r.get("shed_retries", 0) for r in parts)
+    return m
+
+
+async def run_generators(args, addrs: list[str], *, path: str, window: int | None, rate: float, tag: str,
+                         seed: int) -> dict:
+    """A point's load from ``args.generators`` processes of this script (``--generator-job``),
+    engine pair g's decode on replica g mod N and its prefill on the next replica: with
+    several replicas every transfer's two sides reach different servers, as behind a load
+    balancer. Each sends rate/G from one shared start."""
+    g_n, n = args.generators, len(addrs)
+    start_at = time.monotonic() + args.generator_start_s
+    jobs, procs, outs = [], [], []
+    for g in range(g_n):
+        out = tempfile.NamedTemporaryFile(prefix="kvbaton-gen-", suffix=".json", delete=False)
+        out.close()
+        outs.append(pathlib.Path(out.name))
+        jobs.append({"dec_addr": addrs[g % n], "pre_addr": addrs[(g + 1) % n], "unary_addrs": addrs,
+                     "channels": max(args.channels // g_n, 1), "call_timeout": args.call_timeout, "path": path,
+                     "window": window, "rate": rate / g_n, "seconds": args.seconds, "grace": args.grace,
+                     "tag": f"{tag}g{g}", "transfer_timeout_ms": args.transfer_timeout_ms, "seed": seed * 1000 + g,
+                     "offer_lead_ms": args.offer_lead_ms, "start_at": start_at, "out": out.name})
+        procs.append(await asyncio.create_subprocess_exec(sys.executable, str(pathlib.Path(__file__).resolve()),
+                                                          "--generator-job", json.dumps(jobs[-1])))
+    codes = [await p.wait() for p in procs]
+    try:
+        if any(codes):
+            raise RuntimeError(f"generator processes exited {codes}")
+        parts = [json.loads(o.read_text()) for o in outs]
+    finally:
+        for o in outs:
+            o.unlink(missing_ok=True)
+    m = merge_generators(parts, rate)
+    m["generators"] = g_n
+    m["engine_pairs"] = [{"decode_replica": g % n, "prefill_replica": (g + 1) % n} for g in range(g_n)]
+    return m
+
+
+def generator_job(spec: str) -> int:
+    job = json.loads(spec)
+    r = asyncio.run(generator_point(job))
+    pathlib.Path(job["out"]).write_text(json.dumps(r))
+    return 0
 
 
 def profile_shares(path: pathlib.Path) -> dict:
@@ -330,7 +462,6 @@ def export_baseline(commit: str) -> pathlib.Path:
 
 async def run_store(args, store_url: str, store_pids: list[int], variant: str = "current",
                     serve_args: tuple[str, ...] = ()) -> dict:
-    port = free_port()
     env = dict(os.environ, KVBATON_LOG_LEVEL="WARNING")
     cwd = None
     if variant == "baseline":
@@ -338,13 +469,21 @@ async def run_store(args, store_url: str, store_pids: list[int], variant: str = 
         env["PYTHONPATH"] = cwd
     # The floor: the same server with canned rendezvous answers (benchmarks/floor_server.py).
     entry = [str(ROOT / "benchmarks" / "floor_server.py")] if variant == "floor" else ["-m", "kvbaton.cli"]
-    # Through benchmarks/gc_probe.py: the server's garbage collections, timed, per point.
-    gc_out = tempfile.NamedTemporaryFile(prefix="kvbaton-gc-", suffix=".json", delete=False)
-    gc_out.close()
-    env["KVBATON_GC_PROBE_OUT"] = gc_out.name
-    server = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "gc_probe.py"), *entry, "serve", "--insecure",
-                               "--listen", f"127.0.0.1:{port}", "--store", store_url, *serve_args],
-                              env=env, start_new_session=True, cwd=cwd)
+    # --replicas: N servers on the one store (etcd), each in its own process.
+    addrs, servers, gc_outs = [], [], []
+    for _ in range(args.replicas):
+        port = free_port()
+        addrs.append(f"127.0.0.1:{port}")
+        # Through benchmarks/gc_probe.py: the server's garbage collections, timed, per point.
+        gc_out = tempfile.NamedTemporaryFile(prefix="kvbaton-gc-", suffix=".json", delete=False)
+        gc_out.close()
+        gc_outs.append(pathlib.Path(gc_out.name))
+        servers.append(subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "gc_probe.py"), *entry, "serve",
+                                         "--insecure", "--listen", addrs[-1], "--store", store_url, *serve_args],
+                                        env=dict(env, KVBATON_GC_PROBE_OUT=gc_out.name), start_new_session=True,
+                                        cwd=cwd))
+    server = servers[0]
+    server_pids = [x.pid for x in servers]
     profiler = None
     if args.profile:  # py-spy on the server for this store's whole run (its own CPU is not the server's)
         profile_path = f"{args.profile}.{len(args.profiled)}.txt"
@@ -354,15 +493,21 @@ async def run_store(args, store_url: str, store_pids: list[int], variant: str = 
                                      *(["--native"] if args.profile_native else ["--nonblocking"])],
                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         args.profiled.append(store_url)
-    out: dict = {"variant": variant, "serve_args": list(serve_args), "store_url": store_url, "loadavg_at_start": os.getloadavg(), "points": [], "summary": {}}
-    addr = f"127.0.0.1:{port}"
-    channels = [grpc.aio.insecure_channel(addr, options=[("grpc.use_local_subchannel_pool", 1)])
-                for _ in range(args.channels)]
+    out: dict = {"variant": variant, "serve_args": list(serve_args), "store_url": store_url, "loadavg_at_start": os.getloadavg(), "points": [], "summary": {},
+                 "replicas": args.replicas, "generators": args.generators}
+    # In this process (one generator): the decode's client on the first replica, the
+    # prefill's on the next one (the same one when there is one), unary calls round robin.
+    channels = [grpc.aio.insecure_channel(addrs[c % len(addrs)], options=[("grpc.use_local_subchannel_pool", 1)])
+                for c in range(args.channels)]
     stubs = [rendezvous_pb2_grpc.RendezvousStub(c) for c in channels]
     try:
-        async with KvbatonClient(addr, timeout_s=args.call_timeout) as kv, \
-                KvbatonClient(addr, timeout_s=args.call_timeout) as peer:
+        async with KvbatonClient(addrs[1 % len(addrs)], timeout_s=args.call_timeout) as kv, \
+                KvbatonClient(addrs[0], timeout_s=args.call_timeout) as peer:
             await kv.wait_ready(30)
+            await peer.wait_ready(30)
+            for a in addrs[2:]:
+                async with KvbatonClient(a, timeout_s=args.call_timeout) as other:
+                    await other.wait_ready(30)
             for c in channels:
                 await asyncio.wait_for(c.channel_ready(), 10)
             n = 0
@@ -381,8 +526,8 @@ async def run_store(args, store_url: str, store_pids: list[int], variant: str = 
                 best, top = None, 0.0
                 for rate in args.rate:
                     n += 1
-                    r = await measure(args, kv, peer, stubs, server.pid, store_pids, path=path, rate=rate,
-                                      tag=f"{prefix}{path[0]}{n}", seed=n)
+                    r = await measure(args, kv, peer, stubs, server_pids, store_pids, path=path, rate=rate,
+                                      tag=f"{prefix}{path[0]}{n}", seed=n, addrs=addrs, window=window)
                     r["path"] = spec
                     out["points"].append(r)
                     top = max(top, r["achieved_rate"])
@@ -393,8 +538,9 @@ async def run_store(args, store_url: str, store_pids: list[int], variant: str = 
                 summary = {f"max_rate_p99_under_{args.p99_ms:g}ms": best, "max_achieved_rate": top}
                 if args.overload:
                     n += 1
-                    r = await measure(args, kv, peer, stubs, server.pid, store_pids, path=path,
-                                      rate=round(args.overload * top), tag=f"{prefix}{path[0]}{n}", seed=n)
+                    r = await measure(args, kv, peer, stubs, server_pids, store_pids, path=path,
+                                      rate=round(args.overload * top), tag=f"{prefix}{path[0]}{n}", seed=n,
+                                      addrs=addrs, window=window)
                     r["path"] = spec
                     r["overload_of"] = top
                     out["points"].append(r)
@@ -413,10 +559,12 @@ async def run_store(args, store_url: str, store_pids: list[int], variant: str = 
                 profiler.kill()
                 profiler.wait(5)
             out["profile"] = {"file": profile_path, **profile_shares(pathlib.Path(profile_path))}
-        stop_group(server)
+        for x in servers:
+            stop_group(x)
         out["loadavg_at_end"] = os.getloadavg()
-        out["gc"] = attach_gc(pathlib.Path(gc_out.name), out["points"])
-        pathlib.Path(gc_out.name).unlink(missing_ok=True)
+        out["gc"] = attach_gc(gc_outs, out["points"])
+        for g in gc_outs:
+            g.unlink(missing_ok=True)
     return out
 
 
@@ -434,34 +582,53 @@ def gc_summary(passes: list[list[float]], t0: float | None = None) -> dict:
                           "wall_ms": round(p[3], 2), "cpu_ms": round(p[2], 2)} for p in passes if p[3] > 5]}
 
 
-def attach_gc(path: pathlib.Path, points: list[dict]) -> dict:
-    """Each point's collections (by its monotonic window) into the point as ``gc``; the
-    server's whole life (start-up included) returned."""
+def attach_gc(paths: list[pathlib.Path], points: list[dict]) -> dict:
+    """Each point's collections (by its monotonic window) into the point as ``gc`` (the
+    first replica's; with several, every replica's in ``gc_by_replica``); the server's
+    whole life (start-up included) returned (the first replica's, the others' in ``replicas``)."""
     windows = [r.pop("_window") for r in points]
-    try:
-        probe = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {"error": "no gc probe output (the server did not exit cleanly)"}
-    passes = probe["passes"]
-    for r, (t0, t1) in zip(points, windows):
-        r["gc"] = gc_summary([p for p in passes if t0 <= p[0] < t1], t0)
-    return {"threshold": probe["threshold"], **gc_summary(passes)}
+    whole = []
+    for i, path in enumerate(paths):
+        try:
+            probe = json.loads(path.read_text())
+        except (OSError, ValueError):
+            whole.append({"error": "no gc probe output (the server did not exit cleanly)"})
+            continue
+        passes = probe["passes"]
+        for r, (t0, t1) in zip(points, windows):
+            g = gc_summary([p for p in passes if t0 <= p[0] < t1], t0)
+            if i == 0:
+                r["gc"] = g
+            if len(paths) > 1:
+                r.setdefault("gc_by_replica", []).append(g)
+        whole.append({"threshold": probe["threshold"], **gc_summary(passes)})
+    return {**whole[0], **({"replicas": whole[1:]} if len(whole) > 1 else {})}
 
 
-async def measure(args, kv, peer, stubs, server_pid: int, store_pids: list[int], *, path: str, rate: float, tag: str,
-                  seed: int) -> dict:
-    s0, c0 = cpu_seconds(server_pid), cpu_seconds()
+async def measure(args, kv, peer, stubs, server_pids: list[int], store_pids: list[int], *, path: str, rate: float,
+                  tag: str, seed: int, addrs: list[str], window: int | None) -> dict:
+    s0, c0 = [cpu_seconds(p) for p in server_pids], cpu_seconds()
     started = time.monotonic()  # the clock benchmarks/gc_probe.py stamps collections with
     e0 = sum(cpu_seconds(p) for p in store_pids)
-    r = await open_loop(kv, peer, stubs, path=path, rate=rate, seconds=args.seconds, grace_s=args.grace, tag=tag,
-                        call_timeout_s=args.call_timeout, transfer_timeout_ms=args.transfer_timeout_ms, seed=seed,
-                        offer_lead_ms=args.offer_lead_ms)
+    if args.generators > 1:
+        r = await run_generators(args, addrs, path=path, window=window, rate=rate, tag=tag, seed=seed)
+    else:
+        r = await open_loop(kv, peer, stubs, path=path, rate=rate, seconds=args.seconds, grace_s=args.grace, tag=tag,
+                            call_timeout_s=args.call_timeout, transfer_timeout_ms=args.transfer_timeout_ms, seed=seed,
+                            offer_lead_ms=args.offer_lead_ms)
     per = max(r["matches"], 1)
-    r["server_cpu_us_per_match"] = (cpu_seconds(server_pid) - s0) / per * 1e6
+    by_replica = [(cpu_seconds(p) - s) / per * 1e6 for p, s in zip(server_pids, s0)]
+    # Every replica's CPU (with several, the sum: what a match costs the control plane).
+    r["server_cpu_us_per_match"] = sum(by_replica)
+    if len(server_pids) > 1:
+        r["replicas"] = len(server_pids)
+        r["server_cpu_us_per_match_by_replica"] = by_replica
     # Whether the server's memory stays bounded point after point (a GC setting, a cache).
-    r["server_rss_mib"] = rss_mib(server_pid)
+    r["server_rss_mib"] = max((x for x in map(rss_mib, server_pids) if x is not None), default=None)
     r["_window"] = (started, time.monotonic())  # replaced by the point's collections (attach_gc)
-    r["client_cpu_us_per_match"] = (cpu_seconds() - c0) / per * 1e6
+    # The load generator's CPU: this process's, or with --generators the sum of theirs.
+    gen_s = sum(r["generator_cpu_s"]) if "generator_cpu_s" in r else cpu_seconds() - c0
+    r["client_cpu_us_per_match"] = gen_s / per * 1e6
     if store_pids:
         r["store_cpu_us_per_match"] = (sum(cpu_seconds(p) for p in store_pids) - e0) / per * 1e6
     fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
@@ -494,6 +661,9 @@ def markdown(results: dict) -> str:
         rnd = f", round {st['round']}" if "round" in st else ""
         rss = any("server_rss_mib" in r for r in st["points"])  # recorded since issue 17's fourth pass
         gcs = any("gc" in r for r in st["points"])  # likewise (benchmarks/gc_probe.py)
+        reps = st.get("replicas", 1)
+        gens = st.get("generators", 1)
+        rnd += (f", {reps} replicas" if reps > 1 else "") + (f", {gens} generator processes" if gens > 1 else "")
         lines += [f"**{st['store']}, {st.get('variant', 'current')}{rnd}** (load average at start "
                   f"{', '.join(f'{x:.1f}' for x in st['loadavg_at_start'])}{end}):", "",
                   "| path | offered /s | achieved /s | p50 ms | p99 ms | max ms | answers | lost | server CPU µs/match "
@@ -521,6 +691,8 @@ def markdown(results: dict) -> str:
 
 
 def main() -> int:
+    if len(sys.argv) == 3 and sys.argv[1] == "--generator-job":  # one of --generators' processes
+        return generator_job(sys.argv[2])
     if len(sys.argv) == 3 and sys.argv[1] == "--table":
         print(markdown(json.loads(pathlib.Path(sys.argv[2]).read_text())))
         return 0
@@ -537,6 +709,16 @@ def main() -> int:
                    help="session paths: send each offer this long before its completion (decode offers when it "
                         "admits a request, prefill completes after computing it); latency counts from the "
                         "completion's scheduled time")
+    p.add_argument("--replicas", type=int, default=1,
+                   help="`kvbaton serve` processes on the one store (etcd only when > 1); the decode's client on one "
+                        "replica, the prefill's on the next (round robin), so with several every transfer's two "
+                        "sides reach different replicas; server CPU per match is the sum over the replicas")
+    p.add_argument("--generators", type=int, default=1,
+                   help="load generator processes (this script, each its own decode/prefill engine pair and rate/N "
+                        "from one shared start); 1: the load comes from this process, as before")
+    p.add_argument("--generator-start-s", type=float, default=5.0,
+                   help="with --generators > 1: how long after a point is set up its processes start sending (they "
+                        "import gRPC and connect first; a late one records start_late_ms)")
     p.add_argument("--seconds", type=float, default=4.0, help="Poisson arrivals per point")
     p.add_argument("--grace", type=float, default=3.0, help="s after the last send to wait for MATCH events")
     p.add_argument("--channels", type=int, default=4, help="connections the unary path spreads calls over")
@@ -566,6 +748,8 @@ def main() -> int:
     p.add_argument("--machine", default="", help="what this machine is, recorded in the results (beside its core count)")
     p.add_argument("--commit", default="", help="the commit measured, where this tree is a copy with no git history")
     args = p.parse_args()
+    if args.replicas > 1 and any(not (st.startswith("etcd")) for st in (args.store or ["memory://"])):
+        p.error("--replicas > 1 needs an etcd store (each memory store lives inside its own server)")
     args.rate = args.rate or [250.0, 500.0, 750.0, 1000.0, 1500.0]
     args.path = args.path or ["unary", "session"]
     args.profiled = []
