@@ -169,6 +169,10 @@ def derive_events(ev: WatchEvent, parse=_parse) -> Iterable[tuple[str, pb.Rendez
     if kind is None:
         return out
     event = Ev(type=kind, transfer=new, revision=ev.revision)
+    # The record's own ``revision`` is this write's (on the event's copy: ``new`` is only
+    # read). Its writer sets it on its copy only after the write, and a synchronous watch
+    # (the memory store's) derives the event inside the write, before that.
+    event.transfer.revision = ev.revision
     if kind == Ev.TYPE_MATCH:
         # A read's reader began it itself: nothing to write. A MATCH delivered on the
         # answer of the completion that made it is not sent again on the engine's streams.
@@ -264,7 +268,7 @@ class RendezvousService:
         view_parse = self._view_parse = _ViewParser()
         self.hub: PrefixHub[pb.TransferState, pb.RendezvousEvent] = PrefixHub(
             store, prefix + b"t/", parse=view_parse, derive=lambda ev: derive_events(ev, view_parse), name="transfers",
-            keep=lambda t: t.phase not in TERMINAL,
+            keep=lambda t: t.phase not in TERMINAL, sync=True,
         )
         self._tasks: list[asyncio.Task] = []
         self._tombstones = Tombstones(store, self.config.tombstone_s)
@@ -423,13 +427,16 @@ class RendezvousService:
             txn = self.store.txn_batched if new.phase in PENDING and not superseded else self.store.txn
             # A live record has no tombstone lease: its put needs no await.
             ops = [Put(key, new.SerializeToString())] if new.phase not in TERMINAL else await self._put_ops(new)
+            # Seeded before the write: on the memory store the hub applies the write's event
+            # inside it (a synchronous watch), and finds the record there unparsed. (If the
+            # write fails, the entry is only a parse of those bytes that nobody asks for.)
+            self._view_parse.seed(ops[0].value, new)
             result = await txn([Compare.unchanged(kv, key)], ops, [Get(key)])
             if not result.succeeded:
                 fresh = result.values[:1] or None
             else:
                 new.revision = result.revision
                 self.hub.note_write(key, new, result.revision)
-                self._view_parse.seed(ops[0].value, new)
                 if superseded:
                     self.metrics.transfers.labels("cancelled", "superseded").inc()
                 if matched and new.phase == MATCHED:
