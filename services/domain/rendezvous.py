@@ -40,14 +40,14 @@ import builtins
 import dataclasses
 import time
 from collections.abc import AsyncIterator, Iterable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import structlog
 
 from kvbaton.v1 import rendezvous_pb2 as pb
 
 from ..metrics import ServiceMetrics
-from ..store.base import Compare, EventType, Get, KeyValue, Put, Store, WatchEvent
+from ..store.base import Compare, CompareOp, CompareTarget, EventType, Get, KeyValue, Put, Store, WatchEvent
 from . import limits, paging
 from .background import Tombstones, cancel_all, leader_ticks
 from .clock import Clock, WallClock
@@ -143,6 +143,12 @@ class _ViewParser:
         self._memo[value] = record
 
 
+_EVENT_OF_PHASE = {
+    MATCHED: Ev.TYPE_MATCH, EXPIRED: Ev.TYPE_EXPIRED, CANCELLED: Ev.TYPE_CANCELLED,
+    SUCCEEDED: Ev.TYPE_DONE, FAILED: Ev.TYPE_DONE,
+}
+
+
 def derive_events(ev: WatchEvent, parse=_parse) -> Iterable[tuple[str, pb.RendezvousEvent]]:
     """Routes a record change to the engines it concerns (``parse``: the hub's, memoized;
     what it returns is only read here)."""
@@ -162,10 +168,7 @@ def derive_events(ev: WatchEvent, parse=_parse) -> Iterable[tuple[str, pb.Rendez
         old = None
     if old is not None and old.phase == new.phase:
         return out
-    kind = {
-        MATCHED: Ev.TYPE_MATCH, EXPIRED: Ev.TYPE_EXPIRED, CANCELLED: Ev.TYPE_CANCELLED,
-        SUCCEEDED: Ev.TYPE_DONE, FAILED: Ev.TYPE_DONE,
-    }.get(new.phase)
+    kind = _EVENT_OF_PHASE.get(new.phase)
     if kind is None:
         return out
     event = Ev(type=kind, transfer=new, revision=ev.revision)
@@ -217,9 +220,10 @@ def _check_binding(msg: SideMessage, cur: pb.TransferState) -> bool:
     return bool(msg.peer) and msg.peer != other.engine_id
 
 
-@dataclasses.dataclass(frozen=True)
-class SideMessage:
-    """An offer (decode) or a completion (prefill), validated."""
+class SideMessage(NamedTuple):
+    """An offer (decode) or a completion (prefill), validated. Immutable like the frozen
+    dataclass it was, but a tuple: built once per message, and a frozen dataclass's
+    ``__init__`` (one ``object.__setattr__`` per field) cost about three times as much."""
 
     is_offer: bool
     transfer_id: str
@@ -340,11 +344,12 @@ class RendezvousService:
             if cached:
                 entry = self.hub.records.get(key)
                 cur = entry[0] if entry else None
-                kv = KeyValue(key, b"", 0, entry[1], 0) if entry else None
+                expect = Compare(key, CompareTarget.MOD_REVISION, CompareOp.EQUAL, entry[1]) if entry else Compare.absent(key)
             else:
                 kv = fresh[0] if fresh is not None else await self.store.get(key)
                 fresh = None
                 cur = _parse(kv.value) if kv else None
+                expect = Compare.unchanged(kv, key)
             if cached and cur is not None and (cur.attempt > msg.attempt or (
                     cur.attempt == msg.attempt and ((cur.offer if msg.is_offer else cur.completion).engine_id
                                                     or cur.phase in TERMINAL))):
@@ -431,7 +436,7 @@ class RendezvousService:
             # inside it (a synchronous watch), and finds the record there unparsed. (If the
             # write fails, the entry is only a parse of those bytes that nobody asks for.)
             self._view_parse.seed(ops[0].value, new)
-            result = await txn([Compare.unchanged(kv, key)], ops, [Get(key)])
+            result = await txn([expect], ops, [Get(key)])
             if not result.succeeded:
                 fresh = result.values[:1] or None
             else:
@@ -837,13 +842,23 @@ class RendezvousService:
             self._deadlines.drop(key, rev)
 
     def _track_deadline(self, ev: WatchEvent) -> None:
-        entry = self.hub.records.get(ev.kv.key) if ev.type is EventType.PUT else None
-        self._index_matched(ev.kv.key, entry[0] if entry is not None else None)
-        if entry is not None:
-            self._push_deadline(ev.kv.key, entry[0], entry[1])
-        else:
+        # Runs for every write of a transfer (two per match): the common cases, a live
+        # record whose matched-index entry does not change, take no further calls.
+        key = ev.kv.key
+        entry = self.hub.records.get(key) if ev.type is EventType.PUT else None
+        if entry is None:
+            self._index_matched(key, None)
             # Ended (left the cache) or deleted: its entry would only be skipped later.
-            self._deadlines.drop(ev.kv.key, ev.kv.mod_revision if ev.type is EventType.PUT else None)
+            self._deadlines.drop(key, ev.kv.mod_revision if ev.type is EventType.PUT else None)
+            return
+        t, rev = entry
+        phase = t.phase
+        if self._matched_engine.get(key) != (t.completion.engine_id if phase == MATCHED else None):
+            self._index_matched(key, t)
+        if phase in PENDING or phase == MATCHED:
+            self._deadlines.arm(key, self._deadline_of(t), rev)  # type: ignore[arg-type]
+        else:
+            self._deadlines.drop(key, rev)
 
     async def sweep(self) -> int:
         """Expires unmatched sides and fails matches nobody reported on; returns how many."""

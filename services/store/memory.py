@@ -91,7 +91,7 @@ class _MemoryWatch(Watch):
         if self._deliver is not None:
             try:
                 self._deliver(mine)
-            except Exception as exc:  # noqa: BLE001 - the write is committed: never fail the writer
+            except Exception as exc:  # the write is committed: never fail the writer
                 # Its owner's bug must not turn a committed write into an error for the
                 # writer (who would retry it): the watch ends instead, with this error,
                 # and its owner re-watches from the last revision it applied.
@@ -225,15 +225,21 @@ class MemoryStore(Store):
         self, compares: Sequence[Compare], success: Sequence[Op], failure: Sequence[Op] = ()
     ) -> TxnResult:
         self._expire_leases()
-        ok = all(self._holds(c) for c in compares)
+        # Plain loops, no generator per call: a rendezvous match is two of these.
+        ok = True
+        for c in compares:
+            if not self._holds(c):
+                ok = False
+                break
         ops = success if ok else failure
-        for op in ops:
-            if isinstance(op, Put) and op.lease and op.lease not in self._leases:
-                raise LeaseNotFoundError(f"lease {op.lease:#x} not found")
         expanded: list[Op] = []
         gets: list[bytes] = []
-        for op in ops:
-            if isinstance(op, Get):
+        for op in ops:  # every lease is checked before anything is written
+            if isinstance(op, Put):
+                if op.lease and op.lease not in self._leases:
+                    raise LeaseNotFoundError(f"lease {op.lease:#x} not found")
+                expanded.append(op)
+            elif isinstance(op, Get):
                 gets.append(op.key)
             elif isinstance(op, Delete) and op.prefix:
                 expanded.extend(Delete(k) for k in self._prefixed(op.key))
@@ -241,7 +247,8 @@ class MemoryStore(Store):
                 expanded.append(op)
         if expanded:
             self._apply(expanded)
-        return TxnResult(ok, self._revision, tuple(self._data.get(k) for k in gets))
+        data = self._data
+        return TxnResult(ok, self._revision, tuple([data.get(k) for k in gets]) if gets else ())
 
     def _prefixed(self, prefix: bytes) -> list[bytes]:
         lo = bisect.bisect_left(self._keys, prefix)
@@ -314,8 +321,15 @@ class MemoryStore(Store):
                 self._history_size += _event_bytes(ev)
             while self._history_size > self.history_bytes and len(self._history) > 1:
                 self._forget_oldest()
-            for w in list(self._watches):
-                w.push(events)
+            if len(events) == 1:
+                # Most writes are one key: a watch not under its prefix is skipped here,
+                # without a call (a server holds several watches, one per hub and election).
+                key = events[0].kv.key
+                for w in [w for w in self._watches if key.startswith(w._prefix)]:
+                    w.push(events)
+            else:
+                for w in list(self._watches):
+                    w.push(events)
 
     def _forget_oldest(self) -> None:
         old = self._history.popleft()
