@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
-from collections.abc import AsyncIterator, Callable, Hashable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Container, Hashable, Iterable, Sequence
 from typing import Generic, TypeVar, cast
 
 import structlog
@@ -160,6 +160,12 @@ class PrefixHub(Generic[T, E]):
         # (its listeners must not write to the store; see ``MemoryStore.watch_sync``).
         self.sync = sync
 
+    @property
+    def routes(self) -> Container[Route]:
+        """The routes that have a subscriber now (a deriver may skip building events for
+        the others: the hub drops those anyway)."""
+        return self._subs
+
     async def start(self) -> None:
         await self._load()
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"{self.name}-watch")
@@ -275,9 +281,11 @@ class PrefixHub(Generic[T, E]):
                         size = _size(event)
                         for sub in subs:
                             sub.offer(ev.revision, event, size)
-            self.revision = max(self.revision, ev.revision)
+            if ev.revision > self.revision:
+                self.revision = ev.revision
             self.last_event_revision = self.revision
-        self._wake_waiters()
+        if self._waiters:
+            self._wake_waiters()
 
     def _wake_waiters(self) -> None:
         waiters = self._waiters

@@ -39,7 +39,7 @@ import asyncio
 import builtins
 import dataclasses
 import time
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Container, Iterable, Sequence
 from typing import Any, NamedTuple
 
 import structlog
@@ -68,6 +68,8 @@ _CAS_RETRIES = 32
 # Retry hint of a refusal for too many pending transfers: slots free as transfers end.
 PENDING_FULL_RETRY_MS = 100
 PUSH, PULL, REUSE = pb.TRANSFER_KIND_PUSH, pb.TRANSFER_KIND_PULL, pb.TRANSFER_KIND_REUSE
+# A protobuf repeated scalar field's type (as a request's block_ids arrive).
+_REPEATED_IDS = type(pb.OfferRequest().block_ids)
 
 
 def _kind_name(kind: int) -> str:
@@ -149,9 +151,12 @@ _EVENT_OF_PHASE = {
 }
 
 
-def derive_events(ev: WatchEvent, parse=_parse) -> Iterable[tuple[str, pb.RendezvousEvent]]:
+def derive_events(ev: WatchEvent, parse=_parse, wanted: Container[Any] | None = None) -> Iterable[tuple[str, pb.RendezvousEvent]]:
     """Routes a record change to the engines it concerns (``parse``: the hub's, memoized;
-    what it returns is only read here)."""
+    what it returns is only read here). With ``wanted`` (the routes that have subscribers),
+    only those routes are returned, and an event none of them wants is not built (a copy
+    of the whole record: e.g. every MATCH answered on its completion, which goes only to
+    ``*``, usually unsubscribed)."""
     if ev.type is not EventType.PUT:
         return ()
     new = parse(ev.kv.value)
@@ -171,19 +176,23 @@ def derive_events(ev: WatchEvent, parse=_parse) -> Iterable[tuple[str, pb.Rendez
     kind = _EVENT_OF_PHASE.get(new.phase)
     if kind is None:
         return out
+    if kind == Ev.TYPE_MATCH:
+        # A read's reader began it itself: nothing to write. A MATCH delivered on the
+        # answer of the completion that made it is not sent again on the engine's streams.
+        routes = [new.completion.engine_id] if new.kind not in (PULL, REUSE) and not new.match_answered else []
+    else:
+        routes = _owners(new)
+    routes.append("*")
+    if wanted is not None:
+        routes = [r for r in routes if r in wanted]
+        if not routes:
+            return out
     event = Ev(type=kind, transfer=new, revision=ev.revision)
     # The record's own ``revision`` is this write's (on the event's copy: ``new`` is only
     # read). Its writer sets it on its copy only after the write, and a synchronous watch
     # (the memory store's) derives the event inside the write, before that.
     event.transfer.revision = ev.revision
-    if kind == Ev.TYPE_MATCH:
-        # A read's reader began it itself: nothing to write. A MATCH delivered on the
-        # answer of the completion that made it is not sent again on the engine's streams.
-        if new.kind not in (PULL, REUSE) and not new.match_answered:
-            out.append((new.completion.engine_id, event))
-    else:
-        out.extend((engine, event) for engine in _owners(new))
-    out.append(("*", event))
+    out.extend((route, event) for route in routes)
     return out
 
 
@@ -229,7 +238,7 @@ class SideMessage(NamedTuple):
     transfer_id: str
     attempt: int
     engine_id: str
-    block_ids: list[int]
+    block_ids: Sequence[int]  # a list, or the request's repeated field (compares equal to a list)
     num_tokens: int
     timeout_ms: int
     request_id: str
@@ -271,7 +280,7 @@ class RendezvousService:
         self.retained_lookup = retained_lookup
         view_parse = self._view_parse = _ViewParser()
         self.hub: PrefixHub[pb.TransferState, pb.RendezvousEvent] = PrefixHub(
-            store, prefix + b"t/", parse=view_parse, derive=lambda ev: derive_events(ev, view_parse), name="transfers",
+            store, prefix + b"t/", parse=view_parse, derive=lambda ev: derive_events(ev, view_parse, self.hub.routes), name="transfers",
             keep=lambda t: t.phase not in TERMINAL, sync=True,
         )
         self._tasks: list[asyncio.Task] = []
@@ -324,8 +333,11 @@ class RendezvousService:
         if self.config.require_binding and not peer:
             raise invalid(f"transfer {transfer_id}: {'an offer must name its prefill_engine_id' if is_offer else 'a completion must name its decode_engine_id'} "
                           "(the router passes it; this control plane requires bound transfers)")
-        return SideMessage(is_offer, transfer_id, attempt, engine_id, ids, num_tokens, timeout, request_id, writers, peer,
-                           match_in_answer and not is_offer)
+        # The request's own repeated field when it is one (checked above, and only read
+        # from here on): a record's side copies it in one C call (``extend`` from a list
+        # converts element by element, about three times as long for a request's blocks).
+        return SideMessage(is_offer, transfer_id, attempt, engine_id, block_ids if type(block_ids) is _REPEATED_IDS else ids,
+                           num_tokens, timeout, request_id, writers, peer, match_in_answer and not is_offer)
 
     # -- offer / complete --------------------------------------------------
     async def submit(self, msg: SideMessage) -> tuple[pb.TransferState, bool, bool]:
