@@ -244,11 +244,33 @@ class InstrumentedStore(Store):
     async def delete(self, key: bytes, *, prefix: bool = False) -> int:
         return await self._timed("delete", self.inner.delete(key, prefix=prefix))
 
+    # Transactions are timed inline rather than through ``_timed``: one coroutine fewer per
+    # write (a rendezvous match is two), with the same histogram and error counter.
     async def txn(self, compares: Sequence[Compare], success: Sequence[Op], failure: Sequence[Op] = ()) -> TxnResult:
-        return await self._timed("txn", self.inner.txn(compares, success, failure))
+        start = time.perf_counter()
+        try:
+            return await self.inner.txn(compares, success, failure)
+        except Exception as exc:
+            self.metrics.store_errors.labels("txn", self.backend, type(exc).__name__).inc()
+            raise
+        finally:
+            self._observe_txn(start)
 
     async def txn_batched(self, compares: Sequence[Compare], success: Sequence[Op], failure: Sequence[Op] = ()) -> TxnResult:
-        return await self._timed("txn", self.inner.txn_batched(compares, success, failure))
+        start = time.perf_counter()
+        try:
+            return await self.inner.txn_batched(compares, success, failure)
+        except Exception as exc:
+            self.metrics.store_errors.labels("txn", self.backend, type(exc).__name__).inc()
+            raise
+        finally:
+            self._observe_txn(start)
+
+    def _observe_txn(self, start: float) -> None:
+        observe = self._observe.get("txn")
+        if observe is None:
+            observe = self._observe["txn"] = self.metrics.store_op.labels("txn", self.backend).observe
+        observe(time.perf_counter() - start)
 
     async def grant_lease(self, ttl_s: float) -> int:
         return await self._timed("grant_lease", self.inner.grant_lease(ttl_s))

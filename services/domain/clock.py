@@ -27,6 +27,7 @@ class WallClock:
     """
 
     def __init__(self, wall_ms: Callable[[], int] | None = None, mono_ms: Callable[[], int] | None = None) -> None:
+        self._real = wall_ms is None and mono_ms is None
         self._wall = wall_ms or (lambda: time.time_ns() // 1_000_000)
         self._mono = mono_ms or (lambda: time.monotonic_ns() // 1_000_000)
         self._lock = threading.Lock()
@@ -35,10 +36,19 @@ class WallClock:
         self.steps_ignored_ms = 0  # how far the system clock ran ahead of real time, in total
 
     def now_ms(self) -> int:
+        # (Read per message on the rendezvous path: the system clocks are read directly
+        # unless a test injected its own, and min/max are comparisons, not calls.)
         with self._lock:
-            wall, mono = self._wall(), self._mono()
-            ceiling = self._last_out + max(0, mono - self._last_mono)  # real time elapsed since last read
-            out = max(self._last_out, min(wall, ceiling))
+            if self._real:
+                wall, mono = time.time_ns() // 1_000_000, time.monotonic_ns() // 1_000_000
+            else:
+                wall, mono = self._wall(), self._mono()
+            last = self._last_out
+            elapsed = mono - self._last_mono
+            ceiling = last + elapsed if elapsed > 0 else last  # real time elapsed since last read
+            out = wall if wall < ceiling else ceiling
+            if out < last:
+                out = last
             if wall > ceiling:
                 self.steps_ignored_ms += wall - ceiling
             self._last_out, self._last_mono = out, mono

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
-from collections.abc import AsyncIterator, Callable, Hashable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Container, Hashable, Iterable, Sequence
 from typing import Generic, TypeVar, cast
 
 import structlog
@@ -123,6 +123,7 @@ class PrefixHub(Generic[T, E]):
         derive: Deriver,
         keep: Callable[[T], bool] = lambda _: True,
         name: str = "hub",
+        sync: bool = False,
     ) -> None:
         self.store = store
         self.prefix = prefix
@@ -153,6 +154,17 @@ class PrefixHub(Generic[T, E]):
         # The cached record a DELETE event just removed (None: it held none), for listeners
         # that index live records by something other than the key.
         self.removed: tuple[T, int] | None = None
+        # On a store that can (the memory store's ``watch_sync``), apply each write's events
+        # inside the write rather than in this hub's watch task: same order, no task wake-up
+        # per write. Then the cache is never behind this process's own writes. Opt-in per hub
+        # (its listeners must not write to the store; see ``MemoryStore.watch_sync``).
+        self.sync = sync
+
+    @property
+    def routes(self) -> Container[Route]:
+        """The routes that have a subscriber now (a deriver may skip building events for
+        the others: the hub drops those anyway)."""
+        return self._subs
 
     async def start(self) -> None:
         await self._load()
@@ -221,7 +233,11 @@ class PrefixHub(Generic[T, E]):
         backoff = 0.05
         while True:
             try:
-                watch = await self.store.watch(self.prefix, start_revision=self.revision + 1, prev_kv=True)
+                watch_sync = getattr(self.store, "watch_sync", None) if self.sync else None
+                if watch_sync is not None:  # batches go to _apply inside each write: the loop below only waits
+                    watch = await watch_sync(self.prefix, self._apply, start_revision=self.revision + 1, prev_kv=True)
+                else:
+                    watch = await self.store.watch(self.prefix, start_revision=self.revision + 1, prev_kv=True)
                 try:
                     async for batch in watch:
                         self._apply(batch)
@@ -265,9 +281,11 @@ class PrefixHub(Generic[T, E]):
                         size = _size(event)
                         for sub in subs:
                             sub.offer(ev.revision, event, size)
-            self.revision = max(self.revision, ev.revision)
+            if ev.revision > self.revision:
+                self.revision = ev.revision
             self.last_event_revision = self.revision
-        self._wake_waiters()
+        if self._waiters:
+            self._wake_waiters()
 
     def _wake_waiters(self) -> None:
         waiters = self._waiters

@@ -59,7 +59,11 @@ def check_block_ids(field: str, ids: Sequence[int], *, required: bool = True, un
         raise invalid(f"{field} is empty")
     if n > MAX_BLOCK_IDS:
         raise invalid(f"{field} has {n} ids; the limit is {MAX_BLOCK_IDS} per message")
-    out = list(ids)
+    # A protobuf repeated field slices to a list in one C call (about half of list()'s
+    # cost per message, whose element-by-element iteration shows at hundreds a second).
+    out = ids[:]
+    if type(out) is not list:
+        out = list(ids)
     if out and max(out) > MAX_BLOCK_ID:
         raise invalid(f"{field} holds id {max(out)} above {MAX_BLOCK_ID}")
     if unique and len(set(out)) != n:
@@ -90,10 +94,22 @@ def check_labels(field: str, labels: dict[str, str]) -> dict[str, str]:
     return dict(labels)
 
 
+# Engine ids found valid (a fleet has few, named on every message of a transfer): looked
+# up before the checks are run again. Bounded; what it holds passed ``check_engine_id``.
+_VALID_ENGINE_IDS: set[str] = set()
+_VALID_ENGINE_IDS_MAX = 4096
+
+
 def check_engine_id(field: str, value: str, *, required: bool = True) -> str:
     """An id an engine may have: a valid id that is not reserved (``*`` and anything with
     ``*``: the route of events meant for every engine)."""
+    if value in _VALID_ENGINE_IDS:
+        return value
     check_id(field, value, required=required)
     if "*" in value:
         raise invalid(f"{field} {value[:64]!r} is reserved ('*' routes to every engine); pick another engine id")
+    if value:
+        if len(_VALID_ENGINE_IDS) >= _VALID_ENGINE_IDS_MAX:
+            _VALID_ENGINE_IDS.clear()
+        _VALID_ENGINE_IDS.add(value)
     return value

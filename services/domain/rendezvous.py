@@ -39,15 +39,15 @@ import asyncio
 import builtins
 import dataclasses
 import time
-from collections.abc import AsyncIterator, Iterable, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Container, Iterable, Sequence
+from typing import Any, NamedTuple
 
 import structlog
 
 from kvbaton.v1 import rendezvous_pb2 as pb
 
 from ..metrics import ServiceMetrics
-from ..store.base import Compare, EventType, Get, KeyValue, Put, Store, WatchEvent
+from ..store.base import Compare, CompareOp, CompareTarget, EventType, Get, KeyValue, Put, Store, WatchEvent
 from . import limits, paging
 from .background import Tombstones, cancel_all, leader_ticks
 from .clock import Clock, WallClock
@@ -68,6 +68,8 @@ _CAS_RETRIES = 32
 # Retry hint of a refusal for too many pending transfers: slots free as transfers end.
 PENDING_FULL_RETRY_MS = 100
 PUSH, PULL, REUSE = pb.TRANSFER_KIND_PUSH, pb.TRANSFER_KIND_PULL, pb.TRANSFER_KIND_REUSE
+# A protobuf repeated scalar field's type (as a request's block_ids arrive).
+_REPEATED_IDS = type(pb.OfferRequest().block_ids)
 
 
 def _kind_name(kind: int) -> str:
@@ -143,9 +145,18 @@ class _ViewParser:
         self._memo[value] = record
 
 
-def derive_events(ev: WatchEvent, parse=_parse) -> Iterable[tuple[str, pb.RendezvousEvent]]:
+_EVENT_OF_PHASE = {
+    MATCHED: Ev.TYPE_MATCH, EXPIRED: Ev.TYPE_EXPIRED, CANCELLED: Ev.TYPE_CANCELLED,
+    SUCCEEDED: Ev.TYPE_DONE, FAILED: Ev.TYPE_DONE,
+}
+
+
+def derive_events(ev: WatchEvent, parse=_parse, wanted: Container[Any] | None = None) -> Iterable[tuple[str, pb.RendezvousEvent]]:
     """Routes a record change to the engines it concerns (``parse``: the hub's, memoized;
-    what it returns is only read here)."""
+    what it returns is only read here). With ``wanted`` (the routes that have subscribers),
+    only those routes are returned, and an event none of them wants is not built (a copy
+    of the whole record: e.g. every MATCH answered on its completion, which goes only to
+    ``*``, usually unsubscribed)."""
     if ev.type is not EventType.PUT:
         return ()
     new = parse(ev.kv.value)
@@ -162,21 +173,26 @@ def derive_events(ev: WatchEvent, parse=_parse) -> Iterable[tuple[str, pb.Rendez
         old = None
     if old is not None and old.phase == new.phase:
         return out
-    kind = {
-        MATCHED: Ev.TYPE_MATCH, EXPIRED: Ev.TYPE_EXPIRED, CANCELLED: Ev.TYPE_CANCELLED,
-        SUCCEEDED: Ev.TYPE_DONE, FAILED: Ev.TYPE_DONE,
-    }.get(new.phase)
+    kind = _EVENT_OF_PHASE.get(new.phase)
     if kind is None:
         return out
-    event = Ev(type=kind, transfer=new, revision=ev.revision)
     if kind == Ev.TYPE_MATCH:
         # A read's reader began it itself: nothing to write. A MATCH delivered on the
         # answer of the completion that made it is not sent again on the engine's streams.
-        if new.kind not in (PULL, REUSE) and not new.match_answered:
-            out.append((new.completion.engine_id, event))
+        routes = [new.completion.engine_id] if new.kind not in (PULL, REUSE) and not new.match_answered else []
     else:
-        out.extend((engine, event) for engine in _owners(new))
-    out.append(("*", event))
+        routes = _owners(new)
+    routes.append("*")
+    if wanted is not None:
+        routes = [r for r in routes if r in wanted]
+        if not routes:
+            return out
+    event = Ev(type=kind, transfer=new, revision=ev.revision)
+    # The record's own ``revision`` is this write's (on the event's copy: ``new`` is only
+    # read). Its writer sets it on its copy only after the write, and a synchronous watch
+    # (the memory store's) derives the event inside the write, before that.
+    event.transfer.revision = ev.revision
+    out.extend((route, event) for route in routes)
     return out
 
 
@@ -213,15 +229,16 @@ def _check_binding(msg: SideMessage, cur: pb.TransferState) -> bool:
     return bool(msg.peer) and msg.peer != other.engine_id
 
 
-@dataclasses.dataclass(frozen=True)
-class SideMessage:
-    """An offer (decode) or a completion (prefill), validated."""
+class SideMessage(NamedTuple):
+    """An offer (decode) or a completion (prefill), validated. Immutable like the frozen
+    dataclass it was, but a tuple: built once per message, and a frozen dataclass's
+    ``__init__`` (one ``object.__setattr__`` per field) cost about three times as much."""
 
     is_offer: bool
     transfer_id: str
     attempt: int
     engine_id: str
-    block_ids: list[int]
+    block_ids: Sequence[int]  # a list, or the request's repeated field (compares equal to a list)
     num_tokens: int
     timeout_ms: int
     request_id: str
@@ -263,8 +280,8 @@ class RendezvousService:
         self.retained_lookup = retained_lookup
         view_parse = self._view_parse = _ViewParser()
         self.hub: PrefixHub[pb.TransferState, pb.RendezvousEvent] = PrefixHub(
-            store, prefix + b"t/", parse=view_parse, derive=lambda ev: derive_events(ev, view_parse), name="transfers",
-            keep=lambda t: t.phase not in TERMINAL,
+            store, prefix + b"t/", parse=view_parse, derive=lambda ev: derive_events(ev, view_parse, self.hub.routes), name="transfers",
+            keep=lambda t: t.phase not in TERMINAL, sync=True,
         )
         self._tasks: list[asyncio.Task] = []
         self._tombstones = Tombstones(store, self.config.tombstone_s)
@@ -316,8 +333,11 @@ class RendezvousService:
         if self.config.require_binding and not peer:
             raise invalid(f"transfer {transfer_id}: {'an offer must name its prefill_engine_id' if is_offer else 'a completion must name its decode_engine_id'} "
                           "(the router passes it; this control plane requires bound transfers)")
-        return SideMessage(is_offer, transfer_id, attempt, engine_id, ids, num_tokens, timeout, request_id, writers, peer,
-                           match_in_answer and not is_offer)
+        # The request's own repeated field when it is one (checked above, and only read
+        # from here on): a record's side copies it in one C call (``extend`` from a list
+        # converts element by element, about three times as long for a request's blocks).
+        return SideMessage(is_offer, transfer_id, attempt, engine_id, block_ids if type(block_ids) is _REPEATED_IDS else ids,
+                           num_tokens, timeout, request_id, writers, peer, match_in_answer and not is_offer)
 
     # -- offer / complete --------------------------------------------------
     async def submit(self, msg: SideMessage) -> tuple[pb.TransferState, bool, bool]:
@@ -336,11 +356,12 @@ class RendezvousService:
             if cached:
                 entry = self.hub.records.get(key)
                 cur = entry[0] if entry else None
-                kv = KeyValue(key, b"", 0, entry[1], 0) if entry else None
+                expect = Compare(key, CompareTarget.MOD_REVISION, CompareOp.EQUAL, entry[1]) if entry else Compare.absent(key)
             else:
                 kv = fresh[0] if fresh is not None else await self.store.get(key)
                 fresh = None
                 cur = _parse(kv.value) if kv else None
+                expect = Compare.unchanged(kv, key)
             if cached and cur is not None and (cur.attempt > msg.attempt or (
                     cur.attempt == msg.attempt and ((cur.offer if msg.is_offer else cur.completion).engine_id
                                                     or cur.phase in TERMINAL))):
@@ -423,13 +444,16 @@ class RendezvousService:
             txn = self.store.txn_batched if new.phase in PENDING and not superseded else self.store.txn
             # A live record has no tombstone lease: its put needs no await.
             ops = [Put(key, new.SerializeToString())] if new.phase not in TERMINAL else await self._put_ops(new)
-            result = await txn([Compare.unchanged(kv, key)], ops, [Get(key)])
+            # Seeded before the write: on the memory store the hub applies the write's event
+            # inside it (a synchronous watch), and finds the record there unparsed. (If the
+            # write fails, the entry is only a parse of those bytes that nobody asks for.)
+            self._view_parse.seed(ops[0].value, new)
+            result = await txn([expect], ops, [Get(key)])
             if not result.succeeded:
                 fresh = result.values[:1] or None
             else:
                 new.revision = result.revision
                 self.hub.note_write(key, new, result.revision)
-                self._view_parse.seed(ops[0].value, new)
                 if superseded:
                     self.metrics.transfers.labels("cancelled", "superseded").inc()
                 if matched and new.phase == MATCHED:
@@ -830,13 +854,23 @@ class RendezvousService:
             self._deadlines.drop(key, rev)
 
     def _track_deadline(self, ev: WatchEvent) -> None:
-        entry = self.hub.records.get(ev.kv.key) if ev.type is EventType.PUT else None
-        self._index_matched(ev.kv.key, entry[0] if entry is not None else None)
-        if entry is not None:
-            self._push_deadline(ev.kv.key, entry[0], entry[1])
-        else:
+        # Runs for every write of a transfer (two per match): the common cases, a live
+        # record whose matched-index entry does not change, take no further calls.
+        key = ev.kv.key
+        entry = self.hub.records.get(key) if ev.type is EventType.PUT else None
+        if entry is None:
+            self._index_matched(key, None)
             # Ended (left the cache) or deleted: its entry would only be skipped later.
-            self._deadlines.drop(ev.kv.key, ev.kv.mod_revision if ev.type is EventType.PUT else None)
+            self._deadlines.drop(key, ev.kv.mod_revision if ev.type is EventType.PUT else None)
+            return
+        t, rev = entry
+        phase = t.phase
+        if self._matched_engine.get(key) != (t.completion.engine_id if phase == MATCHED else None):
+            self._index_matched(key, t)
+        if phase in PENDING or phase == MATCHED:
+            self._deadlines.arm(key, self._deadline_of(t), rev)  # type: ignore[arg-type]
+        else:
+            self._deadlines.drop(key, rev)
 
     async def sweep(self) -> int:
         """Expires unmatched sides and fails matches nobody reported on; returns how many."""
