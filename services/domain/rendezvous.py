@@ -47,7 +47,7 @@ import structlog
 from kvbaton.v1 import rendezvous_pb2 as pb
 
 from ..metrics import ServiceMetrics
-from ..store.base import Compare, CompareOp, CompareTarget, EventType, Get, KeyValue, Put, Store, WatchEvent
+from ..store.base import Compare, EventType, Get, KeyValue, Put, Store, WatchEvent
 from . import limits, paging
 from .background import Tombstones, cancel_all, leader_ticks
 from .clock import Clock, WallClock
@@ -356,7 +356,7 @@ class RendezvousService:
             if cached:
                 entry = self.hub.records.get(key)
                 cur = entry[0] if entry else None
-                expect = Compare(key, CompareTarget.MOD_REVISION, CompareOp.EQUAL, entry[1]) if entry else Compare.absent(key)
+                expect = Compare.at_revision(key, entry[1]) if entry else Compare.absent(key)
             else:
                 kv = fresh[0] if fresh is not None else await self.store.get(key)
                 fresh = None
@@ -854,23 +854,14 @@ class RendezvousService:
             self._deadlines.drop(key, rev)
 
     def _track_deadline(self, ev: WatchEvent) -> None:
-        # Runs for every write of a transfer (two per match): the common cases, a live
-        # record whose matched-index entry does not change, take no further calls.
         key = ev.kv.key
         entry = self.hub.records.get(key) if ev.type is EventType.PUT else None
-        if entry is None:
-            self._index_matched(key, None)
+        self._index_matched(key, entry[0] if entry is not None else None)
+        if entry is not None:
+            self._push_deadline(key, entry[0], entry[1])
+        else:
             # Ended (left the cache) or deleted: its entry would only be skipped later.
             self._deadlines.drop(key, ev.kv.mod_revision if ev.type is EventType.PUT else None)
-            return
-        t, rev = entry
-        phase = t.phase
-        if self._matched_engine.get(key) != (t.completion.engine_id if phase == MATCHED else None):
-            self._index_matched(key, t)
-        if phase in PENDING or phase == MATCHED:
-            self._deadlines.arm(key, self._deadline_of(t), rev)  # type: ignore[arg-type]
-        else:
-            self._deadlines.drop(key, rev)
 
     async def sweep(self) -> int:
         """Expires unmatched sides and fails matches nobody reported on; returns how many."""

@@ -90,11 +90,16 @@ class Compare:
         return Compare(key, CompareTarget.CREATE_REVISION, CompareOp.EQUAL, 0)
 
     @staticmethod
+    def at_revision(key: bytes, mod_revision: int) -> Compare:
+        """True while the key was last written at ``mod_revision`` (a cached read's)."""
+        return Compare(key, CompareTarget.MOD_REVISION, CompareOp.EQUAL, mod_revision)
+
+    @staticmethod
     def unchanged(kv: KeyValue | None, key: bytes) -> Compare:
         """True while the key is as ``kv`` read it (or still absent if ``kv`` is None)."""
         if kv is None:
             return Compare.absent(key)
-        return Compare(key, CompareTarget.MOD_REVISION, CompareOp.EQUAL, kv.mod_revision)
+        return Compare.at_revision(key, kv.mod_revision)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
