@@ -65,6 +65,7 @@ sys.path.insert(0, str(ROOT))
 from kvbaton.client import KvbatonClient
 from kvbaton.stack.pd_stack import stop_group
 from kvbaton.stack.ports import free_port
+from kvbaton.stack.security import StackSecurity
 from kvbaton.v1 import common_pb2, registrar_pb2, rendezvous_pb2, rendezvous_pb2_grpc
 
 MATCH = rendezvous_pb2.RendezvousEvent.TYPE_MATCH
@@ -107,12 +108,40 @@ def git_commit() -> str:
         return "unknown"
 
 
-async def register(kv: KvbatonClient, engine_id: str, role) -> None:
-    rank = registrar_pb2.EngineRank(
-        engine_id=engine_id, role=role, tp_size=1, agent_name=engine_id, agent_metadata=b"m",
-        geometry=common_pb2.KvGeometry(region_base_addrs=[1], bytes_per_block=32768, num_blocks=100000,
-                                       tokens_per_block=16, dtype="bfloat16", fingerprint="bench"))
-    await kv.call(kv.registrar.RegisterEngine, registrar_pb2.RegisterEngineRequest(rank=rank, ttl_ms=600_000))
+def make_pki(root: pathlib.Path) -> pathlib.Path:
+    """``--secure``: the shipped deploy's credentials (``deploy/make-certs.sh``: a CA, the
+    control plane's certificate, client certificates and bearer tokens)."""
+    subprocess.run(["bash", str(ROOT / "deploy" / "make-certs.sh"), str(root), "kvbaton"], check=True, timeout=120,
+                   capture_output=True)
+    return root
+
+
+def client(addr: str, timeout_s: float, pki: str | None) -> KvbatonClient:
+    """A load-generator client: plaintext, or with ``--secure`` mutual TLS and a bearer token
+    on every call. The token is the operator's (make-certs.sh scopes engine tokens to its
+    two fixed engine ids; every point here registers engines of its own): the server then
+    runs the same TLS and the same per-call token check, less one set lookup of the
+    engine's id per call."""
+    if pki is None:
+        return KvbatonClient(addr, timeout_s=timeout_s)
+    from kvbaton.stack.security import StackSecurity
+
+    sec = StackSecurity(pathlib.Path(pki))
+    from kvbaton.security import ClientSecurity
+
+    return ClientSecurity.resolve(tls_ca=sec.ca, tls_cert=sec.cert("operator"), tls_key=sec.key("operator"),
+                                  token=sec.token("operator"), env={}).client(addr, timeout_s=timeout_s)
+
+
+async def register(kv: KvbatonClient, engine_id: str, role, tp: int = 1) -> None:
+    """The engine's ``tp`` ranks (no KV head count in the geometry, so a completion's
+    ``writers`` says how many prefill ranks write, ranks 0..writers-1)."""
+    for r in range(tp):
+        rank = registrar_pb2.EngineRank(
+            engine_id=engine_id, role=role, tp_size=tp, tp_rank=r, agent_name=f"{engine_id}-{r}", agent_metadata=b"m",
+            geometry=common_pb2.KvGeometry(region_base_addrs=[1], bytes_per_block=32768, num_blocks=100000,
+                                           tokens_per_block=16, dtype="bfloat16", fingerprint="bench"))
+        await kv.call(kv.registrar.RegisterEngine, registrar_pb2.RegisterEngineRequest(rank=rank, ttl_ms=600_000))
 
 
 class Point:
@@ -140,36 +169,48 @@ class Point:
 
 async def open_loop(kv: KvbatonClient, peer: KvbatonClient, stubs: list, *, path: str, rate: float, seconds: float,
                     grace_s: float, tag: str, call_timeout_s: float, transfer_timeout_ms: int, seed: int,
-                    offer_lead_ms: float = 0.0, start_at: float | None = None, raw: bool = False) -> dict:
+                    offer_lead_ms: float = 0.0, start_at: float | None = None, raw: bool = False, tp: int = 1,
+                    bind: bool = False) -> dict:
     pre, dec = f"pre-{tag}", f"dec-{tag}"
-    await register(kv, pre, common_pb2.ENGINE_ROLE_PREFILL)
-    await register(kv, dec, common_pb2.ENGINE_ROLE_DECODE)
+    await register(kv, pre, common_pb2.ENGINE_ROLE_PREFILL, tp)
+    await register(kv, dec, common_pb2.ENGINE_ROLE_DECODE, tp)
     pt = Point()
-    ready = asyncio.Event()
     loop = asyncio.get_running_loop()
+    ranks_seen: dict[str, int] = {}  # tp > 1: transfer id -> prefill ranks that got its MATCH
 
-    async def consume() -> None:
+    async def consume(rank: int, ready: asyncio.Event) -> None:
         # session-answer: the prefill's subscription is its engine's only one and shares
         # the client its completions go out on (the connector's worker at TP 1), so a
         # completion that makes the match is answered with the MATCH (revision 0), which
-        # the Subscribe stream then does not carry.
-        async for ev in kv.subscribe(pre, 0, heartbeats=True, sole_subscriber=path == "session-answer"):
+        # the Subscribe stream then does not carry. At TP > 1 every writing rank has its
+        # own stream (here on one client) and each gets the MATCH: the transfer counts as
+        # matched when the last rank has it.
+        async for ev in kv.subscribe(pre, rank, heartbeats=True, sole_subscriber=path == "session-answer" and tp == 1):
             if ev.revision:
                 pt.stream_events += 1
             if ev.type == HEARTBEAT:
                 ready.set()
             elif ev.type == MATCH:
-                pt.matched.setdefault(ev.transfer.transfer_id, time.perf_counter())
+                tid = ev.transfer.transfer_id
+                if tp > 1:
+                    ranks_seen[tid] = n = ranks_seen.get(tid, 0) + 1
+                    if n < tp:
+                        continue
+                pt.matched.setdefault(tid, time.perf_counter())
 
-    consumer = loop.create_task(consume())
-    await asyncio.wait_for(ready.wait(), 10)
+    readies = [asyncio.Event() for _ in range(tp)]
+    consumers = [loop.create_task(consume(r, readies[r])) for r in range(tp)]
+    await asyncio.wait_for(asyncio.gather(*(e.wait() for e in readies)), 10)
     blocks = list(range(64))  # a 1k-token request in 16-token blocks
 
     def messages(tid: str):
+        # bind: each side names its peer, as the router's requests do (a secured control
+        # plane requires it).
         return (rendezvous_pb2.OfferRequest(transfer_id=tid, decode_engine_id=dec, block_ids=blocks,
-                                            timeout_ms=transfer_timeout_ms),
+                                            timeout_ms=transfer_timeout_ms, prefill_engine_id=pre if bind else ""),
                 rendezvous_pb2.CompleteRequest(transfer_id=tid, prefill_engine_id=pre, block_ids=blocks,
-                                               timeout_ms=transfer_timeout_ms))
+                                               timeout_ms=transfer_timeout_ms, writers=tp,
+                                               decode_engine_id=dec if bind else ""))
 
     async def send_unary(tid: str, i: int) -> None:
         stub = stubs[i % len(stubs)]
@@ -234,8 +275,9 @@ async def open_loop(kv: KvbatonClient, peer: KvbatonClient, stubs: list, *, path
     deadline = max(last_send + grace_s, time.perf_counter() + 0.5)
     while time.perf_counter() < deadline and any(tid not in pt.matched for tid in accepted):
         await asyncio.sleep(0.05)
-    consumer.cancel()
-    await asyncio.gather(consumer, return_exceptions=True)
+    for c in consumers:
+        c.cancel()
+    await asyncio.gather(*consumers, return_exceptions=True)
     lat = [(pt.matched[tid] - pt.scheduled[tid]) * 1000 for tid in accepted if tid in pt.matched]
     span = (max(pt.matched.values()) - t0) if pt.matched else seconds
     # The slowest 1 %: when each was due (s into the point) and how late its MATCH came.
@@ -266,6 +308,7 @@ async def open_loop(kv: KvbatonClient, peer: KvbatonClient, stubs: list, *, path
     wire = (sum(b for _, b in sent) + sum(received)) if sessions else 2 * calls
     result["messages_per_match"] = (wire + pt.stream_events) / max(len(lat), 1)
     result["offer_lead_ms"] = offer_lead_ms if path != "unary" else 0.0
+    result["tp"] = tp
     if start_at is not None:
         result["start_late_ms"] = start_late_ms
     if raw:  # what merge_generators() needs to pool several generator processes' points
@@ -293,8 +336,8 @@ async def generator_point(job: dict) -> dict:
     chans = ([grpc.aio.insecure_channel(addrs[c % len(addrs)], options=[("grpc.use_local_subchannel_pool", 1)])
               for c in range(job["channels"])] if job["path"] == "unary" else [])
     try:
-        async with KvbatonClient(job["pre_addr"], timeout_s=job["call_timeout"]) as kv, \
-                KvbatonClient(job["dec_addr"], timeout_s=job["call_timeout"]) as peer:
+        async with client(job["pre_addr"], job["call_timeout"], job["pki"]) as kv, \
+                client(job["dec_addr"], job["call_timeout"], job["pki"]) as peer:
             await kv.wait_ready(30)
             await peer.wait_ready(30)
             for c in chans:
@@ -305,7 +348,8 @@ async def generator_point(job: dict) -> dict:
             r = await open_loop(kv, peer, [rendezvous_pb2_grpc.RendezvousStub(c) for c in chans], path=job["path"],
                                 rate=job["rate"], seconds=job["seconds"], grace_s=job["grace"], tag=job["tag"],
                                 call_timeout_s=job["call_timeout"], transfer_timeout_ms=job["transfer_timeout_ms"],
-                                seed=job["seed"], offer_lead_ms=job["offer_lead_ms"], start_at=job["start_at"], raw=True)
+                                seed=job["seed"], offer_lead_ms=job["offer_lead_ms"], start_at=job["start_at"], raw=True,
+                                tp=job["tp"], bind=job["pki"] is not None)
             r["_cpu_s"] = cpu_seconds() - c0
     finally:
         for c in chans:
@@ -345,7 +389,7 @@ def merge_generators(parts: list[dict], rate: float) -> dict:
                          for ms, due_s in sorted(lat_due[-max(matches // 100, 1):], key=lambda x: x[1])] if lat else [],
         "refused_after_ms": {code: {"p50": pct(v, 50), "max": max(v)} for code, v in refused.items()},
         "messages_per_match": sum(r["_messages"] for r in parts) / max(matches, 1),
-        "offer_lead_ms": parts[0]["offer_lead_ms"],
+        "offer_lead_ms": parts[0]["offer_lead_ms"], "tp": parts[0]["tp"],
         "generator_cpu_s": [r["_cpu_s"] for r in parts],
         "by_generator": [{"target_rate": r["target_rate"], "matches": r["matches"], "p99_ms": r["p99_ms"],
                           "send_lag_p99_ms": r["send_lag_p99_ms"]} for r in parts],
@@ -373,7 +417,8 @@ async def run_generators(args, addrs: list[str], *, path: str, window: int | Non
                      "channels": max(args.channels // g_n, 1), "call_timeout": args.call_timeout, "path": path,
                      "window": window, "rate": rate / g_n, "seconds": args.seconds, "grace": args.grace,
                      "tag": f"{tag}g{g}", "transfer_timeout_ms": args.transfer_timeout_ms, "seed": seed * 1000 + g,
-                     "offer_lead_ms": args.offer_lead_ms, "start_at": start_at, "out": out.name})
+                     "offer_lead_ms": args.offer_lead_ms, "start_at": start_at, "out": out.name, "tp": args.tp,
+                     "pki": args.pki})
         procs.append(await asyncio.create_subprocess_exec(sys.executable, str(pathlib.Path(__file__).resolve()),
                                                           "--generator-job", json.dumps(jobs[-1])))
     codes = [await p.wait() for p in procs]
@@ -479,7 +524,9 @@ async def run_store(args, store_url: str, store_pids: list[int], variant: str = 
         gc_out.close()
         gc_outs.append(pathlib.Path(gc_out.name))
         servers.append(subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "gc_probe.py"), *entry, "serve",
-                                         "--insecure", "--listen", addrs[-1], "--store", store_url, *serve_args],
+                                         *(StackSecurity(pathlib.Path(args.pki)).serve_args(store_url) if args.pki
+                                           else ["--insecure"]),
+                                         "--listen", addrs[-1], "--store", store_url, *serve_args],
                                         env=dict(env, KVBATON_GC_PROBE_OUT=gc_out.name), start_new_session=True,
                                         cwd=cwd))
     server = servers[0]
@@ -498,15 +545,15 @@ async def run_store(args, store_url: str, store_pids: list[int], variant: str = 
     # In this process (one generator): the decode's client on the first replica, the
     # prefill's on the next one (the same one when there is one), unary calls round robin.
     channels = [grpc.aio.insecure_channel(addrs[c % len(addrs)], options=[("grpc.use_local_subchannel_pool", 1)])
-                for c in range(args.channels)]
+                for c in range(args.channels if "unary" in args.path else 0)]  # the unary path's only
     stubs = [rendezvous_pb2_grpc.RendezvousStub(c) for c in channels]
     try:
-        async with KvbatonClient(addrs[1 % len(addrs)], timeout_s=args.call_timeout) as kv, \
-                KvbatonClient(addrs[0], timeout_s=args.call_timeout) as peer:
+        async with client(addrs[1 % len(addrs)], args.call_timeout, args.pki) as kv, \
+                client(addrs[0], args.call_timeout, args.pki) as peer:
             await kv.wait_ready(30)
             await peer.wait_ready(30)
             for a in addrs[2:]:
-                async with KvbatonClient(a, timeout_s=args.call_timeout) as other:
+                async with client(a, args.call_timeout, args.pki) as other:
                     await other.wait_ready(30)
             for c in channels:
                 await asyncio.wait_for(c.channel_ready(), 10)
@@ -519,7 +566,7 @@ async def run_store(args, store_url: str, store_pids: list[int], variant: str = 
             for spec in args.path:
                 path, window = parse_path(spec)
                 if variant == "floor" and path != "session-answer":
-                    continue  # the floor answers the MATCH on the completion only
+                    continue  # the floor's points: session-answer (at --tp > 1, its MATCH on the rank streams)
                 default_window = kv.session.max_in_flight
                 if window is not None:  # the sessions' Nagle window (RendezvousSession.max_in_flight)
                     kv.session.max_in_flight = peer.session.max_in_flight = window
@@ -615,7 +662,7 @@ async def measure(args, kv, peer, stubs, server_pids: list[int], store_pids: lis
     else:
         r = await open_loop(kv, peer, stubs, path=path, rate=rate, seconds=args.seconds, grace_s=args.grace, tag=tag,
                             call_timeout_s=args.call_timeout, transfer_timeout_ms=args.transfer_timeout_ms, seed=seed,
-                            offer_lead_ms=args.offer_lead_ms)
+                            offer_lead_ms=args.offer_lead_ms, tp=args.tp, bind=args.pki is not None)
     per = max(r["matches"], 1)
     by_replica = [(cpu_seconds(p) - s) / per * 1e6 for p, s in zip(server_pids, s0)]
     # Every replica's CPU (with several, the sum: what a match costs the control plane).
@@ -664,6 +711,9 @@ def markdown(results: dict) -> str:
         reps = st.get("replicas", 1)
         gens = st.get("generators", 1)
         rnd += (f", {reps} replicas" if reps > 1 else "") + (f", {gens} generator processes" if gens > 1 else "")
+        tp = results["config"].get("tp", 1)
+        rnd += f", prefill TP {tp} (a Subscribe stream per rank)" if tp > 1 else ""
+        rnd += ", mutual TLS + bearer token" if results["config"].get("secure") else ""
         lines += [f"**{st['store']}, {st.get('variant', 'current')}{rnd}** (load average at start "
                   f"{', '.join(f'{x:.1f}' for x in st['loadavg_at_start'])}{end}):", "",
                   "| path | offered /s | achieved /s | p50 ms | p99 ms | max ms | answers | lost | server CPU µs/match "
@@ -716,6 +766,15 @@ def main() -> int:
     p.add_argument("--generators", type=int, default=1,
                    help="load generator processes (this script, each its own decode/prefill engine pair and rate/N "
                         "from one shared start); 1: the load comes from this process, as before")
+    p.add_argument("--tp", type=int, default=1,
+                   help="prefill tensor-parallel size: every completion has this many writers, and each writing "
+                        "rank its own Subscribe stream that gets the MATCH (>1: session-answer falls back to the "
+                        "streams, as the connector does, since the answer can only be one rank's MATCH; the "
+                        "floor then offers its canned MATCH to those streams)")
+    p.add_argument("--secure", action="store_true",
+                   help="as the shipped deploy: mutual TLS and a bearer token on every call (credentials from "
+                        "deploy/make-certs.sh in a temporary directory; session paths only); each side names its "
+                        "peer engine, as the router's requests do (a secured control plane requires it)")
     p.add_argument("--generator-start-s", type=float, default=5.0,
                    help="with --generators > 1: how long after a point is set up its processes start sending (they "
                         "import gRPC and connect first; a late one records start_late_ms)")
@@ -753,6 +812,16 @@ def main() -> int:
     args.rate = args.rate or [250.0, 500.0, 750.0, 1000.0, 1500.0]
     args.path = args.path or ["unary", "session"]
     args.profiled = []
+    args.pki = None
+    if args.secure:
+        if "unary" in args.path:
+            p.error("--secure: session paths only (the unary path's channels are plaintext)")
+        import atexit
+        import shutil
+
+        pki_dir = tempfile.mkdtemp(prefix="kvbaton-bench-pki-")
+        atexit.register(shutil.rmtree, pki_dir, ignore_errors=True)  # keys and tokens: never left behind
+        args.pki = str(make_pki(pathlib.Path(pki_dir)))
     args.variant = args.variant or ["current:"]
     args.baseline_dir = export_baseline(args.baseline) if args.baseline else None
     if args.baseline:

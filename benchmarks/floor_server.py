@@ -8,8 +8,11 @@ real server's CPU per match minus this one's is what kvbaton's own rendezvous co
 costs, and this one's is what no change to that code can remove.
 
 An offer is answered OFFERED; a completion is answered as the MATCH (``match_delivered``)
-at once, so the load generator's session-answer path sees every transfer matched. Not a
-control plane: nothing is recorded, checked or sent on any stream. Only for benchmarks.
+at once, so the load generator's session-answer path sees every transfer matched. A
+completion with several writers (``control_plane.py --tp N``: the answer can only be one
+rank's MATCH) is answered MATCHED and its MATCH offered to every Subscribe stream of the
+prefill engine, as the real hub does. Not a control plane: nothing is recorded or checked.
+Only for benchmarks.
 """
 
 from __future__ import annotations
@@ -30,12 +33,24 @@ def install() -> None:
         out.state.transfer_id, out.state.phase = r.transfer_id, pb.TRANSFER_PHASE_OFFERED
         return out
 
+    revision = [1 << 40]  # above any revision the store has: resuming subscribers skip nothing
+
     async def complete(self, r: pb.CompleteRequest, out: pb.RendezvousResponse | None = None) -> pb.RendezvousResponse:
         out = pb.RendezvousResponse() if out is None else out
         t = out.state
-        t.transfer_id, t.phase, t.match_answered = r.transfer_id, pb.TRANSFER_PHASE_MATCHED, True
+        t.transfer_id, t.phase = r.transfer_id, pb.TRANSFER_PHASE_MATCHED
         t.completion.engine_id = r.prefill_engine_id
-        out.matched_now, out.match_delivered = True, r.match_in_answer
+        if r.writers <= 1:
+            t.match_answered = True
+            out.matched_now, out.match_delivered = True, r.match_in_answer
+            return out
+        out.matched_now = True
+        revision[0] += 1
+        t.revision = revision[0]
+        event = pb.RendezvousEvent(type=pb.RendezvousEvent.TYPE_MATCH, transfer=t, revision=revision[0])
+        size = event.ByteSize()
+        for sub in self.domain.hub._subs.get(r.prefill_engine_id, ()):  # what the hub derives to
+            sub.offer(revision[0], event, size)
         return out
 
     rendezvous.RendezvousServicer._offer = offer  # type: ignore[method-assign]
