@@ -18,13 +18,16 @@
 #   .devscripts/control_plane.py  only where the checkout's benchmarks/control_plane.py is
 #                older than the one measured (then .devscripts/COMMIT says which commit it is)
 #
-# Usage: [SUFFIX=_rep2] bash benchmarks/run_cp_device.sh COMMIT WHAT...   WHAT: smoke | etcd | memory | replicas
+# Usage: [SUFFIX=_rep2] bash benchmarks/run_cp_device.sh COMMIT WHAT...   WHAT: smoke | etcd | memory | replicas | shapes[1|2]
 #   smoke     one short memory-store point and one short point over 2 replicas on etcd
 #   etcd      etcd (3 members), session path, one server, the load from one process (the
 #             product's defaults, the issue's target), 250/s up until saturated
 #   memory    memory store, session path, 500/s and 1,000/s (a reference on this machine)
 #   replicas  etcd (3 members), session path, 1, 2 and 4 server replicas, the load from 4
 #             processes, one results file per replica count
+#   shapes    memory store, session-answer vs the floor: 1 engine pair, 8 pairs, 8 pairs at prefill
+#             TP 4, then 8 pairs at TP 4 and 1 pair over mutual TLS + tokens (needs openssl);
+#             shapes1 / shapes2: the first three / the last two (one device call each)
 set -uo pipefail
 commit=${1:?commit measured}; shift
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
@@ -70,6 +73,23 @@ for what in "$@"; do
         cp_run "replicas$n" --store etcd3 --path session --rate 500 --rate 1000 --rate 1500 --rate 2000 --rate 3000 \
           --rate 4000 --seconds 5 --replicas "$n" --generators 4 --generator-start-s 4
       done ;;
+    shapes|shapes1|shapes2)
+      # Issue 17's CPU target in the fleet's shape: one engine pair (the target's own
+      # shape), 8 pairs (one generator process each), 8 pairs with prefill TP 4 (a
+      # Subscribe stream per writing rank, each getting the MATCH), and both with mutual TLS
+      # and tokens as the shipped deploy runs; memory store, session-answer, this server
+      # against the floor (canned answers) in two rounds of alternating order.
+      common=(--store memory:// --path session-answer --rate 250 --rate 500 --seconds 5 --grace 3
+              --no-stop-when-saturated --floor --rounds 2 --generator-start-s 3)
+      if [ "$what" != shapes2 ]; then
+        cp_run shape_1pair "${common[@]}" || exit 1
+        cp_run shape_8pairs "${common[@]}" --generators 8 || exit 1
+        cp_run shape_8pairs_tp4 "${common[@]}" --generators 8 --tp 4 || exit 1
+      fi
+      if [ "$what" != shapes1 ]; then
+        cp_run shape_8pairs_tp4_mtls "${common[@]}" --generators 8 --tp 4 --secure || exit 1
+        cp_run shape_1pair_mtls "${common[@]}" --secure || exit 1
+      fi ;;
     *) echo "unknown: $what"; exit 2 ;;
   esac
 done
