@@ -307,6 +307,7 @@ async def open_loop(kv: KvbatonClient, peer: KvbatonClient, stubs: list, *, path
     calls = sum(len(c) for c in pt.answers.values())
     wire = (sum(b for _, b in sent) + sum(received)) if sessions else 2 * calls
     result["messages_per_match"] = (wire + pt.stream_events) / max(len(lat), 1)
+    result["stream_events_per_match"] = pt.stream_events / max(len(lat), 1)
     result["offer_lead_ms"] = offer_lead_ms if path != "unary" else 0.0
     result["tp"] = tp
     if start_at is not None:
