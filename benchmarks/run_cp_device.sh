@@ -18,7 +18,7 @@
 #   .devscripts/control_plane.py  only where the checkout's benchmarks/control_plane.py is
 #                older than the one measured (then .devscripts/COMMIT says which commit it is)
 #
-# Usage: [SUFFIX=_rep2] bash benchmarks/run_cp_device.sh COMMIT WHAT...   WHAT: smoke | etcd | memory | replicas | shapes[1|2]
+# Usage: [SUFFIX=_rep2] bash benchmarks/run_cp_device.sh COMMIT WHAT...   WHAT: smoke | etcd | memory | replicas | shapes[1|2] | fleet_etcd
 #   smoke     one short memory-store point and one short point over 2 replicas on etcd
 #   etcd      etcd (3 members), session path, one server, the load from one process (the
 #             product's defaults, the target), 250/s up until saturated
@@ -28,6 +28,7 @@
 #   shapes    memory store, session-answer vs the floor: 1 engine pair, 8 pairs, 8 pairs at prefill
 #             TP 4, then 8 pairs at TP 4 and 1 pair over mutual TLS + tokens (needs openssl);
 #             shapes1 / shapes2: the first three / the last two (one device call each)
+#   fleet_etcd  etcd (3 members), 2 replicas, 8 engine pairs at prefill TP 4, mutual TLS + tokens
 set -uo pipefail
 commit=${1:?commit measured}; shift
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
@@ -90,6 +91,12 @@ for what in "$@"; do
         cp_run shape_8pairs_tp4_mtls "${common[@]}" --generators 8 --tp 4 --secure || exit 1
         cp_run shape_1pair_mtls "${common[@]}" --secure || exit 1
       fi ;;
+    fleet_etcd)
+      # The fleet's shape on etcd (3 members): 8 engine pairs at prefill TP 4 over mutual TLS
+      # and tokens, two server replicas (each pair's decode on one, its prefill on the other),
+      # the p99 <= 20 ms at 250/s and one point above.
+      cp_run fleet_etcd3_2replicas --store etcd3 --path session-answer --rate 250 --rate 500 --seconds 5 --grace 3 \
+        --no-stop-when-saturated --generators 8 --tp 4 --secure --replicas 2 --generator-start-s 3 || exit 1 ;;
     *) echo "unknown: $what"; exit 2 ;;
   esac
 done
