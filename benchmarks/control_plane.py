@@ -40,6 +40,12 @@ prefill clients round robin over them, so each transfer's two sides reach differ
 replicas); ``--generators G`` spreads the load over G processes of this script, each its
 own engine pair and rate/G from one shared start, their latencies pooled (one Python
 load generator falls behind its schedule near 1,000 transfers/s).
+
+``--tp N`` gives the prefill N writing ranks, each with its own Subscribe stream that gets
+the MATCH (the connector at TP > 1: a completion's answer can be only one rank's MATCH);
+``--secure`` runs server and clients as the shipped deploy does (mutual TLS, a bearer
+token on every call, peers named). ``--shape-table FILE...`` prints one row per file and
+rate of such runs made with ``--floor --rounds``: what a match costs by the fleet's shape.
 """
 
 from __future__ import annotations
@@ -741,9 +747,49 @@ def markdown(results: dict) -> str:
     return "\n".join(lines)
 
 
+def shape_table(paths: list[str]) -> str:
+    """One row per (results file, offered rate) of runs made with ``--floor`` and
+    ``--rounds``: messages and server CPU per match of this server and of the floor, their
+    difference round by round (what kvbaton's own code costs), p99, answers: how a match's
+    cost moves with the fleet's shape (engine pairs, prefill TP, TLS), each file one run."""
+    def span(v: list[float], nd: int = 0) -> str:
+        lo, hi = f"{min(v):,.{nd}f}", f"{max(v):,.{nd}f}"
+        return lo if lo == hi else f"{lo}–{hi}"
+
+    lines = ["| results file | engine pairs | prefill TP | TLS + token | offered /s | messages per match, this server / "
+             "floor | server CPU µs per match, this server | the floor | this server − floor (same round) "
+             "| p99 ms, this server / floor | answers, lost |", "|---|---:|---:|---|---:|---|---:|---:|---:|---|---|"]
+    for path in paths:
+        d = json.loads(pathlib.Path(path).read_text())
+        cfg = d["config"]
+        by: dict[tuple[str, float], dict[int, dict]] = {}
+        for st in d["stores"]:
+            for r in st["points"]:
+                by.setdefault((st["variant"], r["target_rate"]), {})[st.get("round", 1)] = r
+        for rate in sorted({rate for _, rate in by}):
+            cur, flo = by.get(("current", rate), {}), by.get(("floor", rate), {})
+            both = sorted(set(cur) & set(flo))
+            if not both:
+                continue
+            pts = [cur[n] for n in both] + [flo[n] for n in both]
+            answers = sorted({k for r in pts for k in r["answers"]})
+            lines.append(
+                f"| `{pathlib.Path(path).name}` | {cfg.get('generators', 1)} | {cfg.get('tp', 1)} "
+                f"| {'yes' if cfg.get('secure') else 'no'} | {rate:,.0f} "
+                f"| {span([cur[n]['messages_per_match'] for n in both], 2)} / {span([flo[n]['messages_per_match'] for n in both], 2)} "
+                f"| {span([cur[n]['server_cpu_us_per_match'] for n in both])} | {span([flo[n]['server_cpu_us_per_match'] for n in both])} "
+                f"| {span([cur[n]['server_cpu_us_per_match'] - flo[n]['server_cpu_us_per_match'] for n in both])} "
+                f"| {span([cur[n]['p99_ms'] for n in both], 1)} / {span([flo[n]['p99_ms'] for n in both], 1)} "
+                f"| {', '.join(answers)}; {sum(r['lost'] for r in pts)} lost |")
+    return "\n".join(lines)
+
+
 def main() -> int:
     if len(sys.argv) == 3 and sys.argv[1] == "--generator-job":  # one of --generators' processes
         return generator_job(sys.argv[2])
+    if len(sys.argv) >= 3 and sys.argv[1] == "--shape-table":  # results files of --floor --rounds runs
+        print(shape_table(sys.argv[2:]))
+        return 0
     if len(sys.argv) == 3 and sys.argv[1] == "--table":
         print(markdown(json.loads(pathlib.Path(sys.argv[2]).read_text())))
         return 0
