@@ -51,6 +51,13 @@ STATE_GAUGES: dict[str, tuple[str, tuple[str, ...]]] = {
     "kvbaton_engine_ranks": ("Registered engine worker ranks by role.", ("role",)),
     "kvbaton_leader": ("1 while this replica is the elected leader of a background duty (lease-expiry, "
                        "rendezvous-sweeper), else 0.", ("duty",)),
+    # How close this replica's event loop is to capacity (services/api/overload.py): read
+    # from the load monitor at scrape time, nothing per tick.
+    "kvbaton_server_loop_busy_ratio": ("Share of wall time the server's event loop was busy, the least over the "
+                                       "load monitor's last ticks (about 50 ms): at 1 the replica is at capacity "
+                                       "and new transfers are shed.", ()),
+    "kvbaton_server_loop_lag_seconds": ("How late the event loop ran its timer, the most over the load monitor's "
+                                        "last ticks.", ()),
 }
 
 StateSource = Callable[[], Mapping[tuple[str, ...], float]]
@@ -184,6 +191,13 @@ class ServiceMetrics:
             self.lease_ends.labels(reason)
         for role in ("prefill", "decode", "both"):
             self.engine_registrations.labels(role)
+
+        # -- load ----------------------------------------------------------------
+        self.shed = Counter(
+            "kvbaton_server_shed_total",
+            "Messages that would have opened a new transfer, refused with RESOURCE_EXHAUSTED because the event "
+            "loop was past capacity (the load monitor's verdict; see docs/operators.md \"Overload\").",
+            registry=r)
 
         self.state = StateCollector()
         if r is not None:

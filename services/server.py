@@ -110,7 +110,7 @@ class ControlPlane:
         self.metrics = ServiceMetrics(CollectorRegistry())
         self._engine_counts: tuple[dict[tuple[str, ...], float], dict[tuple[str, ...], float]] = ({}, {})
         self.web: WebServer | None = None  # once started (metrics_address or web_address set)
-        self.load = LoopLag(max_lag_ms=config.shed_lag_ms)
+        self.load = LoopLag(max_lag_ms=config.shed_lag_ms, on_shed=self.metrics.shed.inc)
 
     @property
     def address(self) -> str:
@@ -239,6 +239,10 @@ class ControlPlane:
                 return out
 
             sources["kvbaton_transfers_pending"] = pending
+            if self.load.max_lag_ms > 0:  # the load monitor runs (with the rendezvous service): its view of the loop
+                load = self.load
+                sources["kvbaton_server_loop_busy_ratio"] = lambda: {(): load.busy}
+                sources["kvbaton_server_loop_lag_seconds"] = lambda: {(): load.lag_ms / 1000}
         if "registrar" in self.config.services:
             sources["kvbaton_engines"] = lambda: self._engine_counts[0]
             sources["kvbaton_engine_ranks"] = lambda: self._engine_counts[1]

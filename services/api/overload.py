@@ -84,7 +84,8 @@ class LoopLag:
 
     def __init__(self, *, max_lag_ms: float, max_busy: float = 0.95, lag_busy: float = 0.5,
                  tick_s: float = 0.01, window: int = 5,
-                 admit_per_tick: int = 2, clock: Callable[[], float] = time.monotonic) -> None:
+                 admit_per_tick: int = 2, clock: Callable[[], float] = time.monotonic,
+                 on_shed: Callable[[], None] | None = None) -> None:
         self.max_lag_ms = max_lag_ms
         self.max_busy = max_busy
         self.lag_busy = lag_busy
@@ -97,6 +98,7 @@ class LoopLag:
         self._busy_lag_ms = 0.0
         self.busy = 0.0
         self.shed = 0
+        self.on_shed = on_shed  # told of every refusal (the server's shed counter)
         # Even while overloaded, this many new transfers per tick are admitted: a burst that
         # keeps the loop saturated from start to end still makes progress (200/s by default).
         self.admit_per_tick = admit_per_tick
@@ -134,6 +136,8 @@ class LoopLag:
             self._admitted += 1
             return None
         self.shed += 1
+        if self.on_shed is not None:
+            self.on_shed()
         return (f"server overloaded (event loop {self.busy:.0%} busy, {self.lag_ms:.0f} ms behind; limits "
                 f"{self.max_busy:.0%}, {self.max_lag_ms:g} ms): new transfers are refused until it catches up; "
                 "retry with backoff or use another replica")

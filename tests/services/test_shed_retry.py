@@ -247,3 +247,34 @@ async def test_connector_control_thread_waits_out_a_shed(shedding):
         assert ct.client.session.stats["shed_retries"] >= 1 and ct.client.shed_retries >= 1
     finally:
         await asyncio.get_running_loop().run_in_executor(None, ct.close)
+
+
+async def test_the_load_monitor_and_its_refusals_are_exported():
+    """Operators see how close a replica is to capacity (the loop's busy share and lag, read
+    at scrape time) and how many new transfers it refused, before and after overload."""
+    from .test_metrics import scrape, val
+
+    cp = await _plane(shed_lag_ms=20.0, metrics_address="127.0.0.1:0")
+    kv = KvbatonClient(cp.address, timeout_s=0.5)
+    try:
+        await register(kv, "dec", common_pb2.ENGINE_ROLE_DECODE)
+        url = cp.web.metrics_url
+        held = HeldOverload(cp)
+        await held.hold()  # saturated ticks, 100 ms late
+        s = await scrape(url)
+        assert val(s, "kvbaton_server_loop_busy_ratio") == 1.0
+        assert val(s, "kvbaton_server_loop_lag_seconds") == pytest.approx(0.1)
+        assert val(s, "kvbaton_server_shed_total") == 0
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await kv.rendezvous.Offer(offer("t-shed"), timeout=0.5)  # one try, no client retry
+        assert err.value.code() == EXHAUSTED
+        s = await scrape(url)
+        assert val(s, "kvbaton_server_shed_total") == 1
+        held.release()
+        s = await scrape(url)
+        assert val(s, "kvbaton_server_loop_busy_ratio") == 0.0 and val(s, "kvbaton_server_loop_lag_seconds") == 0.0
+        await kv.call(kv.rendezvous.Offer, offer("t-after"))  # admitted again
+        assert val(await scrape(url), "kvbaton_server_shed_total") == 1
+    finally:
+        await kv.close()
+        await cp.stop()
