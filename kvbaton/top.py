@@ -110,7 +110,7 @@ def render(addr: str, snap: dict[str, Any], r: dict[str, float] | None, *, width
     else:
         rate_text = (f"matches/s {r['matches_per_s']:.1f}  renewals/s {r['renewals_per_s']:.1f}  "
                      f"renewal writes/s {r['renewal_writes_per_s']:.1f}  pins/s {r['pins_per_s']:.1f}  "
-                     f"KV MiB/s {r['bytes_per_s'] / 2**20:.1f}")
+                     f"KV MiB/s {r['bytes_per_s'] / 2**20:.1f}  shed/s {r['shed_per_s']:.1f}")
     lines.append(f"engines {len(snap['engines'])}  pending transfers "
                  f"{'?' if transfers is None else len(transfers)}  leases {active} active / {draining} draining")
     lines.append(rate_text)

@@ -41,6 +41,8 @@ RATE_COUNTERS = {
     "renewal_writes_per_s": "kvbaton_lease_renewal_writes_total",
     "pins_per_s": "kvbaton_lease_pins_total",
     "bytes_per_s": "kvbaton_transfer_bytes_total",
+    # New transfers refused because a replica's loop was past capacity: add replicas.
+    "shed_per_s": "kvbaton_server_shed_total",
 }
 
 
@@ -317,6 +319,7 @@ def render_page(state: dict[str, Any], *, refresh_s: int = 1) -> str:
         ("renewals/s", f"{rates.get('renewals_per_s', 0):.1f}"),
         ("renewal writes/s", f"{rates.get('renewal_writes_per_s', 0):.1f}"),
         ("KV MiB/s", f"{rates.get('bytes_per_s', 0) / 2**20:.1f}"),
+        ("shed/s", f"{rates.get('shed_per_s', 0):.1f}"),
     ]
     card_html = "".join(f'<div class="card"><b>{html.escape(str(v))}</b><small>{html.escape(k)}</small></div>'
                         for k, v in cards)
