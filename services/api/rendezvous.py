@@ -33,6 +33,13 @@ _INVALID = grpc.StatusCode.INVALID_ARGUMENT.value[0]
 NO_BODY = "session call has no body (offer, complete, report_outcome, cancel or begin_read)"
 
 
+def _failed(result: pb.SessionResult, seq: int, code: int, reason: str, retry_after_ms: int = 0) -> pb.SessionResult:
+    """``result`` as an error answer only: whatever the call wrote into it first is dropped."""
+    result.Clear()
+    result.seq, result.code, result.reason, result.retry_after_ms = seq, code, reason, retry_after_ms
+    return result
+
+
 class RendezvousServicer(pb_grpc.RendezvousServicer):
     def __init__(self, domain: RendezvousService, *, load: LoopLag | None = None) -> None:
         self.domain = domain
@@ -133,61 +140,66 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
                                                        page_size=r.page_size, page_token=r.page_token)
         return pb.ListTransfersResponse(transfers=transfers, next_page_token=token)
 
-    async def _session_one(self, call: pb.SessionCall, gate) -> pb.SessionResult:
-        """One session call, answered like its unary RPC would be (errors in the result)."""
+    async def _session_one(self, call: pb.SessionCall, gate, result: pb.SessionResult) -> pb.SessionResult:
+        """One session call, answered like its unary RPC would be (errors in the result),
+        into ``result`` (a fresh one: the slot of the batch it goes out in, see ``Session``)."""
         seq = call.seq
+        result.seq = seq
         try:
             if gate is not None:
                 refused = gate(call)
                 if refused is not None:
-                    return pb.SessionResult(seq=seq, code=refused[0].value[0], reason=refused[1],
-                                            retry_after_ms=refused[2] if len(refused) > 2 else 0)
+                    result.code, result.reason = refused[0].value[0], refused[1]
+                    result.retry_after_ms = refused[2] if len(refused) > 2 else 0
+                    return result
             body = call.WhichOneof("body")
             if body == "offer":
-                result = pb.SessionResult(seq=seq)
                 await self._offer(call.offer, result.rendezvous)
-                return result
-            if body == "complete":
-                result = pb.SessionResult(seq=seq)
+            elif body == "complete":
                 await self._complete(call.complete, result.rendezvous)
-                return result
-            if body == "report_outcome":
+            elif body == "report_outcome":
                 r = call.report_outcome
-                return pb.SessionResult(seq=seq, state=await self.domain.report_outcome(r.transfer_id, r.attempt, r.outcome))
-            if body == "cancel":
+                result.state.CopyFrom(await self.domain.report_outcome(r.transfer_id, r.attempt, r.outcome))
+            elif body == "cancel":
                 c = call.cancel
-                return pb.SessionResult(seq=seq, state=await self.domain.cancel(c.transfer_id, c.attempt, c.engine_id, c.reason))
-            if body == "begin_read":
-                return pb.SessionResult(seq=seq, state=await self._begin_read(call.begin_read))
-            return pb.SessionResult(seq=seq, code=_INVALID, reason=NO_BODY)
+                result.state.CopyFrom(await self.domain.cancel(c.transfer_id, c.attempt, c.engine_id, c.reason))
+            elif body == "begin_read":
+                result.state.CopyFrom(await self._begin_read(call.begin_read))
+            else:
+                result.code, result.reason = _INVALID, NO_BODY
+            return result
         except DomainError as exc:
-            return pb.SessionResult(seq=seq, code=grpc_code(exc.code).value[0], reason=exc.message,
-                                    retry_after_ms=exc.retry_after_ms)
+            return _failed(result, seq, grpc_code(exc.code).value[0], exc.message, exc.retry_after_ms)
         except RequestTooLargeError as exc:
-            return pb.SessionResult(seq=seq, code=_INVALID, reason=too_large(exc))
+            return _failed(result, seq, _INVALID, too_large(exc))
         except StoreError as exc:
             log.warning("store.unavailable", rpc="Session", error=str(exc))
-            return pb.SessionResult(seq=seq, code=grpc.StatusCode.UNAVAILABLE.value[0], reason=store_unavailable(exc))
+            return _failed(result, seq, grpc.StatusCode.UNAVAILABLE.value[0], store_unavailable(exc))
         except Exception as exc:  # one call's bug must not end every other call's stream
             log.exception("rendezvous.session_error", seq=seq)
-            return pb.SessionResult(seq=seq, code=grpc.StatusCode.INTERNAL.value[0], reason=repr(exc)[:500])
+            return _failed(result, seq, grpc.StatusCode.INTERNAL.value[0], repr(exc)[:500])
 
     async def Session(self, request_iterator, context: grpc.aio.ServicerContext):
         # Set by the guard in this RPC's task: per-call authorization and rate limits.
         gate = SESSION_GATE.get()
         loop = asyncio.get_running_loop()
-        results: list[pb.SessionResult] = []
-        held = [0]  # bytes of ``results`` reserved in the budget (each answer sized once)
+        # The next response to go out. A call is answered into a slot added to it before
+        # the call starts, so an answer made without waiting is written once, in place: a
+        # response built from a list of answers copies each of them (the whole transfer
+        # state, twice per match). An answer that waited is made apart and copied in.
+        batch = [pb.SessionResponse()]
+        held = [0]  # bytes of the batch's answers reserved in the budget (each sized once)
         ready = asyncio.Event()
         working: set[asyncio.Task] = set()
         slots = asyncio.Semaphore(SESSION_IN_FLIGHT)
         state = {"finished": False}
 
         budget = ByteBudget()
-        inline = [0]  # answers in ``results`` that hold no slot (answered without a task)
+        inline = [0]  # answers in the batch that hold no slot (answered without a task)
 
-        def deliver(result: pb.SessionResult, size: int) -> None:
-            results.append(result)
+        def deliver(result: pb.SessionResult | None, size: int) -> None:
+            if result is not None:  # (None: already in the batch, in its slot)
+                batch[0].results.append(result)
             held[0] += size
             ready.set()
 
@@ -213,14 +225,25 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
             try:
                 async for req in request_iterator:
                     for call in req.calls:
-                        done, value = eager.start(self._session_one(call, gate))
+                        # Nothing else runs until ``start`` returns: the slot stays the batch's
+                        # last, and is taken out again unless the answer is final and fits.
+                        results = batch[0].results
+                        try:
+                            done, value = eager.start(self._session_one(call, gate, results.add()))
+                        except BaseException:
+                            del results[-1]
+                            raise
                         if done:
                             size = value.ByteSize()  # type: ignore[union-attr]
-                            if not budget.try_acquire(size):  # the client is not reading: stop reading it
+                            if budget.try_acquire(size):
+                                deliver(None, size)
+                            else:  # the client is not reading: stop reading it, the answer held apart
+                                del results[-1]
                                 await budget.acquire(size)
-                            deliver(value, size)  # type: ignore[arg-type]
+                                deliver(value, size)  # type: ignore[arg-type]
                             inline[0] += 1
                             continue
+                        del results[-1]  # it is answered when it finishes (into the slot it holds)
                         await slots.acquire()
                         task = loop.create_task(answer(value))  # type: ignore[arg-type]
                         working.add(task)
@@ -236,12 +259,11 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
             while True:
                 await ready.wait()
                 ready.clear()
-                if results:
-                    batch = results[:]
-                    del results[:]
+                if batch[0].results:
+                    out, batch[0] = batch[0], pb.SessionResponse()
                     size, held[0] = held[0], 0
-                    slotted, inline[0] = len(batch) - inline[0], 0
-                    yield pb.SessionResponse(results=batch)
+                    slotted, inline[0] = len(out.results) - inline[0], 0
+                    yield out
                     budget.release(size)
                     for _ in range(slotted):
                         slots.release()
@@ -249,7 +271,7 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
                     break
                 else:
                     continue
-                if state["finished"] and not results:
+                if state["finished"] and not batch[0].results:
                     break
         finally:
             reader.cancel()

@@ -44,6 +44,7 @@ from typing import Any, NamedTuple
 
 import structlog
 
+from kvbaton import logs
 from kvbaton.v1 import rendezvous_pb2 as pb
 
 from ..metrics import ServiceMetrics
@@ -462,7 +463,8 @@ class RendezvousService:
                     self.metrics.matches.inc()
                     self.metrics.match_wait_by_first["completion" if msg.is_offer else "offer"].observe(
                         max(now - first.received_at_ms, 0) / 1000)
-                    log.debug("rendezvous.matched", transfer_id=msg.transfer_id, attempt=msg.attempt)
+                    if logs.debug_enabled:
+                        log.debug("rendezvous.matched", transfer_id=msg.transfer_id, attempt=msg.attempt)
                 elif matched:
                     self.metrics.transfers.labels("failed", "incompatible" if refused else "block_count_mismatch").inc()
                     if refused:

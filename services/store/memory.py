@@ -287,14 +287,9 @@ class MemoryStore(Store):
         for op in ops:
             prev = self._data.get(op.key)
             if isinstance(op, Put):
-                kv = KeyValue(
-                    key=op.key,
-                    value=op.value,
-                    create_revision=prev.create_revision if prev else rev,
-                    mod_revision=rev,
-                    version=(prev.version + 1) if prev else 1,
-                    lease=op.lease,
-                )
+                # (key, value, create_revision, mod_revision, version, lease)
+                kv = KeyValue(op.key, op.value, prev.create_revision if prev else rev, rev,
+                              (prev.version + 1) if prev else 1, op.lease)
                 if prev is None:
                     bisect.insort(self._keys, op.key)
                 elif prev.lease and prev.lease != op.lease:
