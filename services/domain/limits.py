@@ -38,7 +38,9 @@ DEFAULT_ENGINE_TTL_MS = 10_000
 MAX_ATTEMPT_STEP = 16
 
 # Ids travel inside store keys: printable ASCII without '/' keeps keys unambiguous.
-_ID_RE = re.compile(r"^[\x21-\x2e\x30-\x7e]+$")
+# Matched whole (``fullmatch``): ``$`` would also match before a final newline, letting
+# "id\n" into store keys.
+_ID_RE = re.compile(r"[\x21-\x2e\x30-\x7e]+")
 
 
 def check_id(field: str, value: str, *, required: bool = True) -> str:
@@ -48,7 +50,7 @@ def check_id(field: str, value: str, *, required: bool = True) -> str:
         return value
     if len(value.encode()) > MAX_ID_BYTES:
         raise invalid(f"{field} is {len(value.encode())} bytes; the limit is {MAX_ID_BYTES}")
-    if not _ID_RE.match(value):
+    if not _ID_RE.fullmatch(value):
         raise invalid(f"{field} {value[:64]!r} must be printable ASCII without spaces or '/'")
     return value
 

@@ -242,6 +242,9 @@ async def test_lease_keeper_renews_until_exit_and_release_revokes(kv, clock):
     (pb.GrantRequest(conversation_id="c", engine_id="d", ttl_ms=4_000_000_000), "ttl_ms"),
     (pb.GrantRequest(conversation_id="c" * 257, engine_id="d", ttl_ms=1000), "limit is 256"),
     (pb.GrantRequest(conversation_id="c d", engine_id="d", ttl_ms=1000), "printable ASCII"),
+    # A final newline too (a "$"-anchored pattern let "c\n" through into the store's keys).
+    (pb.GrantRequest(conversation_id="c\n", engine_id="d", ttl_ms=1000), "printable ASCII"),
+    (pb.GrantRequest(conversation_id="c", engine_id="d\n", ttl_ms=1000), "printable ASCII"),
 ])
 async def test_bad_grants(kv, req, words):
     with pytest.raises(grpc.aio.AioRpcError) as err:
