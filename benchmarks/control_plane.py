@@ -396,7 +396,7 @@ def merge_generators(parts: list[dict], rate: float) -> dict:
                          for ms, due_s in sorted(lat_due[-max(matches // 100, 1):], key=lambda x: x[1])] if lat else [],
         "refused_after_ms": {code: {"p50": pct(v, 50), "max": max(v)} for code, v in refused.items()},
         "messages_per_match": sum(r["_messages"] for r in parts) / max(matches, 1),
-        "offer_lead_ms": parts[0]["offer_lead_ms"], "tp": parts[0]["tp"],
+        "offer_lead_ms": parts[0]["offer_lead_ms"], "tp": parts[0].get("tp", 1),
         "generator_cpu_s": [r["_cpu_s"] for r in parts],
         "by_generator": [{"target_rate": r["target_rate"], "matches": r["matches"], "p99_ms": r["p99_ms"],
                           "send_lag_p99_ms": r["send_lag_p99_ms"]} for r in parts],
