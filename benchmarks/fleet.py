@@ -66,7 +66,7 @@ ROOT = Path(__file__).resolve().parents[1]
 from kvbaton.services.router.choice import ROLE_DECODE, ROLE_PREFILL, Fleet, PrefillHint
 from kvbaton.stack.fleet_stack import FleetStack, LeaseWaiter, stream_tokens
 from kvbaton.stack.pd_stack import stop_group, wait_port
-from kvbaton.stack.ports import free_port
+from kvbaton.stack.ports import free_ports
 from kvbaton.tinymodel import SHAPES, ensure_tiny_model, spec_for_shape
 
 PY = sys.executable
@@ -186,8 +186,7 @@ def _stand_in_engines(ports: list[int]) -> None:
 
 
 def router_overhead(n: int, workdir: Path) -> dict[str, Any]:
-    ports = [free_port(), free_port()]
-    rport = free_port()
+    *ports, rport = free_ports(3)
     logs = [open(workdir / "standin.log", "wb"), open(workdir / "overhead-router.log", "wb")]
     eng = subprocess.Popen([PY, __file__, "--stand-in-engines", *map(str, ports)], stdout=logs[0],
                            stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)

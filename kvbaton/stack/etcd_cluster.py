@@ -26,7 +26,7 @@ import time
 import urllib.request
 import uuid
 
-from .ports import free_port
+from .ports import free_ports
 
 HEALTH_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 10.0
@@ -98,8 +98,9 @@ class EtcdCluster:
         self.election_ms = election_ms
         self.root = pathlib.Path(tempfile.mkdtemp(prefix="kvbaton-etcd-"))
         self.token = f"kvbaton-test-{uuid.uuid4().hex[:8]}"
+        ports = free_ports(2 * size)  # distinct: a port named twice fails the cluster's start
         self.members = [
-            Member(f"m{i}", free_port(), free_port(), self.root / f"m{i}", self.root / f"m{i}.log")
+            Member(f"m{i}", ports[2 * i], ports[2 * i + 1], self.root / f"m{i}", self.root / f"m{i}.log")
             for i in range(size)
         ]
 
