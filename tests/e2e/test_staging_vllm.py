@@ -163,29 +163,33 @@ def test_next_turn_and_revoke_come_after_a_late_grant(rig: PdRig) -> None:
 
 
 def test_a_grant_later_than_the_routers_wait_does_not_outlive_the_revoke(rig: PdRig) -> None:
-    """Decode's Grants held back 7 s, past the router's 5 s wait: the router answers turn 2
+    """Decode's Grants held back 9 s, past the router's 5 s wait: the router answers turn 2
     with its lease still pending and the client revokes at once, ending turn 1's lease. Turn
     2's Grant then comes after the revoke: the lease service refuses it (the blocks were
     registered before the revoke) and decode frees them at once, instead of holding them
-    under a new lease for its TTL (session 21's "left")."""
+    under a new lease for its TTL (session 21's "left").
+
+    The revoke goes out before anything else (the single engine's answer is checked after
+    it): with the check first, a slow machine once let turn 2's Grant (then held 7 s) reach
+    the lease service before the revoke, and the test saw no refusal."""
     conv = "staging-later-grant"
     d_base = rig.d_usage()
     prompt = ids(57, 300)
     r0 = rig.s.event_count("d0", part="retention")
     try:
-        rig.faults(delay_grant_s=7.0)
+        rig.faults(delay_grant_s=9.0)
         out = rig.via("pull", prompt, conv)
         assert out["kv_transfer_params"]["retained"]["lease"] == "pending"  # the router's wait ran out
-        assert rig.wait_events("d0", "retained", r0, 1, timeout_s=15.0, part="retention", conversation_id=conv)
+        assert rig.wait_events("d0", "retained", r0, 1, timeout_s=20.0, part="retention", conversation_id=conv)
         r1 = rig.s.event_count("d0", part="retention")
         prompt2 = prompt + out["choices"][0]["token_ids"] + ids(58, 100)
         out2 = rig.via("pull", prompt2, conv)
-        assert out2["choices"][0]["token_ids"] == rig.single(prompt2)
+        rig.revoke(conv)  # at once: before turn 2's Grant
         assert out2["kv_transfer_params"]["retained"]["lease"] == "pending"
-        rig.revoke(conv)  # before turn 2's Grant
     finally:
         rig.no_faults()
-    failed = rig.wait_events("d0", "retain_failed", r1, 1, timeout_s=15.0, part="retention", conversation_id=conv)
+    assert out2["choices"][0]["token_ids"] == rig.single(prompt2)
+    failed = rig.wait_events("d0", "retain_failed", r1, 1, timeout_s=20.0, part="retention", conversation_id=conv)
     assert failed and "FAILED_PRECONDITION" in failed[0]["error"] and "was revoked" in failed[0]["error"], failed
     assert not rig.s.events("d0", "retained", since=r1, part="retention", conversation_id=conv)
     lease, _ = rig.lease(conv)
