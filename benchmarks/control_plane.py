@@ -130,13 +130,7 @@ def client(addr: str, timeout_s: float, pki: str | None) -> KvbatonClient:
     engine's id per call."""
     if pki is None:
         return KvbatonClient(addr, timeout_s=timeout_s)
-    from kvbaton.stack.security import StackSecurity
-
-    sec = StackSecurity(pathlib.Path(pki))
-    from kvbaton.security import ClientSecurity
-
-    return ClientSecurity.resolve(tls_ca=sec.ca, tls_cert=sec.cert("operator"), tls_key=sec.key("operator"),
-                                  token=sec.token("operator"), env={}).client(addr, timeout_s=timeout_s)
+    return StackSecurity(pathlib.Path(pki)).client("operator", addr, timeout_s=timeout_s)
 
 
 async def register(kv: KvbatonClient, engine_id: str, role, tp: int = 1) -> None:

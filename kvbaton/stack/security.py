@@ -98,9 +98,9 @@ class StackSecurity:
         exactly the credentials its flags name, never the caller's."""
         return {k: v for k, v in os.environ.items() if not k.startswith(("KVBATON_TLS_", "KVBATON_TOKEN"))}
 
-    def client(self, who: str, addresses: str | Sequence[str]) -> KvbatonClient:
+    def client(self, who: str, addresses: str | Sequence[str], *, timeout_s: float = 5.0) -> KvbatonClient:
         """An async control-plane client with ``who``'s certificate and token."""
         from kvbaton.security import ClientSecurity
 
         return ClientSecurity.resolve(tls_ca=self.ca, tls_cert=self.cert(who), tls_key=self.key(who),
-                                      token=self.token(who), env={}).client(addresses)
+                                      token=self.token(who), env={}).client(addresses, timeout_s=timeout_s)
